@@ -1,0 +1,203 @@
+"""`attnbench tune`: search kernel configs with Optuna and write the best to tune files."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+MODES = ("fwd", "bwd", "both")
+
+
+def parse_seqlens(text: str) -> list[int]:
+    """'2k,4k,8192' -> [2048, 4096, 8192]."""
+    out = []
+    for part in text.split(","):
+        m = re.fullmatch(r"\s*(\d+)\s*([kK]?)\s*", part)
+        if not m or int(m.group(1)) <= 0:
+            raise argparse.ArgumentTypeError(
+                f"--seqlens: {part!r} is not a positive length like 4096 or 4k"
+            )
+        out.append(int(m.group(1)) * (1024 if m.group(2) else 1))
+    return out
+
+
+def parse_gpus(text: str) -> list[int]:
+    try:
+        gpus = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        gpus = []
+    if not gpus or any(g < 0 for g in gpus) or len(set(gpus)) != len(gpus):
+        raise argparse.ArgumentTypeError(f"--gpus: {text!r}: expected distinct indices like 0,1,2")
+    return gpus
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            v = None
+        if v is None or v <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a positive {kind.__name__}")
+        return v
+
+    return parse
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "tune",
+        help="tune kernel configs per shape (Optuna) and write tune files",
+        description="Search the kernel configs of a template for each shape with Optuna (one "
+        "study per template, spec hash, shape, dtype, mode, GPU and TileLang version) and write "
+        "the best to results/tune/<gpu>/<template>.json, which the engine loads.",
+    )
+    p.add_argument("--shape", help="shape preset (attnbench/data/shapes.toml), e.g. llama3-8b")
+    p.add_argument("--heads-q", type=_positive(int), help="query heads (overrides the preset)")
+    p.add_argument("--heads-kv", type=_positive(int), help="key/value heads")
+    p.add_argument("--head-dim", type=_positive(int), help="head dim of q and k")
+    p.add_argument("--head-dim-v", type=_positive(int), help="head dim of v (default: head dim)")
+    p.add_argument("--variant", default="softmax", help="attention variant (default softmax)")
+    p.add_argument("--seqlens", type=parse_seqlens, default=parse_seqlens("2k,4k,8k,16k"),
+                   help="sequence lengths, one study each (default 2k,4k,8k,16k)")
+    p.add_argument("--batch", type=_positive(int),
+                   help="batch size (default: 16k tokens per batch, i.e. 16384 // seqlen)")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+    p.add_argument("--mode", default="fwd", choices=MODES,
+                   help="fwd times the forward; bwd times forward+backward")
+    p.add_argument("--trials", type=_positive(int), default=64,
+                   help="evaluated trials each study should reach (resumes count; default 64)")
+    p.add_argument("--timeout", type=_positive(float), help="wall-clock limit in seconds")
+    p.add_argument("--storage", help="Optuna storage URL (default sqlite:///results/tune/"
+                   "studies.db; postgresql+psycopg://... to share a study between hosts)")
+    p.add_argument("--gpus", type=parse_gpus, default=[0], help="GPU indices, one worker each")
+    p.add_argument("--tune-file", type=Path,
+                   help="tune file to update (default results/tune/<gpu>/<template>.json)")
+    p.add_argument("--no-tune-file", action="store_true", help="do not write the tune file")
+    search = p.add_mutually_exclusive_group()
+    search.add_argument("--grid", action="store_true",
+                        help="evaluate every valid config of the search space once")
+    search.add_argument("--compare-grid", action="store_true",
+                        help="run the grid and a fresh Optuna study with 30%% of its trials; "
+                        "write and print the comparison (results/tune/<gpu>/compare-*.json). "
+                        "Under --timeout the grid gets 70%% of the time and Optuna the rest; "
+                        "an interrupted comparison is still written, marked incomplete")
+    p.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
+    p.add_argument("--compile-jobs", type=int, default=0, help="parallel compiles (0: all cores)")
+    p.add_argument("--compile-timeout", type=_positive(float), default=900.0,
+                   help="seconds per compile before the trial fails (default 900)")
+    p.add_argument("--bench-timeout", type=_positive(float), default=180.0,
+                   help="seconds per benchmark before the trial fails and its worker is "
+                   "replaced (default 180)")
+    p.add_argument("--no-progress", action="store_true", help="no live progress display")
+    p.add_argument("--json-out", type=Path, help="also write the study summaries as JSON here")
+    p.add_argument("--objective", default="engine", choices=("engine", "fake"),
+                   help="engine: build and time the real kernel (GPU); fake: a deterministic "
+                   "synthetic latency that exercises the tuner without a GPU")
+    p.add_argument("--fake-options", type=json.loads, default={},
+                   help=argparse.SUPPRESS)  # JSON of FakeObjective fields, for tests
+    p.set_defaults(func=run)
+    return p
+
+
+def _geometry(args) -> dict[str, int]:
+    geo: dict[str, int | None] = {"heads_q": None, "heads_kv": None, "head_dim": None,
+                                  "head_dim_v": None}
+    if args.shape:
+        from attnbench.shapes import get_shape
+
+        preset = get_shape(args.shape)
+        geo = {k: getattr(preset, k) for k in geo}
+    for k in geo:
+        if getattr(args, k) is not None:
+            geo[k] = getattr(args, k)
+    if geo["head_dim_v"] is None:
+        geo["head_dim_v"] = geo["head_dim"]
+    if geo["heads_kv"] is None:
+        geo["heads_kv"] = geo["heads_q"]
+    missing = [k for k in ("heads_q", "head_dim") if geo[k] is None]
+    if missing:
+        raise ValueError(
+            f"--shape or --{'/--'.join(m.replace('_', '-') for m in missing)}: the head geometry "
+            "is needed (e.g. --shape llama3-8b)"
+        )
+    return geo  # type: ignore[return-value]
+
+
+def run(args) -> int:
+    from attnbench.tune.compare import compare_grid, format_record
+    from attnbench.tune.problem import Problem
+    from attnbench.tune.runner import TuneOptions, run_study
+    from attnbench.tune.space import load_space
+
+    try:
+        geo = _geometry(args)
+    except ValueError as exc:
+        print(f"attnbench tune: {exc}", file=sys.stderr)
+        return 2
+    modes = ["fwd", "bwd"] if args.mode == "both" else [args.mode]
+    deadline = time.monotonic() + args.timeout if args.timeout else None
+    summaries = []
+    for mode in modes:
+        for seqlen in args.seqlens:
+            try:
+                problem = Problem(
+                    variant=args.variant, batch=args.batch or max(1, 16384 // seqlen),
+                    seqlen_q=seqlen, seqlen_kv=seqlen, dtype=args.dtype, mode=mode, **geo,
+                )
+                space = load_space(problem.template)
+            except ValueError as exc:
+                print(f"attnbench tune: {exc}", file=sys.stderr)
+                return 2
+            left = None
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    print("attnbench tune: --timeout reached", file=sys.stderr)
+                    break
+            objective = _objective(args, problem)
+            opts = TuneOptions(
+                trials=args.trials, timeout_s=left, storage=args.storage,
+                devices=tuple(args.gpus), compile_jobs=args.compile_jobs,
+                compile_timeout_s=args.compile_timeout, bench_timeout_s=args.bench_timeout,
+                seed=args.seed, search="grid" if args.grid else "auto",
+                tune_file=args.tune_file, write_tune_file=not args.no_tune_file,
+                progress=not args.no_progress,
+            )
+            if args.compare_grid:
+                rec = compare_grid(objective, space, opts)
+                print(format_record(rec))
+                print(f"comparison written to {rec['path']}")
+                summaries.append(rec)
+                continue
+            res = run_study(objective, space, opts)
+            summaries.append(dataclasses.asdict(res))
+            best = (f"{res.best_latency_ms:.4g} ms, {res.best_tflops:.0f} TFLOP/s, "
+                    f"{res.best_config}" if res.best_latency_ms is not None else "none")
+            print(f"{res.study_name}: {res.evaluated}/{res.target} trials "
+                  f"({res.failed} failed{', exhaustive' if res.exhaustive else ''}); best {best}"
+                  + (f"; default {res.baseline_latency_ms:.4g} ms"
+                     if res.baseline_latency_ms is not None else ""))
+            if res.tune_file_note:
+                print(f"  {res.tune_file_note}")
+    if args.json_out:
+        from engine.tuning.tune_file import atomic_write_json
+
+        atomic_write_json(args.json_out, summaries)
+    return 0
+
+
+def _objective(args, problem):
+    if args.objective == "fake":
+        from attnbench.tune.objective import FakeObjective
+
+        opts = {k: tuple(v) if isinstance(v, list) else v for k, v in args.fake_options.items()}
+        return FakeObjective(problem=problem, **opts)
+    from attnbench.tune.engine_objective import EngineObjective
+
+    return EngineObjective(problem=problem, seed=args.seed)

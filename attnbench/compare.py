@@ -1,0 +1,295 @@
+"""The regression gate: match two runs' rows and decide what got faster, slower or less accurate.
+
+Noise rule (performance). Rows are matched by (suite, case, impl, mode); only rows with
+status == ok on both sides have numbers. With `base`, `new` the two medians of the metric and
+`s_base`, `s_new` their spreads (the interquartile range of the repetitions, converted to the
+metric's units), a change counts only when
+
+    |new - base| > max(threshold * base, k * sqrt(s_base**2 + s_new**2))
+
+i.e. it is both larger than the relative threshold (default 5%) AND larger than what the two runs'
+own scatter explains. k defaults to 1: for normally distributed repetitions the IQR is 1.35
+standard deviations, so the noise bound is about 1.35 sigma of the difference of two single
+repetitions. That is deliberately conservative (a median of many repetitions is far more
+precise than one repetition) because run-to-run drift (clocks, thermals, another process) is not
+in either run's spread; its job is to keep a noisy run from being called a regression. A change
+beyond the threshold but inside the noise is reported as "noise", never gated. A missing spread
+counts as zero. For TFLOP/s, which is flops / latency, a latency IQR converts as
+tflops * iqr / latency.
+
+Accuracy. Each dtype has a tolerance on `rel_err` (bf16 1e-2, fp16 5e-3, fp32 1e-5, float64
+1e-12). A row regresses in accuracy when its new error became NaN/inf, or when it was within
+tolerance in the base and exceeds it now. A row already beyond tolerance (or NaN) in the base is
+reported as out-of-tolerance, not gated: the gate is about what a change made worse.
+
+Status. ok -> failed|error is a regression (the case no longer runs correctly); ok -> skipped
+and rows that appeared or vanished are reported; `strict` gates the last two as well.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from attnbench.results.read import KEY, dedupe_latest
+
+DTYPE_TOLERANCE: dict[str, float] = {"bf16": 1e-2, "fp16": 5e-3, "fp32": 1e-5, "fp64": 1e-12}
+_DTYPE_ALIASES = {
+    "bfloat16": "bf16", "torch.bfloat16": "bf16", "float16": "fp16", "half": "fp16",
+    "torch.float16": "fp16", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
+    "tf32": "fp32", "float64": "fp64", "double": "fp64", "torch.float64": "fp64",
+}
+METRICS = ("latency_ms", "tflops")
+
+
+def dtype_tolerance(dtype: str) -> float:
+    """The rel_err tolerance of a dtype name such as "bf16" or "torch.bfloat16"."""
+    name = str(dtype).strip().lower()
+    name = _DTYPE_ALIASES.get(name, name)
+    if name not in DTYPE_TOLERANCE:
+        raise ValueError(
+            f"dtype: no accuracy tolerance for {dtype!r}; expected one of "
+            f"{', '.join(DTYPE_TOLERANCE)} (or an alias such as bfloat16)"
+        )
+    return DTYPE_TOLERANCE[name]
+
+
+@dataclass(frozen=True)
+class GateRule:
+    threshold: float = 0.05  # relative change that matters
+    noise_k: float = 1.0  # multiple of the combined IQR a change must also exceed
+    metric: str = "latency_ms"  # latency_ms (lower is better) or tflops (higher is better)
+    strict: bool = False  # also gate vanished rows and ok -> skipped
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.threshold < 10) or math.isnan(self.threshold):
+            raise ValueError(f"threshold: expected a fraction in [0, 10), got {self.threshold!r}")
+        if not self.noise_k >= 0:
+            raise ValueError(f"noise_k: expected a number >= 0, got {self.noise_k!r}")
+        if self.metric not in METRICS:
+            raise ValueError(f"metric: expected one of {', '.join(METRICS)}, got {self.metric!r}")
+
+
+@dataclass(frozen=True)
+class RowChange:
+    """One matched (suite, case, impl, mode) row and what the gate made of it."""
+
+    key: tuple[str, str, str, str]
+    dtype: str
+    base_status: str
+    new_status: str
+    base: float = math.nan  # metric, median
+    new: float = math.nan
+    base_spread: float = math.nan  # metric units
+    new_spread: float = math.nan
+    change: float = math.nan  # relative, signed: (new - base) / base
+    speedup: float = math.nan  # base latency / new latency (> 1 is faster)
+    noise: float = math.nan  # the noise bound, metric units
+    perf: str = "n/a"  # faster | slower | noise | same | n/a
+    base_err: float = math.nan
+    new_err: float = math.nan
+    tolerance: float = math.nan
+    accuracy: str = "n/a"  # ok | regressed | out-of-tolerance | n/a
+    status_change: str = ""  # e.g. "ok -> failed"
+    regression: bool = False
+    reasons: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Comparison:
+    rule: GateRule
+    rows: tuple[RowChange, ...]
+    appeared: tuple[tuple[str, str, str, str], ...] = ()
+    vanished: tuple[tuple[str, str, str, str], ...] = ()
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def regressions(self) -> list[RowChange]:
+        return [r for r in self.rows if r.regression]
+
+    @property
+    def faster(self) -> list[RowChange]:
+        return [r for r in self.rows if r.perf == "faster"]
+
+    @property
+    def failed(self) -> bool:
+        """True when the gate refuses the new run."""
+        return bool(self.regressions) or (self.rule.strict and bool(self.vanished))
+
+    def counts(self) -> dict[str, int]:
+        out = {k: 0 for k in ("faster", "slower", "noise", "same", "n/a")}
+        for r in self.rows:
+            out[r.perf] = out.get(r.perf, 0) + 1
+        out["accuracy regressions"] = sum(r.accuracy == "regressed" for r in self.rows)
+        out["regressions"] = len(self.regressions)
+        out["appeared"] = len(self.appeared)
+        out["vanished"] = len(self.vanished)
+        return out
+
+
+def compare(base: pd.DataFrame, new: pd.DataFrame, rule: GateRule | None = None) -> Comparison:
+    """Match rows by (suite, case, impl, mode) and classify every change (see module doc)."""
+    rule = rule or GateRule()
+    notes = []
+    for name, frame in (("base", base), ("new", new)):
+        dup = frame.duplicated(list(KEY)).sum()
+        if dup:
+            notes.append(f"{name}: {dup} repeated row(s); the latest measurement of each is used")
+    base = dedupe_latest(base).set_index(list(KEY))
+    new = dedupe_latest(new).set_index(list(KEY))
+    common = base.index.intersection(new.index, sort=False)
+    rows = tuple(_classify(k, base.loc[k], new.loc[k], rule) for k in sorted(common))
+    appeared = tuple(sorted(new.index.difference(base.index)))
+    vanished = tuple(sorted(base.index.difference(new.index)))
+    return Comparison(rule, rows, appeared, vanished, tuple(notes))
+
+
+def _f(value) -> float:
+    try:
+        return float(value) if not pd.isna(value) else math.nan
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _metric(row: pd.Series, metric: str) -> tuple[float, float]:
+    """(value, spread) of a row in the metric's units; spread 0 when unknown."""
+    latency, iqr = _f(row["latency_ms"]), _f(row["latency_spread_ms"])
+    iqr = 0.0 if math.isnan(iqr) else abs(iqr)
+    if metric == "latency_ms":
+        return latency, iqr
+    tflops = _f(row["tflops"])
+    spread = tflops * iqr / latency if latency > 0 else 0.0
+    return tflops, spread
+
+
+def _classify(key, b: pd.Series, n: pd.Series, rule: GateRule) -> RowChange:
+    b_status, n_status = str(b["status"]), str(n["status"])
+    reasons: list[str] = []
+    fields: dict = {}
+    status_change = f"{b_status} -> {n_status}" if b_status != n_status else ""
+    if b_status == "ok" and n_status in ("failed", "error"):
+        reasons.append(f"status {status_change}")
+    if b_status == "ok" and n_status == "skipped" and rule.strict:
+        reasons.append(f"status {status_change} (strict)")
+
+    if b_status == "ok" and n_status == "ok":
+        bv, bs = _metric(b, rule.metric)
+        nv, ns = _metric(n, rule.metric)
+        fields.update(base=bv, new=nv, base_spread=bs, new_spread=ns)
+        bl, nl = _f(b["latency_ms"]), _f(n["latency_ms"])
+        fields["speedup"] = bl / nl if nl > 0 else math.nan
+        if bv > 0 and not math.isnan(nv):
+            noise = rule.noise_k * math.hypot(bs, ns)
+            bound = max(rule.threshold * bv, noise)
+            worse = (nv - bv) if rule.metric == "latency_ms" else (bv - nv)
+            if worse > bound:
+                perf = "slower"
+                reasons.append(
+                    f"{rule.metric} {(nv - bv) / bv:+.1%} (bound {bound / bv:.1%} of base)"
+                )
+            elif -worse > bound:
+                perf = "faster"
+            elif abs(worse) > rule.threshold * bv:
+                perf = "noise"  # beyond the threshold but inside the runs' scatter
+            else:
+                perf = "same"
+            fields.update(change=(nv - bv) / bv, noise=noise, perf=perf)
+        elif math.isnan(nv) or nv <= 0:
+            reasons.append(f"{rule.metric} is {nv} in an ok row")
+            fields["perf"] = "slower"
+
+    acc = _accuracy(b, n, b_status, n_status)
+    fields.update(acc)
+    if acc["accuracy"] == "regressed":
+        reasons.append(
+            f"rel_err {acc['base_err']:.2e} -> {acc['new_err']:.2e} "
+            f"(tolerance {acc['tolerance']:.0e})"
+        )
+    return RowChange(
+        key=tuple(str(k) for k in key),
+        dtype=str(n["dtype"]),
+        base_status=b_status,
+        new_status=n_status,
+        status_change=status_change,
+        regression=bool(reasons),
+        reasons=tuple(reasons),
+        **fields,
+    )
+
+
+def _accuracy(b: pd.Series, n: pd.Series, b_status: str, n_status: str) -> dict:
+    try:
+        tol = dtype_tolerance(str(n["dtype"]))
+    except ValueError:
+        tol = math.nan
+    b_err, n_err = _f(b["rel_err"]), _f(n["rel_err"])
+    out = {"base_err": b_err, "new_err": n_err, "tolerance": tol, "accuracy": "n/a"}
+    if n_status != "ok" or b_status != "ok" or math.isnan(tol):
+        return out
+    base_within = not math.isnan(b_err) and math.isfinite(b_err) and b_err <= tol
+    if not math.isfinite(n_err):
+        # became NaN/inf: a regression, unless the base was already non-finite
+        out["accuracy"] = "regressed" if math.isfinite(b_err) else "out-of-tolerance"
+    elif n_err > tol:
+        out["accuracy"] = "regressed" if base_within else "out-of-tolerance"
+    else:
+        out["accuracy"] = "ok"
+    return out
+
+
+def geomean(values: Iterable[float]) -> float:
+    logs = [math.log(v) for v in values if v > 0 and math.isfinite(v)]
+    return math.exp(sum(logs) / len(logs)) if logs else math.nan
+
+
+def _key_text(key: tuple[str, ...]) -> str:
+    suite, case, impl, mode = key
+    return f"{suite} / {case} / {impl} / {mode}"
+
+
+def comparison_markdown(cmp: Comparison, base_label: str, new_label: str, limit: int = 25) -> str:
+    """A short markdown summary of a comparison, fit for a pull-request comment."""
+    c = cmp.counts()
+    verdict = "**FAIL**: regressions beyond the noise rule" if cmp.failed else "**PASS**"
+    lines = [
+        f"Gate {verdict} - `{new_label}` against `{base_label}` "
+        f"({cmp.rule.metric}, threshold {cmp.rule.threshold:.0%}, noise k={cmp.rule.noise_k:g})",
+        "",
+        f"{c['faster']} faster, {c['slower']} slower, {c['noise']} inside the noise, "
+        f"{c['same']} unchanged, {c['accuracy regressions']} accuracy regressions, "
+        f"{c['appeared']} appeared, {c['vanished']} vanished.",
+    ]
+    regs = cmp.regressions
+    if regs:
+        lines += ["", "| regression | base | new | change | why |", "|---|---:|---:|---:|---|"]
+        for r in regs[:limit]:
+            lines.append(
+                f"| {_key_text(r.key)} | {_num(r.base)} | {_num(r.new)} | {_pct(r.change)} | "
+                f"{'; '.join(r.reasons)} |"
+            )
+        if len(regs) > limit:
+            lines.append(f"| ... {len(regs) - limit} more | | | | |")
+    best = sorted(cmp.faster, key=lambda r: -r.speedup)[:limit]
+    if best:
+        lines += ["", "| faster | base | new | speedup |", "|---|---:|---:|---:|"]
+        for r in best:
+            lines.append(
+                f"| {_key_text(r.key)} | {_num(r.base)} | {_num(r.new)} | {r.speedup:.2f}x |"
+            )
+    for title, keys in (("Appeared", cmp.appeared), ("Vanished", cmp.vanished)):
+        if keys:
+            shown = ", ".join(f"`{_key_text(k)}`" for k in keys[:limit])
+            more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+            lines += ["", f"{title}: {shown}{more}"]
+    return "\n".join(lines) + "\n"
+
+
+def _num(v: float) -> str:
+    return "-" if math.isnan(v) else f"{v:.4g}"
+
+
+def _pct(v: float) -> str:
+    return "-" if math.isnan(v) else f"{v:+.1%}"

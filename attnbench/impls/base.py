@@ -1,0 +1,144 @@
+"""What every implementation declares (capabilities) and returns (a prepared call).
+
+An implementation is checked against a case *before* any tensor is made: `Impl.check` returns
+the reason it cannot run the case (that reason goes into a `skipped` row), or None. A problem
+only visible with inputs in hand (e.g. a variant with no FlexAttention form, an SDPA backend
+that refuses the shapes) raises `Unsupported` from `prepare`, which the runner also records as
+`skipped`. Any other exception is an `error` row.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+
+import torch
+
+from attnbench.suites import Case
+
+PLAIN_SOFTMAX = frozenset({"softmax", "softmax_causal", "softmax_gqa"})
+HALF = frozenset({"float16", "bfloat16"})
+ALL_DTYPES = frozenset({"float16", "bfloat16", "float32"})
+ALL_MODES = frozenset({"fwd", "bwd", "fwd+bwd"})
+TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class Unsupported(Exception):
+    """Raised by `prepare` when a case turns out to be unsupported; becomes a `skipped` row."""
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    type: str  # "cpu" | "cuda"
+    name: str = "cpu"
+    capability: tuple[int, int] | None = None  # CUDA compute capability
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    devices: frozenset[str]
+    dtypes: frozenset[str]
+    modes: frozenset[str] = ALL_MODES
+    kinds: frozenset[str] = frozenset({"attention"})
+    variants: frozenset[str] | None = None  # None: any variant
+    max_head_dim: int | None = None
+    equal_head_dims: bool = False  # needs D == Dv
+    gqa: bool = True
+    min_capability: tuple[int, int] | None = None  # e.g. (9, 0): Hopper
+    max_score_elems: int | None = None  # B*Hq*Sq*Skv bound for implementations that materialise
+    cuda_reason: str = "needs a CUDA GPU"  # the skip reason on a machine without CUDA
+
+    def check(self, case: Case, device: DeviceInfo) -> str | None:
+        """The reason this declaration rules the case out, or None."""
+        if device.type not in self.devices:
+            return self.cuda_reason if "cuda" in self.devices else f"runs on {sorted(self.devices)}"
+        if self.min_capability and device.capability and device.capability < self.min_capability:
+            need = ".".join(map(str, self.min_capability))
+            have = ".".join(map(str, device.capability))
+            return f"needs compute capability >= {need} ({device.name} is {have})"
+        if case.kind not in self.kinds:
+            return f"{case.kind} cases not supported (supports: {', '.join(sorted(self.kinds))})"
+        if self.variants is not None and case.variant not in self.variants:
+            known = ", ".join(sorted(self.variants))
+            return f"variant {case.variant} not supported (supports: {known})"
+        if case.dtype not in self.dtypes:
+            return f"dtype {case.dtype} not supported (supports: {', '.join(sorted(self.dtypes))})"
+        if self.max_head_dim and max(case.head_dim, case.head_dim_v) > self.max_head_dim:
+            return f"head dim {max(case.head_dim, case.head_dim_v)} > {self.max_head_dim}"
+        if self.equal_head_dims and case.head_dim != case.head_dim_v:
+            return f"needs head_dim == head_dim_v (got {case.head_dim}, {case.head_dim_v})"
+        if not self.gqa and case.heads_q != case.heads_kv:
+            return f"GQA not supported (heads_q {case.heads_q} != heads_kv {case.heads_kv})"
+        if self.max_score_elems is not None:
+            n = case.batch * case.heads_q * case.seqlen_q * case.seqlen_kv
+            if n > self.max_score_elems:
+                return (f"materialises B*Hq*Sq*Skv = {n:.3g} scores (limit "
+                        f"{self.max_score_elems:.3g})")
+        return None
+
+    def check_mode(self, mode: str) -> str | None:
+        if mode not in self.modes:
+            return f"mode {mode} not supported (supports: {', '.join(sorted(self.modes))})"
+        return None
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+@dataclass
+class Prepared:
+    """One implementation made ready for one case.
+
+    `forward()` computes the output in the implementation's own layout from inputs already
+    arranged for it (layout changes happen in `prepare`, outside the timed region); `leaves`
+    are its q, k, v tensors (requiring grad when a backward mode is run); `to_common` maps its
+    layout to [B, S, H, D] (for outputs and gradients) and `from_common` maps the other way
+    (for the output gradient); `context()` is entered around warm-up and timing.
+    """
+
+    forward: Callable[[], torch.Tensor]
+    leaves: tuple[torch.Tensor, ...] = ()
+    to_common: Callable[[torch.Tensor], torch.Tensor] = _identity
+    from_common: Callable[[torch.Tensor], torch.Tensor] = _identity
+    context: Callable[[], AbstractContextManager] = nullcontext
+    compile_s: float = math.nan
+    # exception -> skip reason when the backend refused the call (else None: an error row)
+    refusal: Callable[[BaseException], str | None] = lambda exc: None  # noqa: E731
+    # (tflops, flops) -> reason to fail the row (e.g. a compiled path that fell back), or None
+    verify: Callable[[float, float], str | None] = lambda tflops, flops: None  # noqa: E731
+    extra: dict = field(default_factory=dict)
+
+
+def grad_leaves(inputs: dict, needs_grad: bool) -> tuple[torch.Tensor, ...]:
+    """Fresh leaf copies of q, k, v in [B, S, H, D] (never views of the shared inputs)."""
+    return tuple(
+        inputs[n].detach().clone().requires_grad_(needs_grad) for n in ("q", "k", "v")
+    )
+
+
+class Impl:
+    """Base class: `name`, `caps` and `prepare`; override `check` for variant-specific rules."""
+
+    name: str = ""
+    description: str = ""
+    gpu_only: bool = True
+
+    @property
+    def caps(self) -> Capabilities:  # pragma: no cover - every impl overrides
+        raise NotImplementedError
+
+    def unavailable(self) -> str | None:
+        """Why the implementation cannot run here at all (a missing package), or None."""
+        return None
+
+    def check(self, case: Case, variant, device: DeviceInfo) -> str | None:
+        reason = self.caps.check(case, device)
+        if reason is None:
+            reason = self.unavailable()
+        return reason
+
+    def prepare(self, case: Case, variant, inputs: dict, needs_grad: bool) -> Prepared:
+        raise NotImplementedError

@@ -1,0 +1,80 @@
+"""The engine itself: `engine` (generated TileLang kernels) and `reference` (its reference
+executor, plain torch on any device)."""
+
+from __future__ import annotations
+
+import inspect
+
+from attnbench.impls.base import (
+    ALL_DTYPES,
+    HALF,
+    TORCH_DTYPES,
+    Capabilities,
+    DeviceInfo,
+    Impl,
+    Prepared,
+    Unsupported,
+    grad_leaves,
+)
+from attnbench.suites import Case
+
+
+class _EngineBase(Impl):
+    backend = ""
+
+    def check(self, case: Case, variant, device: DeviceInfo) -> str | None:
+        reason = super().check(case, variant, device)
+        if reason is None:
+            dims = dict(head_dim=case.head_dim, head_dim_v=case.head_dim_v,
+                        heads_q=case.heads_q, heads_kv=case.heads_kv)
+            if "seqlen_q" in inspect.signature(variant.supports).parameters:
+                dims.update(seqlen_q=case.seqlen_q, seqlen_kv=case.seqlen_kv)
+            reason = variant.supports(**dims)
+        return reason
+
+    def prepare(self, case: Case, variant, inputs: dict, needs_grad: bool) -> Prepared:
+        try:
+            mod = variant.build(
+                batch=case.batch, heads_q=case.heads_q, heads_kv=case.heads_kv,
+                seqlen_q=case.seqlen_q, seqlen_kv=case.seqlen_kv, head_dim=case.head_dim,
+                head_dim_v=case.head_dim_v, dtype=TORCH_DTYPES[case.dtype], backend=self.backend,
+            )
+        except NotImplementedError as exc:  # kernels for this variant have not landed yet
+            raise Unsupported(f"engine backend {self.backend!r} not implemented: {exc}") from exc
+        q, k, v = grad_leaves(inputs, needs_grad)
+        others = {n: t for n, t in inputs.items() if n not in ("q", "k", "v")}
+
+        def forward():
+            return mod(q=q, k=k, v=v, **others)
+
+        return Prepared(forward=forward, leaves=(q, k, v))
+
+
+class EngineImpl(_EngineBase):
+    name = "engine"
+    description = "the engine's generated TileLang kernels (variant.build(backend='tilelang'))"
+    backend = "tilelang"
+
+    @property
+    def caps(self) -> Capabilities:
+        # Forward only: backward kernels are not generated yet (the engine's backward runs
+        # the reference rules in torch, which would be timed as if it were a kernel).
+        return Capabilities(
+            devices=frozenset({"cuda"}), dtypes=HALF, min_capability=(9, 0),
+            cuda_reason="needs a Hopper GPU", modes=frozenset({"fwd"}),
+        )
+
+
+class ReferenceImpl(_EngineBase):
+    name = "reference"
+    description = "the engine's reference executor (plain torch, any device)"
+    backend = "reference"
+    gpu_only = False
+
+    @property
+    def caps(self) -> Capabilities:
+        # it may materialise the score matrix: bound it (2^31 fp32 scores = 8 GiB)
+        return Capabilities(
+            devices=frozenset({"cpu", "cuda"}), dtypes=ALL_DTYPES,
+            kinds=frozenset({"attention", "linear"}), max_score_elems=2**31,
+        )

@@ -1,0 +1,100 @@
+"""FlexAttention (`flex`): `torch.compile`d `flex_attention` with the variant's block mask.
+
+Compiled afresh for every case (`torch._dynamo.reset()`, `dynamic=False`, `fullgraph=True`),
+and the compile (first calls of every grad mode the case needs) is timed into `compile_s`, not
+into latency. shared/ANCHORS.md records the pitfall this guards against: one compiled function
+reused across shapes hit the recompile limit and silently ran the unfused eager path at a few
+percent of the fused speed. Three checks turn that into a failed row instead of a bogus number:
+the compile must have produced a graph (dynamo's `unique_graphs` counter), warm-up and timing
+run under `torch.compiler.set_stance("fail_on_recompile")` (any recompile or fallback raises),
+and a large problem (>= 1e11 FLOPs) measured below 20 TFLOP/s on a GPU is rejected.
+
+The block mask is built with `create_block_mask` (not timed) for the full B x Hq grid, so
+masks that depend on the batch (document ids) or head stay exact.
+"""
+
+from __future__ import annotations
+
+import time
+
+from attnbench.impls.base import ALL_DTYPES, Capabilities, Impl, Prepared, Unsupported
+from attnbench.suites import Case
+
+MIN_PLAUSIBLE_TFLOPS = 20.0
+MIN_CHECKED_FLOPS = 1e11
+
+
+class FlexImpl(Impl):
+    name = "flex"
+    description = "torch.compile(flex_attention) with its block mask, compiled per case"
+
+    @property
+    def caps(self) -> Capabilities:
+        return Capabilities(devices=frozenset({"cuda"}), dtypes=ALL_DTYPES)
+
+    def prepare(self, case: Case, variant, inputs: dict, needs_grad: bool) -> Prepared:
+        import torch
+        from torch._dynamo.utils import counters
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        mods = variant.flex_mods(inputs)
+        plain = variant.sdpa_kwargs(inputs)
+        if mods is None and plain is not None and not plain.get("is_causal"):
+            mods = (None, None)  # plain softmax without a mask needs no mods
+        if mods is None:
+            raise Unsupported(f"variant {case.variant} has no FlexAttention form "
+                              "(its row normaliser is not softmax)")
+        score_mod, mask_mod = mods
+        device = inputs["q"].device
+        block_mask = None
+        if mask_mod is not None:
+            block_mask = create_block_mask(mask_mod, case.batch, case.heads_q, case.seqlen_q,
+                                           case.seqlen_kv, device=device)
+        kw = variant.sdpa_kwargs(inputs) or {}
+        scale = kw.get("scale")  # None: flex's default 1/sqrt(D)
+
+        def arrange(t):
+            return t.detach().transpose(1, 2).contiguous().requires_grad_(needs_grad)
+
+        q, k, v = (arrange(inputs[n]) for n in ("q", "k", "v"))
+        gqa = case.heads_q != case.heads_kv
+
+        torch._dynamo.reset()  # a fresh compile per case: no reuse across shapes
+        # The `bwd` mode times the backward alone by replaying it on one graph (retain_graph),
+        # which compiled backwards with donated buffers refuse.
+        torch._functorch.config.donated_buffer = False
+        counters.clear()
+        compiled = torch.compile(flex_attention, dynamic=False, fullgraph=True)
+
+        def forward():
+            return compiled(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                            enable_gqa=gqa)
+
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            forward()
+        if needs_grad:
+            out = forward()
+            torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        compile_s = time.perf_counter() - t0
+        if counters["stats"]["unique_graphs"] < 1:
+            raise RuntimeError("torch.compile produced no graph for flex_attention; the timing "
+                               "would be of the unfused eager path")
+
+        def context():
+            return torch.compiler.set_stance("fail_on_recompile")
+
+        def verify(tflops: float, flops: float) -> str | None:
+            big = flops >= MIN_CHECKED_FLOPS
+            if device.type == "cuda" and big and tflops < MIN_PLAUSIBLE_TFLOPS:
+                return (f"implausibly slow ({tflops:.1f} TFLOP/s < {MIN_PLAUSIBLE_TFLOPS}): the "
+                        "compiled FlexAttention path probably did not run")
+            return None
+
+        return Prepared(
+            forward=forward, leaves=(q, k, v), to_common=lambda t: t.transpose(1, 2),
+            from_common=lambda t: t.transpose(1, 2).contiguous(), context=context,
+            compile_s=compile_s, verify=verify,
+        )

@@ -1,0 +1,106 @@
+"""FLOP counts, throughput, MFU, speedup and accuracy metrics.
+
+FLOP convention (shared/ARCHITECTURE.md, FlashAttention's benchmarks), counting query heads
+(GQA does not reduce the work):
+
+    forward  = 2 * B * Hq * Sq * Skv * (D + Dv)  * f     (QK^T: 2*D, PV: 2*Dv per (q, kv) pair)
+    backward = 2 * B * Hq * Sq * Skv * (3D + 2Dv) * f    (dS recompute + dQ + dK: 3 x D,
+                                                          dP + dV: 2 x Dv) = 2.5 x forward at D=Dv
+    fwd+bwd  = forward + backward
+
+`f` is the unmasked fraction of (q, kv) pairs: exactly 0.5 for pure causal attention (so numbers
+compare with FlashAttention's and shared/ANCHORS.md, although the exact causal count is
+(S+1)/(2S)); for every other mask the variant's exact `unmasked_fraction(Sq, Skv)`; 1 without a
+mask. Masked work a kernel may do anyway (partial blocks) is not counted.
+
+MFU is TFLOP/s divided by the device's dense (no sparsity) tensor-core peak for the dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Dense peaks in TFLOP/s from NVIDIA datasheets (no structured sparsity): {dtype: peak}.
+# Matched against the device name in order, so more specific names come first.
+GPU_PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
+    ("H100 PCIe", {"bfloat16": 756.0, "float16": 756.0, "float32": 51.0}),
+    ("H100 NVL", {"bfloat16": 835.0, "float16": 835.0, "float32": 60.0}),
+    ("H100", {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0}),  # SXM5
+    ("H200", {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0}),  # incl. GH200
+    ("H800", {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0}),
+    ("H20", {"bfloat16": 148.0, "float16": 148.0, "float32": 44.0}),
+    ("A100", {"bfloat16": 312.0, "float16": 312.0, "float32": 19.5}),
+    ("L40S", {"bfloat16": 362.0, "float16": 362.0, "float32": 91.6}),
+)
+
+
+def unmasked_fraction(variant, mask: str, seqlen_q: int, seqlen_kv: int) -> float:
+    """The fraction of (q, kv) pairs counted as work (see the module docstring)."""
+    if mask == "none":
+        return 1.0
+    if mask == "causal":
+        return 0.5
+    return float(variant.unmasked_fraction(seqlen_q, seqlen_kv))
+
+
+def attention_flops(batch: int, heads_q: int, seqlen_q: int, seqlen_kv: int, head_dim: int,
+                    head_dim_v: int, mode: str, fraction: float = 1.0) -> float:
+    pairs = 2.0 * batch * heads_q * seqlen_q * seqlen_kv * fraction
+    fwd = pairs * (head_dim + head_dim_v)
+    bwd = pairs * (3 * head_dim + 2 * head_dim_v)
+    if mode == "fwd":
+        return fwd
+    if mode == "bwd":
+        return bwd
+    if mode == "fwd+bwd":
+        return fwd + bwd
+    raise ValueError(f"mode must be one of fwd, bwd, fwd+bwd; got {mode!r}")
+
+
+def tflops(flops: float, latency_ms: float) -> float:
+    if not latency_ms or latency_ms <= 0 or math.isnan(latency_ms):
+        return math.nan
+    return flops / (latency_ms * 1e-3) / 1e12
+
+
+def peak_tflops(gpu_name: str, dtype: str) -> float | None:
+    """The dense peak of a known GPU for `dtype`, or None (unknown GPU, or a CPU)."""
+    for key, peaks in GPU_PEAKS:
+        if key.lower() in gpu_name.lower():
+            return peaks.get(dtype)
+    return None
+
+
+def mfu(tflops_value: float, gpu_name: str, dtype: str) -> float:
+    peak = peak_tflops(gpu_name, dtype)
+    return tflops_value / peak if peak and not math.isnan(tflops_value) else math.nan
+
+
+def speedup(baseline_ms: float | None, latency_ms: float) -> float:
+    if baseline_ms is None or not latency_ms or math.isnan(latency_ms) or math.isnan(baseline_ms):
+        return math.nan
+    return baseline_ms / latency_ms
+
+
+def errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(relative error ||out - ref|| / ||ref||, max abs error), computed in float64.
+
+    NaN or inf anywhere in `out` gives NaN for both, which fails the row."""
+    if out.shape != ref.shape:
+        raise ValueError(f"output shape {tuple(out.shape)} != reference shape {tuple(ref.shape)}")
+    o = out.detach().double()
+    r = ref.detach().double().to(o.device)
+    if not torch.isfinite(o).all():
+        return math.nan, math.nan
+    diff = o - r
+    denom = torch.linalg.vector_norm(r).item()
+    num = torch.linalg.vector_norm(diff).item()
+    rel = num / denom if denom > 0 else (0.0 if num == 0 else math.inf)
+    return rel, diff.abs().max().item() if diff.numel() else 0.0
+
+
+# Accuracy bounds on rel_err, per input dtype: half precision rounds P and the output to
+# 8-11 mantissa bits; gradients accumulate more rounding than the forward.
+REL_TOL = {"float32": 1e-3, "float16": 2e-2, "bfloat16": 5e-2}

@@ -1,0 +1,1 @@
+"""The dashboard: one self-contained HTML page plus a markdown summary (`attnbench report`)."""

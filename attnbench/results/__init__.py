@@ -1,0 +1,1 @@
+"""Result rows: the schema, and the store that appends them atomically."""

@@ -1,0 +1,376 @@
+"""The suite runner: for every case, every implementation and mode, one result row.
+
+Per case: check each implementation's capabilities (a mismatch is a `skipped` row with the
+reason), make random inputs from the recorded seed (never zeros), compute the float32 reference
+(float64 for small shapes) once, then per implementation: prepare it (layout changes, compile;
+not timed), check accuracy on one untimed call, time the call (see `attnbench.timing`), and
+build the row. A crashing implementation is an `error` row with the exception text and the run
+goes on. The case's rows are appended to the result file as soon as the case finishes, so an
+interrupted run keeps every finished case.
+
+Accuracy: rel_err is the max over the output (and dq, dk, dv for bwd modes) of
+||x - ref|| / ||ref||; a NaN/inf anywhere, or rel_err above `metrics.REL_TOL[dtype]`, fails
+the row. For plain softmax variants too large to materialise at once, the reference runs per
+(batch, group of query heads) slice, which is exact because those slices are independent.
+
+Peak memory: the CUDA allocator's peak during the implementation's preparation and
+measurement, above what was allocated before it started (so the shared case inputs and the
+reference do not count; the implementation's own copies of the inputs do).
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import math
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+
+from attnbench import metrics
+from attnbench.envinfo import environment
+from attnbench.impls import DeviceInfo, Impl, Prepared, Unsupported, registry
+from attnbench.impls.base import PLAIN_SOFTMAX, TORCH_DTYPES
+from attnbench.results.schema import SCHEMA_VERSION
+from attnbench.results.store import append_rows, result_path
+from attnbench.suites import Case, Suite
+from attnbench.timing import L2Flusher, measure
+
+SMALL_FOR_FLOAT64 = 2**22  # B*Hq*Sq*Skv at or below which the reference runs in float64
+REF_CHUNK_ELEMS = 2**28  # score elements per reference slice (1 GiB in float32)
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    device: str = "auto"  # auto | cpu | cuda
+    repeats: int | None = None  # None: the suite's
+    warmup: int | None = None
+    seed: int = 0
+    sleep_s: float | None = None  # between implementations; None: 0.1 s on CUDA, 0 on CPU
+    out_dir: Path = Path("results/runs")
+
+
+@dataclass
+class RunResult:
+    path: Path
+    rows: list[dict] = field(default_factory=list)
+
+
+def resolve_device(name: str) -> DeviceInfo:
+    if name not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda; got {name!r}")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False")
+        return DeviceInfo("cuda", torch.cuda.get_device_name(),
+                          tuple(torch.cuda.get_device_capability()))
+    return DeviceInfo("cpu")
+
+
+def default_get_variant(name: str):
+    from engine.variants import get_variant
+
+    return get_variant(name)
+
+
+def _needs_grad(mode: str) -> bool:
+    return mode != "fwd"
+
+
+class Runner:
+    def __init__(
+        self,
+        suite: Suite,
+        options: RunOptions = RunOptions(),
+        *,
+        get_variant: Callable[[str], object] = default_get_variant,
+        impls: dict[str, Impl] | None = None,
+        log: Callable[[str], None] = print,
+    ) -> None:
+        self.suite = suite
+        self.options = options
+        self.device = resolve_device(options.device)
+        self.get_variant = get_variant
+        self.impls = impls if impls is not None else registry()
+        self.log = log
+        self.env = environment(self.device.type)
+        self.repeats = options.repeats or suite.repeats
+        self.warmup = suite.warmup if options.warmup is None else options.warmup
+        self.sleep_s = (options.sleep_s if options.sleep_s is not None
+                        else (0.1 if self.device.type == "cuda" else 0.0))
+        self._flusher = L2Flusher(torch.device("cuda")) if self.device.type == "cuda" else None
+        self.path = result_path(options.out_dir, suite.name, self.env["gpu"])
+
+    # ------------------------------------------------------------------ whole suite
+    def gpu_only_skipped(self) -> list[str]:
+        """GPU-only implementations of this suite that a CPU run skips."""
+        if self.device.type == "cuda":
+            return []
+        names = {i for c in self.suite.cases for i in c.impls}
+        return [n for n in self.impls if n in names and "cpu" not in self.impls[n].caps.devices]
+
+    def iter_cases(self) -> Iterator[tuple[Case, list[dict]]]:
+        """Run the cases one by one, appending each case's rows before yielding them."""
+        for case in self.suite.cases:
+            rows = self.run_case(case)
+            append_rows(self.path, rows)
+            yield case, rows
+
+    def run(self) -> RunResult:
+        result = RunResult(self.path)
+        for _, rows in self.iter_cases():
+            result.rows.extend(rows)
+        return result
+
+    # ------------------------------------------------------------------ one case
+    def run_case(self, case: Case) -> list[dict]:
+        variant = self.get_variant(case.variant)
+        dev = self.device
+        plan: dict[str, dict[str, str | None]] = {}
+        for name in case.impls:
+            impl = self.impls[name]
+            reason = impl.check(case, variant, dev)
+            plan[name] = {m: reason or impl.caps.check_mode(m) for m in case.modes}
+        runnable = any(r is None for modes in plan.values() for r in modes.values())
+
+        ctx = _CaseContext(case, variant, dev, self.options.seed) if runnable else None
+        rows: list[dict] = []
+        for name in case.impls:
+            modes = plan[name]
+            todo = [m for m, r in modes.items() if r is None]
+            results: dict[str, dict] = {
+                m: self._status("skipped", r) for m, r in modes.items() if r is not None
+            }
+            if todo:
+                results.update(self._run_impl(self.impls[name], ctx, todo))
+                if self.sleep_s:
+                    time.sleep(self.sleep_s)  # let clocks and temperature settle
+            rows.extend(self._row(case, variant, name, m, results[m]) for m in case.modes)
+        _fill_speedups(rows, case.baseline)
+        return rows
+
+    def _run_impl(self, impl: Impl, ctx: _CaseContext, modes: list[str]) -> dict[str, dict]:
+        cuda = self.device.type == "cuda"
+        out: dict[str, dict] = {}
+        prepared: Prepared | None = None
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base_mem = torch.cuda.memory_allocated()
+        try:
+            needs_grad = any(_needs_grad(m) for m in modes)
+            prepared = impl.prepare(ctx.case, ctx.variant, ctx.inputs, needs_grad)
+            for mode in modes:
+                try:
+                    res = self._measure_mode(prepared, ctx, mode)
+                except Unsupported as exc:
+                    res = self._status("skipped", str(exc))
+                except Exception as exc:  # noqa: BLE001 - a crashing impl is a row
+                    reason = prepared.refusal(exc)
+                    res = (self._status("skipped", reason) if reason
+                           else self._status("error", _exc_text(exc)))
+                if cuda:
+                    res["peak_mem_mb"] = (torch.cuda.max_memory_allocated() - base_mem) / 2**20
+                    torch.cuda.reset_peak_memory_stats()
+                res["compile_s"] = prepared.compile_s
+                out[mode] = res
+        except Unsupported as exc:
+            out = {m: self._status("skipped", str(exc)) for m in modes}
+        except Exception as exc:  # noqa: BLE001
+            out = {m: self._status("error", _exc_text(exc)) for m in modes}
+        finally:
+            del prepared
+            if cuda:  # free this impl's memory before the next (gc: ~0.2 s, CUDA runs only)
+                gc.collect()
+                torch.cuda.empty_cache()
+        return out
+
+    def _measure_mode(self, p: Prepared, ctx: _CaseContext, mode: str) -> dict:
+        case = ctx.case
+        with p.context():
+            if mode == "fwd":
+                def fn():
+                    with torch.no_grad():
+                        return p.forward()
+
+                outs = [p.to_common(fn())]
+                refs = [ctx.reference(False)[0]]
+            else:
+                g = p.from_common(ctx.grad_out)
+                out = p.forward()
+                # Keep the graph only when the backward alone is timed on it below.
+                grads = torch.autograd.grad(out, p.leaves, g, retain_graph=mode == "bwd")
+                outs = [p.to_common(out)] + [p.to_common(x) for x in grads]
+                refs = list(ctx.reference(True))
+                if mode == "bwd":
+                    def fn():
+                        return torch.autograd.grad(out, p.leaves, g, retain_graph=True)
+                else:
+                    def fn():
+                        return torch.autograd.grad(p.forward(), p.leaves, g)
+            rel, mx = _accuracy(outs, refs)
+            flush = None
+            if self._flusher is not None and self._flusher.fits(ctx.nbytes):
+                flush = self._flusher
+            timing = measure(fn, device=self.device.type, repeats=self.repeats,
+                             warmup=self.warmup, flush=flush)
+        flops = ctx.flops(mode)
+        tf = metrics.tflops(flops, timing.median_ms)
+        res = self._status("ok", "")
+        res.update(latency_ms=timing.median_ms, latency_spread_ms=timing.spread_ms,
+                   repeats=timing.repeats, flops=flops, tflops=tf,
+                   mfu=metrics.mfu(tf, self.device.name, case.dtype) if self.device.type == "cuda"
+                   else math.nan, rel_err=rel, max_abs_err=mx)
+        tol = metrics.REL_TOL[case.dtype]
+        if math.isnan(rel):
+            res.update(status="failed", reason="NaN or inf in the output or gradients")
+        elif rel > tol:
+            res.update(status="failed", reason=f"rel_err {rel:.3g} > tolerance {tol:g}")
+        elif (bad := p.verify(tf, flops)) is not None:
+            res.update(status="failed", reason=bad)
+        return res
+
+    # ------------------------------------------------------------------ rows
+    @staticmethod
+    def _status(status: str, reason: str | None) -> dict:
+        return {"status": status, "reason": reason or ""}
+
+    def _row(self, case: Case, variant, impl: str, mode: str, res: dict) -> dict:
+        nan = math.nan
+        row = {
+            "schema_version": SCHEMA_VERSION, "suite": self.suite.name, "case": case.name,
+            "variant": case.variant, "shape": case.shape, "batch": case.batch,
+            "heads_q": case.heads_q, "heads_kv": case.heads_kv, "seqlen_q": case.seqlen_q,
+            "seqlen_kv": case.seqlen_kv, "head_dim": case.head_dim,
+            "head_dim_v": case.head_dim_v, "dtype": case.dtype, "causal": bool(variant.causal),
+            "mask": variant.mask, "mode": mode, "impl": impl, "baseline": case.baseline,
+            "latency_ms": nan, "latency_spread_ms": nan, "repeats": 0, "flops": nan,
+            "tflops": nan, "mfu": nan, "speedup": nan, "rel_err": nan, "max_abs_err": nan,
+            "peak_mem_mb": nan, "compile_s": nan, "status": "", "reason": "",
+            "device": self.device.type, **self.env, "seed": self.options.seed,
+            "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
+        }
+        row.update(res)
+        if row["status"] != "ok" and math.isnan(row["flops"]):
+            row["flops"] = _case_flops(case, variant, mode)
+        return row
+
+
+class _CaseContext:
+    """Inputs, output gradient and (lazily) the reference of one case, shared by its impls."""
+
+    def __init__(self, case: Case, variant, device: DeviceInfo, seed: int) -> None:
+        self.case, self.variant, self.device = case, variant, device
+        dtype = TORCH_DTYPES[case.dtype]
+        self.inputs = variant.make_inputs(
+            batch=case.batch, heads_q=case.heads_q, heads_kv=case.heads_kv,
+            seqlen_q=case.seqlen_q, seqlen_kv=case.seqlen_kv, head_dim=case.head_dim,
+            head_dim_v=case.head_dim_v, dtype=dtype, device=device.type, seed=seed,
+            requires_grad=False,
+        )
+        gen = torch.Generator(device=device.type).manual_seed(seed + 1)
+        self.grad_out = torch.randn(case.batch, case.seqlen_q, case.heads_q, case.head_dim_v,
+                                    generator=gen, device=device.type, dtype=dtype)
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.inputs.values()
+                          if isinstance(t, torch.Tensor))
+        self.nbytes += 2 * self.grad_out.numel() * self.grad_out.element_size()  # out, dout
+        self._ref: dict[bool, tuple[torch.Tensor, ...]] = {}
+
+    def flops(self, mode: str) -> float:
+        return _case_flops(self.case, self.variant, mode)
+
+    def reference(self, with_grads: bool) -> tuple[torch.Tensor, ...]:
+        """(out,) or (out, dq, dk, dv) in [B, S, H, D], float32/float64, computed once."""
+        if with_grads in self._ref:
+            return self._ref[with_grads]
+        if not with_grads and True in self._ref:
+            return self._ref[True][:1]
+        c = self.case
+        n = c.batch * c.heads_q * c.seqlen_q * c.seqlen_kv
+        dt = torch.float64 if n <= SMALL_FOR_FLOAT64 else torch.float32
+        chunked = n > REF_CHUNK_ELEMS and c.variant in PLAIN_SOFTMAX and set(self.inputs) == {
+            "q", "k", "v"}
+        res = (_reference_chunked if chunked else _reference_whole)(
+            self.variant, self.inputs, self.grad_out, dt, with_grads, c)
+        self._ref[with_grads] = res
+        return res
+
+
+def _reference_whole(variant, inputs, grad_out, dt, with_grads, case):
+    ref_in = {n: (t.detach().to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                  else t) for n, t in inputs.items()}
+    if not with_grads:
+        with torch.no_grad():
+            return (_call_reference(variant, ref_in, dt).detach(),)
+    leaves = [ref_in[n].requires_grad_(True) for n in ("q", "k", "v")]
+    out = _call_reference(variant, ref_in, dt)
+    grads = torch.autograd.grad(out, leaves, grad_out.to(out.dtype))
+    return (out.detach(), *grads)
+
+
+def _call_reference(variant, inputs, dt):
+    """variant.torch_reference in `dt` math (the engine's takes dtype=; fall back without)."""
+    if "dtype" in inspect.signature(variant.torch_reference).parameters:
+        return variant.torch_reference(inputs, dtype=dt)
+    return variant.torch_reference(inputs)
+
+
+def _reference_chunked(variant, inputs, grad_out, dt, with_grads, case):
+    """Plain softmax only: each (batch, group of q heads sharing one kv head) is independent."""
+    q, k, v = (inputs[n].detach() for n in ("q", "k", "v"))
+    g = case.heads_q // case.heads_kv
+    per = max(1, min(g, REF_CHUNK_ELEMS // (case.seqlen_q * case.seqlen_kv)))
+    while g % per:
+        per -= 1
+    out = torch.empty(*grad_out.shape, dtype=dt, device=q.device)
+    dq, dk, dv = (torch.zeros(t.shape, dtype=dt, device=q.device) for t in (q, k, v))
+    for b in range(case.batch):
+        for j in range(case.heads_kv):
+            for h0 in range(j * g, (j + 1) * g, per):
+                sl = {"q": q[b:b + 1, :, h0:h0 + per], "k": k[b:b + 1, :, j:j + 1],
+                      "v": v[b:b + 1, :, j:j + 1]}
+                res = _reference_whole(variant, sl, grad_out[b:b + 1, :, h0:h0 + per], dt,
+                                       with_grads, case)
+                out[b:b + 1, :, h0:h0 + per] = res[0]
+                if with_grads:
+                    dq[b:b + 1, :, h0:h0 + per] = res[1]
+                    dk[b:b + 1, :, j:j + 1] += res[2]
+                    dv[b:b + 1, :, j:j + 1] += res[3]
+    return (out, dq, dk, dv) if with_grads else (out,)
+
+
+def _accuracy(outs, refs) -> tuple[float, float]:
+    rel = mx = 0.0
+    for o, r in zip(outs, refs, strict=True):
+        e, m = metrics.errors(o, r)
+        if math.isnan(e):
+            return math.nan, math.nan
+        rel, mx = max(rel, e), max(mx, m)
+    return rel, mx
+
+
+def _case_flops(case: Case, variant, mode: str) -> float:
+    frac = metrics.unmasked_fraction(variant, variant.mask, case.seqlen_q, case.seqlen_kv)
+    return metrics.attention_flops(case.batch, case.heads_q, case.seqlen_q, case.seqlen_kv,
+                                   case.head_dim, case.head_dim_v, mode, frac)
+
+
+def _fill_speedups(rows: list[dict], baseline: str) -> None:
+    base = {r["mode"]: r["latency_ms"] for r in rows
+            if r["impl"] == baseline and r["status"] == "ok"}
+    for r in rows:
+        if r["status"] == "ok":
+            r["speedup"] = metrics.speedup(base.get(r["mode"]), r["latency_ms"])
+
+
+def _exc_text(exc: BaseException) -> str:
+    last = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+    where = f" (at {last[0].filename}:{last[0].lineno})" if last else ""
+    return " ".join(f"{type(exc).__name__}: {exc}".split())[:500] + where

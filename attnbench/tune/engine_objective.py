@@ -1,0 +1,199 @@
+"""The real objective: build the engine's TileLang kernel for a config, check it against the
+variant's torch reference, time it with CUDA events. Runs in the tuner's worker processes;
+everything CUDA is imported inside the methods so the CPU machinery never touches it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+from dataclasses import dataclass
+
+from attnbench.tune.objective import Measurement, TrialFailed
+from attnbench.tune.problem import Problem
+from engine.plan.config import KernelConfig
+
+# The materialised reference needs about 3 float32 [B, Hq, Sq, Skv] tensors; above this budget
+# the output is checked on a smaller problem built with the same config.
+REFERENCE_BUDGET_BYTES = 6 * 1024**3
+CHECK_SEQLEN = 2048
+
+# Per benchmark-worker process: inputs and reference results, built once per (problem, seed)
+# and reused by every trial (the reference costs far more than the kernel it checks).
+_INPUTS: dict[tuple, dict] = {}
+_REFERENCE: dict[tuple, tuple] = {}
+
+
+@functools.cache
+def _torch_dtype(name: str):
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+@dataclass(frozen=True)
+class EngineObjective:
+    problem: Problem
+    reps: int = 30
+    warmup: int = 5
+    rtol: float = 1e-2
+    seed: int = 0
+
+    def _variant(self):
+        from engine.variants import get_variant
+
+        return get_variant(self.problem.variant)
+
+    def _build(self, problem: Problem, cfg: KernelConfig | None, backend: str = "tilelang"):
+        shape = problem.shape()
+        return self._variant().build(
+            **shape, dtype=_torch_dtype(problem.dtype), backend=backend, config=cfg
+        )
+
+    def check_problem(self) -> Problem:
+        """The problem the output is checked on: the tuned one if its reference fits."""
+        p = self.problem
+        if 12 * p.batch * p.heads_q * p.seqlen_q * p.seqlen_kv <= REFERENCE_BUDGET_BYTES:
+            return p
+        from dataclasses import replace
+
+        return replace(p, batch=1, seqlen_q=min(p.seqlen_q, CHECK_SEQLEN),
+                       seqlen_kv=min(p.seqlen_kv, CHECK_SEQLEN))
+
+    @functools.cache  # noqa: B019 - one objective per study, cached per worker process
+    def spec_hash(self) -> str:
+        mod = self._build(self.problem, None, backend="reference")
+        return str(mod.spec_hash)
+
+    def gpu_name(self, device: int | None) -> str:
+        idx = 0 if device is None else device
+        try:
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", str(idx)],
+                capture_output=True, text=True, timeout=30, check=True,
+            )
+            return out.stdout.strip().splitlines()[0]
+        except (OSError, subprocess.SubprocessError, IndexError):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise RuntimeError("attnbench tune needs a CUDA GPU (none found)") from None
+            return torch.cuda.get_device_name(idx)
+
+    def unmasked_fraction(self) -> float:
+        p = self.problem
+        return float(self._variant().unmasked_fraction(p.seqlen_q, p.seqlen_kv))
+
+    def compile(self, cfg: KernelConfig) -> None:
+        # Builds populate TileLang's on-disk cache; the benchmark worker's build is a cache hit.
+        for prob in {self.problem, self.check_problem()}:
+            try:
+                self._build(prob, cfg)
+            except Exception as exc:
+                raise TrialFailed(f"compile failed: {type(exc).__name__}: {exc}"[:2000]) from None
+
+    def evaluate(self, cfg: KernelConfig) -> Measurement:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise TrialFailed("no CUDA device visible to the benchmark worker")
+        rel_err = self._check(cfg)
+        mod = self._build(self.problem, cfg)
+        inputs = self._inputs(self.problem, requires_grad=self.problem.mode == "bwd")
+        if self.problem.mode == "bwd":
+            out = mod(**inputs)
+            dout = torch.randn_like(out)
+            leaves = [inputs[k] for k in ("q", "k", "v")]
+
+            def step():
+                o = mod(**inputs)
+                torch.autograd.grad(o, leaves, dout)
+        else:
+
+            def step():
+                with torch.no_grad():
+                    mod(**inputs)
+
+        med, n = _median_ms(step, self.reps, self.warmup)
+        return Measurement(med, {"rel_err": rel_err, "reps": n,
+                                 "gpu_env": os.environ.get("CUDA_VISIBLE_DEVICES", "")})
+
+    def _inputs(self, p: Problem, requires_grad: bool) -> dict:
+        key = (p, self.seed, requires_grad)
+        if key not in _INPUTS:
+            if len(_INPUTS) >= 2:  # one study per worker: tuned and check problem at most
+                _INPUTS.clear()
+                _REFERENCE.clear()
+            _INPUTS[key] = self._variant().make_inputs(
+                **p.shape(), dtype=_torch_dtype(p.dtype), device="cuda", seed=self.seed,
+                requires_grad=requires_grad,
+            )
+        return _INPUTS[key]
+
+    def _reference(self, p: Problem, inputs: dict) -> tuple:
+        """(output, dout, grads of q/k/v or None) of the variant's torch reference, cached."""
+        import torch
+
+        key = (p, self.seed, p.mode == "bwd")
+        if key not in _REFERENCE:
+            ref = self._variant().torch_reference(inputs)
+            if p.mode == "bwd":
+                gen = torch.Generator(device="cuda").manual_seed(self.seed + 1)
+                dout = torch.randn(ref.shape, generator=gen, device="cuda",
+                                   dtype=inputs["q"].dtype)
+                leaves = [inputs[k] for k in ("q", "k", "v")]
+                grads = torch.autograd.grad(ref, leaves, dout.to(ref.dtype))
+                _REFERENCE[key] = (ref.detach(), dout, tuple(g.detach() for g in grads))
+            else:
+                _REFERENCE[key] = (ref.detach(), None, None)
+        return _REFERENCE[key]
+
+    def _check(self, cfg: KernelConfig) -> float:
+        import torch
+
+        p = self.check_problem()
+        mod = self._build(p, cfg)
+        bwd = p.mode == "bwd"
+        inputs = self._inputs(p, requires_grad=bwd)
+        ref, dout, want = self._reference(p, inputs)
+        out = mod(**inputs)
+        pairs = [("output", out, ref)]
+        if bwd:
+            leaves = [inputs[k] for k in ("q", "k", "v")]
+            got = torch.autograd.grad(out, leaves, dout)
+            pairs += [(f"d{k}", g, w) for k, g, w in zip("qkv", got, want, strict=True)]
+        worst = 0.0
+        for name, a, b in pairs:
+            a, b = a.float(), b.float()
+            if not torch.isfinite(a).all():
+                raise TrialFailed(f"output mismatch: {name} has NaN/Inf")
+            err = float((a - b).norm() / b.norm().clamp_min(1e-30))
+            if not err < self.rtol:
+                raise TrialFailed(
+                    f"output mismatch: {name} rel err {err:.3e} >= {self.rtol:g} against the "
+                    f"reference (checked at {p.shape()})"
+                )
+            worst = max(worst, err)
+        return worst
+
+
+def _median_ms(step, reps: int, warmup: int) -> tuple[float, int]:
+    """Median time of `step` in ms: attnbench.timing.time_cuda (the suite runner's timer) when
+    it exists, else attnbench.tune.timing's."""
+    import statistics
+
+    try:
+        from attnbench.timing import time_cuda  # type: ignore[import-not-found]
+    except ImportError:
+        from attnbench.tune.timing import time_cuda
+    try:
+        res = time_cuda(step, reps=reps, warmup=warmup)
+    except TypeError:  # a timer with its own defaults
+        res = time_cuda(step)
+    if isinstance(res, int | float):
+        return float(res), reps
+    if hasattr(res, "median_ms"):
+        return float(res.median_ms), reps
+    times = list(res)
+    return float(statistics.median(times)), len(times)

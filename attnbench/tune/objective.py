@@ -1,0 +1,127 @@
+"""What a trial evaluates. An objective is a small picklable object with two steps, each run
+in a worker process (attnbench/tune/workers.py):
+
+- `compile(cfg)`: CPU work (build the kernel; TileLang caches it on disk, so the benchmark
+  worker's own build is a cache hit). Raises TrialFailed when the config does not compile.
+- `evaluate(cfg)`: on the worker's GPU, check the output against the reference and time it.
+  Returns a Measurement, raises TrialFailed (wrong output, NaN, ...).
+
+`FakeObjective` is a deterministic stand-in (a pure function of the config) used by the CPU
+tests and `--objective fake`; it goes through exactly the same workers and study loop.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from attnbench.tune.problem import Problem
+from engine.plan.config import KernelConfig
+
+
+class TrialFailed(Exception):
+    """The config cannot be used: the message is the reason kept in the trial's attributes."""
+
+
+class UnpicklableError(RuntimeError):
+    """Stands for errors that cannot be sent back from a worker (like tvm_ffi's ffi.Error)."""
+
+    def __reduce__(self):
+        raise TypeError(f"Type {type(self).__name__} does not support pickling")
+
+
+@dataclass(frozen=True)
+class Measurement:
+    latency_ms: float
+    info: dict[str, Any] = field(default_factory=dict)  # kept as trial user attributes
+
+
+class Objective(Protocol):
+    problem: Problem
+
+    def spec_hash(self) -> str: ...
+    def gpu_name(self, device: int | None) -> str: ...
+    def unmasked_fraction(self) -> float: ...
+    def compile(self, cfg: KernelConfig) -> None: ...
+    def evaluate(self, cfg: KernelConfig) -> Measurement: ...
+
+
+@dataclass(frozen=True)
+class FakeObjective:
+    """Latency from a smooth formula of the config with a unique optimum.
+
+    Optimum: block_M=128, block_N=128, num_stages=2, threads=256, FullRow, swizzle 8. Configs
+    with block_N=32 and num_stages=3 "fail to compile"; `hang_keys` hang and `crash_keys` kill
+    their worker process (SIGKILL-like exit), to exercise timeouts and worker replacement.
+    `delay_s` makes each step take that long (tests of resume and sharing); `trace_path`, when
+    set, gets one JSON line per step with its start and end time (tests of the pipeline).
+    """
+
+    problem: Problem
+    spec: str = "fake-spec"
+    gpu: str = "Fake GPU"
+    delay_s: float = 0.0
+    hang_keys: tuple[str, ...] = ()
+    crash_keys: tuple[str, ...] = ()
+    wrong_keys: tuple[str, ...] = ()
+    trace_path: str = ""
+    unpicklable_keys: tuple[str, ...] = ()  # compile raises an UnpicklableError
+
+    def spec_hash(self) -> str:
+        return self.spec
+
+    def gpu_name(self, device: int | None) -> str:
+        return self.gpu
+
+    def unmasked_fraction(self) -> float:
+        return 1.0
+
+    def _trace(self, step: str, cfg: KernelConfig, t0: float) -> None:
+        if self.trace_path:
+            line = json.dumps({"step": step, "key": cfg.key(), "t0": t0, "t1": time.time()})
+            with open(self.trace_path, "a") as fh:  # one short O_APPEND write per line
+                fh.write(line + "\n")
+
+    def compile(self, cfg: KernelConfig) -> None:
+        t0 = time.time()
+        if self.delay_s:
+            time.sleep(self.delay_s / 2)
+        self._trace("compile", cfg, t0)
+        if cfg.key() in self.unpicklable_keys:
+            raise UnpicklableError(f"Fatal: No valid warp partition (fake) for {cfg.key()}")
+        if cfg.block_N == 32 and cfg.num_stages == 3:
+            raise TrialFailed(f"compile failed: fake nvcc error for {cfg.key()}")
+
+    def evaluate(self, cfg: KernelConfig) -> Measurement:
+        t0 = time.time()
+        if self.delay_s:
+            time.sleep(self.delay_s / 2)
+        self._trace("bench", cfg, t0)
+        key = cfg.key()
+        if key in self.hang_keys:
+            time.sleep(3600)
+        if key in self.crash_keys:
+            os._exit(139)  # what a segfaulting CUDA process looks like to its parent
+        if key in self.wrong_keys:
+            raise TrialFailed("output mismatch: rel err 3.1e-01 >= 1e-02 against the reference")
+        return Measurement(fake_latency_ms(cfg, self.problem), {"rel_err": 1e-3})
+
+
+def fake_latency_ms(cfg: KernelConfig, problem: Problem) -> float:
+    work = problem.flops() / 1e12  # TFLOP
+    lm = math.log2(cfg.block_M / 128)
+    ln = math.log2(cfg.block_N / 128)
+    penalty = (
+        0.30 * lm * lm
+        + 0.25 * ln * ln
+        + 0.08 * lm * ln  # mild interaction: the space is not separable
+        + 0.12 * (cfg.num_stages - 2) ** 2
+        + 0.10 * math.log2(cfg.threads / 256) ** 2
+        + (0.0 if cfg.gemm_policy == "FullRow" else 0.07)
+        + (0.0 if cfg.swizzle_panel == 8 else 0.02)
+    )
+    return 1000.0 * work / 600.0 * (1.0 + penalty)  # 600 TFLOP/s at the optimum

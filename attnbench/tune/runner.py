@@ -1,0 +1,374 @@
+"""Run one study end to end: create or resume it, seed it, start one worker per GPU, show
+progress, and write the best config to the tune file.
+
+Tune-file rule: every run measures the engine's default config first (the baseline), and writes
+only the fastest config measured in this same run, which is therefore never slower than the
+default; an existing entry for the same key that is faster is kept (tune_file.store_if_faster).
+An interrupted run whose baseline was not measured writes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import logging
+import math
+import os
+import socket
+import threading
+import time
+import uuid
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import optuna
+from optuna.trial import TrialState
+
+from attnbench.tune.loop import LoopSettings, StudyWorker, make_sampler, study_state
+from attnbench.tune.objective import Objective
+from attnbench.tune.problem import study_name
+from attnbench.tune.progress import ProgressDisplay, Snapshot
+from attnbench.tune.space import SearchSpace
+from attnbench.tune.storage import default_storage_url, make_storage, reap_dead_trials
+from attnbench.tune.workers import BenchWorker, CompilePool
+from engine.plan.config import KernelConfig
+from engine.tuning import tune_file
+
+log = logging.getLogger(__name__)
+
+Search = Literal["auto", "tpe", "grid"]
+
+
+@dataclass(frozen=True)
+class TuneOptions:
+    trials: int = 64  # evaluated trials the study should reach (TPE); grid: all valid configs
+    timeout_s: float | None = None  # wall-clock limit of this run
+    storage: str | None = None  # SQLAlchemy URL; None: sqlite:///results/tune/studies.db
+    devices: tuple[int | None, ...] = (None,)  # one worker per GPU index (None: default GPU)
+    compile_jobs: int = 0  # 0: all CPU cores
+    compile_timeout_s: float = 900.0
+    bench_timeout_s: float = 180.0
+    seed: int = 0
+    search: Search = "auto"
+    kind: str | None = None  # study name suffix; default "tpe" or "grid"
+    tune_file: Path | None = None  # None: results/tune/<gpu>/<template>.json
+    write_tune_file: bool = True
+    progress: bool = True
+    heartbeat_s: int = 30
+
+    def __post_init__(self) -> None:
+        if self.trials < 1:
+            raise ValueError(f"trials={self.trials}: expected >= 1")
+        if self.timeout_s is not None and self.timeout_s <= 0:
+            raise ValueError(f"timeout={self.timeout_s}: expected > 0 seconds")
+        if not self.devices:
+            raise ValueError("gpus: expected at least one GPU index")
+        if self.search not in ("auto", "tpe", "grid"):
+            raise ValueError(f"search={self.search!r}: expected auto, tpe or grid")
+
+
+@dataclass
+class TuneResult:
+    study_name: str
+    storage: str
+    gpu: str
+    n_valid: int
+    exhaustive: bool
+    target: int
+    evaluated: int
+    failed: int
+    best_latency_ms: float | None
+    best_tflops: float | None
+    best_config: dict | None
+    best_trial: int | None
+    history: list[float] = field(default_factory=list)  # latency per evaluated trial, in order
+    tune_file: str | None = None
+    run_id: str = ""
+    baseline_config: dict | None = None  # the engine's default config, measured in this run
+    baseline_latency_ms: float | None = None
+    run_best_latency_ms: float | None = None  # fastest config measured in this run
+    run_best_config: dict | None = None
+    run_best_tflops: float | None = None
+    run_best_trial: int | None = None
+    tune_file_note: str = ""  # what happened to the tune file, and why
+    interrupted: bool = False  # stopped by --timeout or Ctrl-C before reaching its target
+
+
+def _n_jobs(requested: int) -> int:
+    if requested > 0:
+        return requested
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _enqueue(study: optuna.Study, configs, space: SearchSpace) -> int:
+    have = {
+        tuple(sorted(t.params.items()))
+        for t in study.get_trials(deepcopy=False)
+        if t.state != TrialState.PRUNED and t.params
+    }
+    have |= {  # waiting trials have no params yet, only fixed_params
+        tuple(sorted(t.system_attrs.get("fixed_params", {}).items()))
+        for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+    }
+    n = 0
+    for cfg in configs:
+        params = space.params_of(cfg)
+        if tuple(sorted(params.items())) not in have:
+            study.enqueue_trial(params)
+            n += 1
+    return n
+
+
+def default_config(problem, space: SearchSpace) -> KernelConfig | None:
+    """The engine's default config for this problem if the space can express it, else None."""
+    if problem.template != "attention_fwd":
+        return None
+    from engine.plan.defaults import default_forward_config
+
+    try:
+        cfg = default_forward_config(problem.head_dim, problem.head_dim_v, problem.elem_bytes)
+    except ValueError:
+        return None
+    if not space.contains(cfg):
+        log.warning("default config %s is outside %s: it cannot be the baseline",
+                    cfg.key(), space.source)
+        return None
+    return cfg
+
+
+def snapshot(study: optuna.Study, target: int) -> Snapshot:
+    st = study_state(study)
+    done = [t for t in st.evaluated if t.state == TrialState.COMPLETE]
+    best = min(done, key=lambda t: t.value) if done else None
+    return Snapshot(
+        done=len(st.evaluated),
+        target=target,
+        failed=len(st.evaluated) - len(done),
+        best_ms=best.value if best else None,
+        best_tflops=best.user_attrs.get("tflops") if best else None,
+        best_key=best.user_attrs.get("config") if best else None,
+    )
+
+
+def run_study(objective: Objective, space: SearchSpace, opts: TuneOptions) -> TuneResult:
+    problem = objective.problem
+    if space.template != problem.template:
+        raise ValueError(
+            f"search space {space.source} is for template {space.template!r}, "
+            f"but mode={problem.mode!r} needs {problem.template!r}"
+        )
+    valid = space.valid_configs(problem.head_dim, problem.head_dim_v, problem.elem_bytes)
+    if not valid:
+        raise ValueError(
+            f"no config of {space.source} is valid for D={problem.head_dim}, "
+            f"Dv={problem.head_dim_v}, dtype={problem.dtype}"
+        )
+    if opts.search == "grid":
+        exhaustive = True
+    elif opts.search == "tpe":
+        exhaustive = False
+    else:
+        exhaustive = len(valid) <= max(space.exhaustive_max_valid, opts.trials)
+    target = len(valid) if exhaustive else opts.trials
+    gpu = objective.gpu_name(opts.devices[0])
+    kind = opts.kind or ("grid" if opts.search == "grid" else "tpe")
+    name = study_name(problem, spec_hash=objective.spec_hash(), gpu=gpu, kind=kind)
+    storage_url = opts.storage or default_storage_url()
+    storage = make_storage(storage_url, heartbeat_s=opts.heartbeat_s)
+    study = optuna.create_study(
+        study_name=name, storage=storage, direction="minimize", load_if_exists=True
+    )
+    for k, v in {
+        "template": problem.template, "variant": problem.variant,
+        "spec_hash": objective.spec_hash(),
+        "shape": problem.shape(), "dtype": problem.dtype, "mode": problem.mode, "gpu": gpu,
+        "tilelang_version": tune_file.tilelang_version(), "search_space": space.source,
+        "n_valid": len(valid),
+    }.items():
+        study.set_user_attr(k, v)
+    reaped = reap_dead_trials(study)
+    if reaped:
+        log.warning("study %s: %d trial(s) of a dead tuner failed and re-queued", name, reaped)
+    seeds = valid if exhaustive else [c for c in space.seeds if c in set(valid)]
+    baseline = default_config(problem, space)
+    if baseline is not None and baseline not in set(valid):
+        baseline = None
+    if baseline is not None:  # measured by the baseline trial itself, not a queued one
+        seeds = [c for c in seeds if c != baseline]
+    _enqueue(study, seeds, space)
+    run_id = uuid.uuid4().hex[:12]
+
+    deadline = time.monotonic() + opts.timeout_s if opts.timeout_s else None
+    jobs = _n_jobs(opts.compile_jobs)
+    settings = LoopSettings(
+        target=target,
+        batch=max(1, jobs // len(opts.devices)),
+        exhaustive=exhaustive,
+        deadline=deadline,
+        run_id=run_id,
+    )
+    stop = threading.Event()
+    compile_pool = CompilePool(jobs, opts.compile_timeout_s)
+    benches: list[BenchWorker] = []
+    threads: list[threading.Thread] = []
+    errors: list[BaseException] = []
+    host_salt = zlib.crc32(socket.gethostname().encode()) % 10_000
+    try:
+        for rank, device in enumerate(opts.devices):
+            bench = BenchWorker(device, opts.bench_timeout_s)
+            benches.append(bench)
+            # Each worker its own sampler and seed: identical samplers would propose the same
+            # configs. Rank 0 on a single host keeps `seed` itself (reproducible runs).
+            seed = opts.seed + 7919 * rank + (host_salt if len(opts.devices) > 1 else 0)
+            worker_study = optuna.load_study(
+                study_name=name, storage=storage, sampler=make_sampler(space, seed)
+            )
+            # The first worker measures the baseline before anything else it benchmarks.
+            w_settings = dataclasses.replace(settings, baseline=baseline if rank == 0 else None)
+            worker = StudyWorker(
+                worker_study, objective, space, w_settings, compile_pool, bench, stop
+            )
+
+            def _run(w: StudyWorker = worker) -> None:
+                try:
+                    w.run()
+                except BaseException as exc:  # surfaced by the main thread below
+                    errors.append(exc)
+                    stop.set()
+
+            th = threading.Thread(target=_run, name=f"tune-gpu{device}", daemon=True)
+            threads.append(th)
+            th.start()
+        title = f"tune {problem.template} {problem.variant} {problem.dtype} {problem.mode}"
+        with ProgressDisplay(title, target, opts.timeout_s, opts.progress) as display:
+            try:
+                while any(t.is_alive() for t in threads):
+                    display.update(snapshot(study, target))
+                    time.sleep(0.5)
+            except KeyboardInterrupt:
+                stop.set()
+                for t in threads:
+                    t.join()
+                raise
+            display.update(snapshot(study, target))
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=opts.bench_timeout_s + 30)
+        compile_pool.close()
+        for b in benches:
+            b.close()
+    if errors:
+        raise errors[0]
+    result = summarize(study, name, storage_url, gpu, len(valid), exhaustive, target, run_id)
+    result.interrupted = (
+        result.evaluated < target and deadline is not None and time.monotonic() >= deadline
+    )
+    if opts.write_tune_file:
+        write_best(result, objective, opts.tune_file)
+    return result
+
+
+def summarize(
+    study: optuna.Study, name: str, storage_url: str, gpu: str, n_valid: int, exhaustive: bool,
+    target: int, run_id: str = "",
+) -> TuneResult:
+    st = study_state(study)
+    evaluated = sorted(
+        st.evaluated, key=lambda t: (t.datetime_complete or dt.datetime.min, t.number)
+    )
+    done = [t for t in evaluated if t.state == TrialState.COMPLETE]
+    best = min(done, key=lambda t: t.value) if done else None
+    res = TuneResult(
+        study_name=name,
+        storage=_redact(storage_url),
+        gpu=gpu,
+        n_valid=n_valid,
+        exhaustive=exhaustive,
+        target=target,
+        evaluated=len(evaluated),
+        failed=len(evaluated) - len(done),
+        best_latency_ms=best.value if best else None,
+        best_tflops=best.user_attrs.get("tflops") if best else None,
+        best_config=KernelConfig(**best.params).to_dict() if best else None,
+        best_trial=best.number if best else None,
+        history=[t.value if t.state == TrialState.COMPLETE else math.inf for t in evaluated],
+        run_id=run_id,
+    )
+    if run_id:
+        mine = [
+            t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            if t.user_attrs.get("run") == run_id
+            and (t.user_attrs.get("evaluated") or t.user_attrs.get("baseline"))
+        ]
+        base = [t for t in mine if t.user_attrs.get("baseline")]
+        if base:
+            res.baseline_latency_ms = base[0].value
+            res.baseline_config = KernelConfig(**base[0].params).to_dict()
+        if mine:
+            top = min(mine, key=lambda t: (t.value, t.number))
+            res.run_best_latency_ms = top.value
+            res.run_best_config = KernelConfig(**top.params).to_dict()
+            res.run_best_tflops = top.user_attrs.get("tflops")
+            res.run_best_trial = top.number
+    return res
+
+
+def _redact(url: str) -> str:
+    # Never write a database password into a result file or a log line.
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        creds, host = rest.rsplit("@", 1)
+        return f"{scheme}://{creds.split(':', 1)[0]}@{host}"
+    return url
+
+
+def write_best(result: TuneResult, objective: Objective, path: Path | None) -> None:
+    """Apply the tune-file rule (module docstring); records the outcome in `result`."""
+    problem = objective.problem
+    if result.baseline_latency_ms is None or result.run_best_config is None:
+        result.tune_file_note = (
+            "tune file not written: the default config was not measured in this run"
+        )
+        log.warning("study %s: %s", result.study_name, result.tune_file_note)
+        return
+    p = Path(path) if path else tune_file.default_path(result.gpu, problem.template)
+    entry = {
+        "template": problem.template,
+        "variant": problem.variant,
+        "spec_hash": objective.spec_hash(),
+        "dtype": problem.dtype,
+        "mode": problem.mode,
+        "gpu": result.gpu,
+        "shape": problem.shape(),
+        "config": result.run_best_config,
+        "latency_ms": result.run_best_latency_ms,
+        "tflops": result.run_best_tflops,
+        "default_config": result.baseline_config,
+        "default_latency_ms": result.baseline_latency_ms,
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "tilelang_version": tune_file.tilelang_version(),
+        "study": result.study_name,
+        "trials": result.evaluated,
+        "best_trial": result.run_best_trial,
+    }
+    written, old = tune_file.store_if_faster(p, entry)
+    if written:
+        result.tune_file = str(p)
+        result.tune_file_note = (
+            f"wrote {KernelConfig(**result.run_best_config).key()} "
+            f"({result.run_best_latency_ms:.4g} ms; default {result.baseline_latency_ms:.4g} ms"
+            + (f"; replaced an entry at {old['latency_ms']:.4g} ms" if old else "") + f") to {p}"
+        )
+    else:
+        result.tune_file_note = (
+            f"kept the existing entry of {p} ({old['latency_ms']:.4g} ms, "
+            f"{KernelConfig.from_dict(dict(old['config'])).key()}): faster than this run's best "
+            f"({result.run_best_latency_ms:.4g} ms)"
+        )
+    log.info("study %s: %s", result.study_name, result.tune_file_note)

@@ -1,0 +1,136 @@
+"""Search spaces as data: `search_spaces/<template>.toml` -> SearchSpace."""
+
+from __future__ import annotations
+
+import itertools
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from engine.plan.config import KernelConfig, config_problems
+
+SPACES_DIR = Path(__file__).resolve().parents[2] / "search_spaces"
+_CONFIG_FIELDS = {f.name: f for f in fields(KernelConfig)}
+
+
+class SearchSpaceError(ValueError):
+    """A malformed search-space file."""
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    template: str
+    params: tuple[tuple[str, tuple[Any, ...]], ...]  # ordered (name, choices)
+    seeds: tuple[KernelConfig, ...]
+    exhaustive_max_valid: int = 32
+    n_startup_trials: int = 8
+    source: str = ""
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self.params)
+
+    def choices(self, name: str) -> tuple[Any, ...]:
+        return dict(self.params)[name]
+
+    def config(self, params: dict[str, Any]) -> KernelConfig:
+        return KernelConfig(**{n: params[n] for n in self.names if n in params})
+
+    def params_of(self, cfg: KernelConfig) -> dict[str, Any]:
+        return {n: getattr(cfg, n) for n in self.names}
+
+    def contains(self, cfg: KernelConfig) -> bool:
+        default = KernelConfig()
+        for f in _CONFIG_FIELDS:
+            if f in self.names:
+                if getattr(cfg, f) not in self.choices(f):
+                    return False
+            elif getattr(cfg, f) != getattr(default, f):
+                return False
+        return True
+
+    def all_configs(self) -> list[KernelConfig]:
+        combos = itertools.product(*(c for _, c in self.params))
+        return [KernelConfig(**dict(zip(self.names, combo, strict=True))) for combo in combos]
+
+    def valid_configs(
+        self, head_dim: int, head_dim_v: int, elem_bytes: int = 2
+    ) -> list[KernelConfig]:
+        """Every config of the space the validity model accepts, in a stable order."""
+        return [
+            c
+            for c in self.all_configs()
+            if not config_problems(c, head_dim, head_dim_v, elem_bytes)
+        ]
+
+
+def space_path(template: str, spaces_dir: Path | None = None) -> Path:
+    return (spaces_dir or SPACES_DIR) / f"{template}.toml"
+
+
+def load_space(template: str, spaces_dir: Path | None = None) -> SearchSpace:
+    path = space_path(template, spaces_dir)
+    if not path.exists():
+        have = sorted(p.stem for p in path.parent.glob("*.toml"))
+        raise SearchSpaceError(
+            f"template={template!r}: no search space {path}; known templates: {have}"
+        )
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise SearchSpaceError(f"{path}: not valid TOML ({exc})") from exc
+    return parse_space(data, source=str(path), template=template)
+
+
+def parse_space(data: dict, *, source: str = "<data>", template: str | None = None) -> SearchSpace:
+    unknown = set(data) - {"template", "description", "params", "search", "seed"}
+    if unknown:
+        raise SearchSpaceError(f"{source}: unknown top-level key(s) {sorted(unknown)}")
+    tmpl = data.get("template", template)
+    if not isinstance(tmpl, str) or (template is not None and tmpl != template):
+        raise SearchSpaceError(f"{source}: template={tmpl!r}, expected {template!r}")
+    raw = data.get("params")
+    if not isinstance(raw, dict) or not raw:
+        raise SearchSpaceError(f"{source}: [params] must map KernelConfig fields to lists")
+    params = []
+    for name, choices in raw.items():
+        if name not in _CONFIG_FIELDS:
+            raise SearchSpaceError(
+                f"{source}: params.{name} is not a KernelConfig field; "
+                f"known: {sorted(_CONFIG_FIELDS)}"
+            )
+        want = str if name == "gemm_policy" else int
+        if (
+            not isinstance(choices, list)
+            or not choices
+            or any(type(c) is not want for c in choices)
+            or len(set(choices)) != len(choices)
+        ):
+            raise SearchSpaceError(
+                f"{source}: params.{name}={choices!r}: expected a non-empty list of distinct "
+                f"{want.__name__} values"
+            )
+        params.append((name, tuple(choices)))
+    search = data.get("search", {})
+    bad = set(search) - {"exhaustive_max_valid", "n_startup_trials"}
+    if bad:
+        raise SearchSpaceError(f"{source}: unknown [search] key(s) {sorted(bad)}")
+    space = SearchSpace(
+        template=tmpl,
+        params=tuple(params),
+        seeds=(),
+        exhaustive_max_valid=int(search.get("exhaustive_max_valid", 32)),
+        n_startup_trials=int(search.get("n_startup_trials", 8)),
+        source=source,
+    )
+    seeds = []
+    for i, s in enumerate(data.get("seed", [])):
+        try:
+            cfg = KernelConfig.from_dict(dict(s))
+        except (TypeError, ValueError) as exc:
+            raise SearchSpaceError(f"{source}: seed #{i}: {exc}") from exc
+        if not space.contains(cfg):
+            raise SearchSpaceError(f"{source}: seed #{i} {cfg.key()} is outside [params]")
+        seeds.append(cfg)
+    return SearchSpace(**{**space.__dict__, "seeds": tuple(seeds)})

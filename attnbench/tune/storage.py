@@ -1,0 +1,147 @@
+"""Optuna storage: SQLite by default (embedded), any SQLAlchemy URL (PostgreSQL, MySQL) to share
+a study between processes and hosts, and recovery of trials whose owner died.
+
+A trial's owner is recorded as user attribute `owner` = "<host>:<pid>". A trial still RUNNING
+whose owner is a dead process on this host is failed at once (resume after SIGKILL); one owned
+elsewhere is failed by Optuna's heartbeat once its owner stops beating. Either way its config is
+enqueued again, so nothing is skipped; finished trials are committed rows and never lost.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import optuna
+import sqlalchemy.exc
+from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
+from optuna.trial import TrialState
+
+DEFAULT_STORAGE_FILE = Path("results") / "tune" / "studies.db"
+OWNER_ATTR = "owner"
+
+
+def default_storage_url() -> str:
+    return f"sqlite:///{DEFAULT_STORAGE_FILE}"
+
+
+def owner_tag() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def make_storage(url: str | None, *, heartbeat_s: int = 30) -> RDBStorage:
+    """An RDBStorage for `url` (None: the default SQLite file, its folder created)."""
+    url = url or default_storage_url()
+    if "://" not in url:
+        raise ValueError(
+            f"--storage={url!r}: expected a SQLAlchemy URL such as sqlite:///results/tune/"
+            "studies.db or postgresql+psycopg://user@host/db"
+        )
+    engine_kwargs: dict = {}
+    if url.startswith("sqlite"):
+        path = url.split(":///", 1)[-1]
+        if path and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        # Several processes share one file: wait for the write lock instead of failing.
+        engine_kwargs = {"connect_args": {"timeout": 120}}
+    else:
+        engine_kwargs = {"pool_pre_ping": True}
+    # Tuners started together on a fresh database race to create Optuna's tables; the loser
+    # gets an integrity error and, on retry, finds the tables there.
+    for attempt in range(6):
+        try:
+            with warnings.catch_warnings():  # heartbeats are "experimental" since Optuna 2.9
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                return _rdb_storage(url, engine_kwargs, heartbeat_s)
+        except sqlalchemy.exc.DBAPIError:
+            if attempt == 5:
+                raise
+            time.sleep(0.2 + random.random() * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+def _rdb_storage(url: str, engine_kwargs: dict, heartbeat_s: int) -> RDBStorage:
+    return RDBStorage(
+        url,
+        engine_kwargs=engine_kwargs,
+        heartbeat_interval=heartbeat_s,
+        grace_period=heartbeat_s * 4,
+        heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=2),
+    )
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def reap_dead_trials(study: optuna.Study) -> int:
+    """Fail RUNNING trials whose owner process on this host is dead and enqueue their configs
+    again; then let the heartbeat fail stale trials of other hosts. Returns how many."""
+    host = socket.gethostname()
+    reaped = 0
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        owner = t.user_attrs.get(OWNER_ATTR, "")
+        h, _, pid = owner.rpartition(":")
+        if h != host or not pid.isdigit() or _pid_alive(int(pid)):
+            continue  # alive, or on another host (the heartbeat covers those)
+        storage = study._storage
+        try:
+            storage.set_trial_user_attr(t._trial_id, "fail_reason", f"owner {owner} died")
+            if not storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL):
+                continue
+        except optuna.exceptions.UpdateFinishedTrialError:
+            continue  # another process reaped it first
+        reaped += 1
+        if t.user_attrs.get("candidate") and t.params:
+            study.enqueue_trial(t.params, user_attrs={"retry_of": t.number})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
+    return reaped
+
+
+class Heartbeat:
+    """Beats for the trials a worker has in flight (ask/tell does not start Optuna's own)."""
+
+    def __init__(self, storage: RDBStorage) -> None:
+        self._storage = storage
+        self._ids: set[int] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        interval = storage.get_heartbeat_interval() or 30
+        self._thread = threading.Thread(target=self._run, args=(interval,), daemon=True)
+        self._thread.start()
+
+    def add(self, trial_id: int) -> None:
+        with self._lock:
+            self._ids.add(trial_id)
+        self._storage.record_heartbeat(trial_id)
+
+    def remove(self, trial_id: int) -> None:
+        with self._lock:
+            self._ids.discard(trial_id)
+
+    def _run(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            with self._lock:
+                ids = list(self._ids)
+            for i in ids:
+                try:
+                    self._storage.record_heartbeat(i)
+                except Exception:  # a transient DB error must not kill the worker
+                    pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

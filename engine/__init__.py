@@ -1,0 +1,57 @@
+"""The attention engine: trace a variant written in Python, generate TileLang kernels for
+Hopper, and run them behind torch autograd (see README.md and the seed API)."""
+
+from engine.api import AttentionEngine
+from engine.dsl.expr import (
+    DSLError,
+    Expr,
+    exp,
+    exp2,
+    log,
+    log2,
+    maximum,
+    minimum,
+    sigmoid,
+    tanh,
+    where,
+)
+from engine.dsl.io import CustomIO, meta_tensor
+from engine.dsl.online import (
+    OnlineFunc,
+    OnlineIdentity,
+    OnlineRetention,
+    OnlineSoftmax,
+    SymbolScalar,
+    Var,
+)
+from engine.ir.trace import TraceError
+from engine.mask.block_mask import BlockMask, create_block_mask
+from engine.plan.config import ConfigError, KernelConfig
+
+__all__ = [
+    "AttentionEngine",
+    "BlockMask",
+    "ConfigError",
+    "CustomIO",
+    "DSLError",
+    "Expr",
+    "KernelConfig",
+    "OnlineFunc",
+    "OnlineIdentity",
+    "OnlineRetention",
+    "OnlineSoftmax",
+    "SymbolScalar",
+    "TraceError",
+    "Var",
+    "create_block_mask",
+    "exp",
+    "exp2",
+    "log",
+    "log2",
+    "maximum",
+    "meta_tensor",
+    "minimum",
+    "sigmoid",
+    "tanh",
+    "where",
+]

@@ -1,0 +1,234 @@
+"""AttentionEngine: the user-facing module (API of the seed documents)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from engine.dsl.io import CustomIO
+from engine.dsl.online import OnlineFunc, OnlineSoftmax
+from engine.ir.spec import TracedSpec
+from engine.ir.trace import trace_spec
+from engine.plan.config import KernelConfig
+from engine.reference.executor import Problem
+
+log = logging.getLogger("engine")
+
+BACKENDS = ("auto", "reference", "tilelang")
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_warned: set[str] = set()
+
+
+def _log_once(msg: str) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        log.warning(msg)
+
+
+def _check_meta(qkv_meta: Any) -> tuple[Problem, torch.dtype]:
+    if not isinstance(qkv_meta, (tuple, list)) or len(qkv_meta) != 3:
+        raise ValueError(
+            "qkv_meta: expected a tuple of 3 meta tensors (q, k, v) made with meta_tensor(B, H, S, D)"
+        )
+    for name, t in zip("qkv", qkv_meta, strict=True):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(
+                f"qkv_meta[{name}]: expected a 4-d tensor (B, H, S, D) from meta_tensor, got {t!r:.80}"
+            )
+    qm, km, vm = qkv_meta
+    (B, Hq, Sq, D), (Bk, Hkv, Skv, Dk), (Bv, Hv, Sv, Dv) = qm.shape, km.shape, vm.shape
+    if not (B == Bk == Bv):
+        raise ValueError(f"qkv_meta: batch sizes differ (q {B}, k {Bk}, v {Bv})")
+    if Dk != D:
+        raise ValueError(f"qkv_meta: k head dim {Dk} != q head dim {D}")
+    if (Hv, Sv) != (Hkv, Skv):
+        raise ValueError(f"qkv_meta: v (H={Hv}, S={Sv}) must match k (H={Hkv}, S={Skv})")
+    if Hq % Hkv:
+        raise ValueError(f"qkv_meta: q heads {Hq} must be a multiple of kv heads {Hkv} (GQA)")
+    dtypes = {qm.dtype, km.dtype, vm.dtype}
+    if len(dtypes) != 1:
+        raise ValueError(f"qkv_meta: q, k, v dtypes differ: {qm.dtype}, {km.dtype}, {vm.dtype}")
+    if qm.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(
+            f"qkv_meta: dtype {qm.dtype} not supported; expected one of {_SUPPORTED_DTYPES}"
+        )
+    return Problem(B, Hq, Hkv, Sq, Skv, D, Dv), qm.dtype
+
+
+class AttentionEngine(torch.nn.Module):
+    """A compiled attention variant.
+
+    qkv_meta: (q, k, v) meta tensors in (B, H, S, D) order (see `meta_tensor`). The module is
+    called with runtime tensors laid out q [B, Sq, Hq, D], k [B, Skv, Hkv, D], v [B, Skv, Hkv, Dv]
+    (Hq a multiple of Hkv for GQA), plus the CustomIO tensors, positionally in declaration
+    order or by name. It returns o [B, Sq, Hq, Dv]; gradients flow to q, k, v and to CustomIO
+    tensors that require grad (through score_mod).
+
+    backend: "auto" (TileLang kernels on a Hopper GPU, else the reference executor),
+    "reference", or "tilelang". config: a KernelConfig overriding defaults and tune files.
+    """
+
+    def __init__(
+        self,
+        qkv_meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        custom_fwd_inputs: CustomIO | None = None,
+        score_mod: Callable | None = None,
+        mask_mod: Callable | None = None,
+        online_func: OnlineFunc | None = None,
+        tune: bool = False,
+        tune_file: str | None = None,
+        *,
+        block_mask: Any = None,
+        backend: str = "auto",
+        config: KernelConfig | None = None,
+        deterministic: bool = False,
+    ):
+        super().__init__()
+        self.problem, self.dtype = _check_meta(qkv_meta)
+        if block_mask is not None and mask_mod is not None:
+            raise ValueError(
+                "give the mask once: mask_mod= or block_mask= (seed 002's name), not both"
+            )
+        if block_mask is not None:
+            mask_mod = getattr(block_mask, "mask_mod", block_mask)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
+        if config is not None and not isinstance(config, KernelConfig):
+            raise ValueError(f"config: expected a KernelConfig, got {type(config).__name__}")
+        if not isinstance(tune, bool):
+            raise ValueError(f"tune: expected a bool, got {tune!r}")
+        self.custom_io = custom_fwd_inputs if custom_fwd_inputs is not None else CustomIO({})
+        self.online_func = online_func if online_func is not None else OnlineSoftmax()
+        self.spec: TracedSpec = trace_spec(score_mod, mask_mod, self.online_func, self.custom_io)
+        self.backend_name = backend
+        self.config = config
+        self.tune = tune
+        self.tune_file = tune_file
+        self.deterministic = deterministic
+        self._kernels: Any = None
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def spec_hash(self) -> str:
+        return self.spec.hash
+
+    @property
+    def ir_text(self) -> str:
+        return self.spec.describe()
+
+    @property
+    def kernel_source(self) -> str:
+        """The generated TileLang program of the forward kernel (generated on demand)."""
+        from engine.runtime.tilelang_backend import kernels_for
+
+        return kernels_for(self).forward_source
+
+    def extra_repr(self) -> str:
+        p = self.problem
+        return (
+            f"spec={self.spec.hash}, online={self.spec.online_name}, B={p.batch}, Hq={p.heads_q}, "
+            f"Hkv={p.heads_kv}, Sq={p.seqlen_q}, Skv={p.seqlen_kv}, D={p.head_dim}, "
+            f"Dv={p.head_dim_v}, dtype={self.dtype}, backend={self.backend_name}"
+        )
+
+    # ------------------------------------------------------------------ call
+    def _check_inputs(self, q, k, v, args, kwargs) -> list[torch.Tensor]:
+        p = self.problem
+        want = {
+            "q": (p.batch, p.seqlen_q, p.heads_q, p.head_dim),
+            "k": (p.batch, p.seqlen_kv, p.heads_kv, p.head_dim),
+            "v": (p.batch, p.seqlen_kv, p.heads_kv, p.head_dim_v),
+        }
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+            if tuple(t.shape) != want[name]:
+                raise ValueError(
+                    f"{name}: shape {tuple(t.shape)} does not match qkv_meta; expected "
+                    f"{want[name]} (runtime layout [B, S, H, D])"
+                )
+            if t.dtype != self.dtype:
+                raise ValueError(f"{name}: dtype {t.dtype}; expected {self.dtype} (from qkv_meta)")
+            if t.device != q.device:
+                raise ValueError(f"{name}: on {t.device}; expected {q.device} (the device of q)")
+            if t.stride(-1) != 1:
+                raise ValueError(
+                    f"{name}: last-dim stride {t.stride(-1)}; expected 1 (call .contiguous())"
+                )
+        names = self.custom_io.names()
+        if len(args) > len(names):
+            raise TypeError(
+                f"got {len(args)} positional custom inputs; declared: {names or 'none'}"
+            )
+        given = dict(zip(names, args, strict=False))
+        for key, val in kwargs.items():
+            if key not in names:
+                raise TypeError(
+                    f"unexpected input {key!r}; declared CustomIO inputs: {names or 'none'}"
+                )
+            if key in given:
+                raise TypeError(f"custom input {key!r} given twice")
+            given[key] = val
+        out = []
+        sizes = p.named_sizes()
+        for n in names:
+            if n not in given:
+                raise TypeError(
+                    f"missing custom input {n!r} (declared dims {self.custom_io.decls[n]})"
+                )
+            t = given[n]
+            exp = self.custom_io.expected_shape(n, sizes)
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(
+                    f"custom input {n!r}: expected a torch.Tensor, got {type(t).__name__}"
+                )
+            if tuple(t.shape) != exp:
+                raise ValueError(
+                    f"custom input {n!r}: shape {tuple(t.shape)}; expected {exp} "
+                    f"(dims {self.custom_io.decls[n]})"
+                )
+            if t.device != q.device:
+                raise ValueError(f"custom input {n!r}: on {t.device}; expected {q.device}")
+            out.append(t)
+        return out
+
+    def resolved_backend(self, device: torch.device) -> str:
+        if self.backend_name == "tilelang":
+            from engine.runtime.device import hopper_problem
+
+            reason = hopper_problem(device, self.dtype)
+            if reason is not None:
+                raise RuntimeError(f"backend='tilelang' cannot run here: {reason}")
+            return "tilelang"
+        if self.backend_name == "reference":
+            return "reference"
+        from engine.runtime.device import hopper_problem
+
+        reason = hopper_problem(device, self.dtype)
+        if reason is None:
+            return "tilelang"
+        _log_once(f"engine: running the reference executor ({reason})")
+        return "reference"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *custom: torch.Tensor,
+        return_lse: bool = False,
+        **named: torch.Tensor,
+    ):
+        customs = self._check_inputs(q, k, v, custom, named)
+        if self.resolved_backend(q.device) == "tilelang":
+            from engine.runtime.tilelang_backend import run as run_kernels
+
+            o, finals = run_kernels(self, q, k, v, customs)
+        else:
+            from engine.runtime.reference_backend import run as run_reference
+
+            o, finals = run_reference(self.spec, tuple(self.custom_io.names()), q, k, v, customs)
+        return (o, finals) if return_lse else o

@@ -1,0 +1,1 @@
+"""TileLang code generation from the traced IR."""

@@ -1,0 +1,350 @@
+"""The backward kernel templates: TileLang source generated from a TracedSpec.
+
+Three kernels, mirroring the reference executor's `backward()`:
+
+- preprocess (only when the spec's `bwd` reads `doosum`): Delta[b, h, q] = sum_d dO * O (fp32).
+- main: one thread block per (kv block of block_N keys, query head, batch). K and V tiles
+  stay in shared memory; the block walks the query blocks [LoT, HiT) that the mask analysis
+  found non-empty for its kv block. Everything is computed in the transposed frame (rows =
+  keys i, columns = queries j) so that P^T and dS^T are register fragments that feed the
+  dV += P^T dO and dK += dS^T Q wgmmas directly:
+      S^T = K Q^T (recomputed), P^T = fwd_recompute(score_mod(S^T), finals)
+      dP^T = V dO^T, dS'^T = bwd(dP^T, P^T, finals, doosum), dS^T = dS'^T * d score_mod/d score
+      dQ += dS K (fp32 atomics, one partial product per kv block)
+  Only partial blocks (mask analysis, plus the key and query tails) evaluate the mask; there
+  masked entries give P = 0 and dS = 0.
+- postprocess: dQ, dK, dV are accumulated in fp32 and cast to the input dtype by the caller
+  (engine.runtime.backward_kernels). dK / dV are accumulated with fp32 atomics into the kv
+  head, so GQA needs no extra reduction (G = 1 has no contention; the atomics act as stores).
+"""
+
+from __future__ import annotations
+
+from engine.codegen.emit import Emitter
+from engine.dsl.expr import Expr, leaf, leaves, topo
+from engine.ir.diff import diff
+from engine.ir.rewrite import substitute
+from engine.ir.spec import TracedSpec
+from engine.plan.config import (
+    GEMM_POLICIES,
+    SMEM_LIMIT_BYTES,
+    ConfigError,
+    KernelConfig,
+    consumer_register_cap,
+    warp_partition,
+)
+from engine.plan.shape import KernelShape
+
+_TL_DTYPE = {"float16": "float16", "bfloat16": "bfloat16"}
+# Rows of the preprocess kernel per thread block.
+PREP_ROWS = 32
+
+# Preference order for the main kernel. block_N = keys per thread block (rows of every
+# fragment), block_M = queries per inner step. The kernel holds dK and dV [block_N x D]
+# accumulators for the whole loop, so block_M stays small: at D = 128 and 256 threads,
+# 128 x 32 needs about 208 fp32 registers per thread, 128 x 64 about 288 (over the cap).
+PREFERENCE: tuple[KernelConfig, ...] = (
+    KernelConfig(block_M=64, block_N=128, num_stages=2, threads=256),
+    KernelConfig(block_M=32, block_N=128, num_stages=2, threads=256),
+    KernelConfig(block_M=32, block_N=64, num_stages=2, threads=128),
+    KernelConfig(block_M=16, block_N=64, num_stages=1, threads=128),
+)
+
+
+def backward_resources(
+    cfg: KernelConfig, head_dim: int, head_dim_v: int, elem_bytes: int = 2, n_rows: int = 2
+) -> dict[str, int]:
+    """Shared memory (bytes) and fp32-equivalent accumulator registers per consumer thread of
+    the main backward kernel; `n_rows` counts the per-query fp32 vectors (finals, Delta)."""
+    bM, bN, st = cfg.block_M, cfg.block_N, cfg.num_stages
+    smem = (
+        elem_bytes
+        * (
+            bN * (head_dim + head_dim_v)  # K, V (loaded once)
+            + st * bM * (head_dim + head_dim_v)  # Q, dO ring buffers
+            + bN * bM  # dS^T staged for the dQ gemm
+        )
+        + 4 * bM * n_rows
+    )
+    per = lambda n: -(-n // cfg.threads)  # noqa: E731 - ceil division
+    regs = (
+        per(bN * (head_dim + head_dim_v))  # dK, dV accumulators
+        + 3 * per(bN * bM)  # S^T, dP^T, P^T (fp32)
+        + per(bN * bM)  # P^T and dS^T in 16 bits (two halves per register)
+        + per(bM * head_dim)  # dQ partial product
+    )
+    return {"smem_bytes": smem, "regs_per_thread": regs}
+
+
+def backward_config_problems(
+    cfg: KernelConfig, head_dim: int, head_dim_v: int, elem_bytes: int = 2, n_rows: int = 2
+) -> list[str]:
+    """Every reason `cfg` is invalid for the main backward kernel (empty list: valid)."""
+    out: list[str] = []
+    if cfg.threads not in (128, 256, 384):
+        out.append(f"threads={cfg.threads}: expected 128, 256 or 384 (whole warpgroups)")
+        return out
+    if cfg.gemm_policy not in GEMM_POLICIES:
+        out.append(f"gemm_policy={cfg.gemm_policy!r}: expected one of {GEMM_POLICIES}")
+        return out
+    if cfg.block_M % 16 or not 16 <= cfg.block_M <= 128:
+        out.append(f"block_M={cfg.block_M}: expected a multiple of 16 in 16..128")
+    if not 1 <= cfg.num_stages <= 4:
+        out.append(f"num_stages={cfg.num_stages}: expected 1..4")
+    if head_dim % 16 or head_dim_v % 16:
+        out.append(f"head dims {head_dim}/{head_dim_v}: expected multiples of 16")
+    warps = cfg.threads // 32
+    # P^T and dS^T stay in registers as the A operand of the dV / dK gemms: every warp must own
+    # whole rows (keys) of S^T, dV and dK, i.e. the warps split block_N only.
+    for what, n in (
+        ("S^T = K Q^T", cfg.block_M),
+        ("dV += P^T dO", head_dim_v),
+        ("dK += dS^T Q", head_dim),
+    ):
+        split = warp_partition(cfg.block_N, n, warps, cfg.gemm_policy, True)
+        if split is None or split[1] != 1:
+            out.append(
+                f"{what} [{cfg.block_N}x{n}]: {warps} warps must all split the {cfg.block_N} "
+                f"keys (block_N a multiple of {16 * warps} with wgmma warpgroups of 64 rows)"
+            )
+            break
+    if warp_partition(cfg.block_M, head_dim, warps, "Square", False) is None:
+        out.append(f"dQ = dS K [{cfg.block_M}x{head_dim}]: no warp partition for {warps} warps")
+    res = backward_resources(cfg, head_dim, head_dim_v, elem_bytes, n_rows)
+    if res["smem_bytes"] > SMEM_LIMIT_BYTES:
+        out.append(f"shared memory {res['smem_bytes'] // 1024} KiB > {SMEM_LIMIT_BYTES // 1024} KiB")
+    cap = consumer_register_cap(cfg.threads)
+    if res["regs_per_thread"] > cap:
+        out.append(
+            f"accumulators need about {res['regs_per_thread']} registers per thread > {cap} "
+            f"(dK/dV [{cfg.block_N}x{head_dim}/{head_dim_v}], tiles [{cfg.block_N}x{cfg.block_M}])"
+        )
+    return out
+
+
+def check_backward_config(
+    cfg: KernelConfig, head_dim: int, head_dim_v: int, elem_bytes: int = 2, n_rows: int = 2
+) -> KernelConfig:
+    problems = backward_config_problems(cfg, head_dim, head_dim_v, elem_bytes, n_rows)
+    if problems:
+        raise ConfigError(f"invalid backward KernelConfig {cfg.key()}: " + "; ".join(problems))
+    return cfg
+
+
+def default_backward_config(head_dim: int, head_dim_v: int, elem_bytes: int = 2) -> KernelConfig:
+    for cfg in PREFERENCE:
+        if not backward_config_problems(cfg, head_dim, head_dim_v, elem_bytes):
+            return cfg
+    raise ConfigError(
+        f"no valid backward kernel config for head dims D={head_dim}, Dv={head_dim_v} "
+        "(dK and dV accumulators must fit in registers)"
+    )
+
+
+def _writer_lines(lines: list[str], indent: int, text: str) -> None:
+    for ln in text.splitlines():
+        lines.append("    " * indent + ln)
+
+
+def generate_preprocess(shape: KernelShape) -> str:
+    """TileLang source of `main`: Delta[b, h, q] = sum_d dO[b, q, h, d] * O[b, q, h, d]."""
+    dt = _TL_DTYPE[shape.dtype]
+    B, Sq, H, Dv, R = shape.batch, shape.seqlen_q, shape.heads_q, shape.head_dim_v, PREP_ROWS
+    row = f"T.min(bx * {R} + i, {Sq - 1})"
+    lines: list[str] = [
+        "# Generated by engine.codegen.backward: preprocess (Delta = rowsum(dO * O))",
+        "import tilelang.language as T\n\n",
+        "@T.prim_func",
+        "def main(",
+        f'    O: T.Tensor(({B}, {Sq}, {H}, {Dv}), "{dt}"),',
+        f'    dO: T.Tensor(({B}, {Sq}, {H}, {Dv}), "{dt}"),',
+        f'    Delta: T.Tensor(({B}, {H}, {Sq}), "float32"),',
+        "):",
+    ]
+    body = f"""with T.Kernel({-(-Sq // R)}, {H}, {B}, threads=128) as (bx, by, bz):
+    acc = T.alloc_fragment(({R}, {Dv}), "float32")
+    delta = T.alloc_fragment(({R},), "float32")
+    for i, j in T.Parallel({R}, {Dv}):
+        acc[i, j] = T.Cast("float32", O[bz, {row}, by, j]) * T.Cast("float32", dO[bz, {row}, by, j])
+    T.reduce_sum(acc, delta, dim=1)
+    for i in T.Parallel({R}):
+        if bx * {R} + i < {Sq}:
+            Delta[bz, by, bx * {R} + i] = delta[i]"""
+    _writer_lines(lines, 1, body)
+    return "\n".join(lines) + "\n"
+
+
+def _check_spec(spec: TracedSpec) -> None:
+    for name, root in (("fwd_recompute", spec.fwd_recompute), ("bwd", spec.bwd)):
+        if any(n.op == "reduce" for n in topo([root])):
+            raise NotImplementedError(
+                f"backward kernel: {name} uses a row reduction; only elementwise rules are supported"
+            )
+        bad = {n.op for n in leaves([root])} - {
+            "const",
+            "score",
+            "final",
+            "dp",
+            "p",
+            "doosum",
+            "idx",
+            "custom",
+        }
+        if bad:
+            raise NotImplementedError(f"backward kernel: {name} reads {sorted(bad)}")
+
+
+def generate_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig) -> str:
+    """TileLang source defining `main`, the main backward prim_func of `spec` at `shape`."""
+    _check_spec(spec)
+    bM, bN, D, Dv = cfg.block_M, cfg.block_N, shape.head_dim, shape.head_dim_v
+    Sq, Skv = shape.seqlen_q, shape.seqlen_kv
+    G = shape.heads_q // shape.heads_kv
+    nqb, nkb = -(-Sq // bM), -(-Skv // bN)
+    dt = _TL_DTYPE[shape.dtype]
+    policy = f"T.GemmWarpPolicy.{cfg.gemm_policy}"
+    mb = "bz" if shape.mask_batch > 1 else "0"
+    mh = "by" if shape.mask_heads > 1 else "0"
+
+    # All tile expressions are written over the raw score (the `score` leaf of fwd_recompute
+    # and bwd is the score after score_mod), marked with a distinct leaf bound to S^T.
+    score = leaf("score", ("m", "n"))
+    raw = leaf("rawscore", ("m", "n"))
+    smod = substitute(spec.score_mod, {score.key: raw})
+    p_expr = substitute(spec.fwd_recompute, {score.key: smod})
+    ds_mod = substitute(spec.bwd, {score.key: smod})
+    dsm_ds = substitute(diff(spec.score_mod, score), {score.key: raw})
+
+    # Transposed frame: i runs over keys (fragment rows), j over queries (fragment columns).
+    q_idx, kv_idx = f"(qb * {bM} + j)", f"(bx * {bN} + i)"
+    index_text = {"b": "bz", "h": "by", "q": q_idx, "kv": kv_idx}
+    clamp = {"q": f"T.min({q_idx}, {Sq - 1})", "kv": f"T.min({kv_idx}, {Skv - 1})"}
+
+    def bind(node: Expr) -> str | None:
+        if node.op == "rawscore":
+            return "sT[i, j]"
+        if node.op == "idx":
+            return index_text[node.attr]
+        if node.op == "custom":
+            name, _, index = node.attr
+            parts = [clamp.get(s, index_text.get(s, "0")) if isinstance(s, str) else "0" for s in index]
+            return f"C_{name}[{', '.join(parts)}]"
+        # Per-query vectors are read from global memory in the elementwise loop (L1-cached):
+        # staging them in shared memory made TileLang's warp specialisation give the copy to a
+        # 256-thread cp.async producer, capping every thread at 128 registers (spills).
+        if node.op == "final":
+            return f"F_{node.attr}[bz, by, {clamp['q']}]"
+        if node.op == "doosum":
+            return f"Delta[bz, by, {clamp['q']}]"
+        if node.op == "dp":
+            return "dpT[i, j]"
+        if node.op == "p":
+            return "pT[i, j]"
+        return None
+
+    def tile_body(mask: str | None) -> str:
+        em = Emitter(bind)
+        p_text = em.float_(p_expr)
+        ds_text = em.float_(ds_mod)
+        if not (dsm_ds.op == "const" and float(dsm_ds.attr) == 1.0):
+            ds_text = f"({ds_text} * {em.float_(dsm_ds)})"
+        if mask is not None:
+            p_text = f"T.if_then_else({mask}, {p_text}, T.float32(0.0))"
+            ds_text = f"T.if_then_else({mask}, {ds_text}, T.float32(0.0))"
+        return (
+            f"for i, j in T.Parallel({bN}, {bM}):\n"
+            f"    pT[i, j] = {p_text}\n"
+            f"    pT_cast[i, j] = pT[i, j]\n"
+            f"    dsT_cast[i, j] = {ds_text}"
+        )
+
+    conds = [f"({kv_idx} < {Skv})", f"({q_idx} < {Sq})"]
+    if spec.mask is not None:
+        conds.insert(0, Emitter(bind).text(spec.mask))
+    mask_text = conds[0]
+    for c in conds[1:]:
+        mask_text = f"T.And({mask_text}, {c})"
+
+    # ------------------------------------------------------------- signature
+    args = [
+        f'Q: T.Tensor(({shape.batch}, {Sq}, {shape.heads_q}, {D}), "{dt}")',
+        f'K: T.Tensor(({shape.batch}, {Skv}, {shape.heads_kv}, {D}), "{dt}")',
+        f'V: T.Tensor(({shape.batch}, {Skv}, {shape.heads_kv}, {Dv}), "{dt}")',
+        f'dO: T.Tensor(({shape.batch}, {Sq}, {shape.heads_q}, {Dv}), "{dt}")',
+    ]
+    sizes = {"batch": shape.batch, "heads": shape.heads_q, "seq_len": Sq, "seq_len_kv": Skv}
+    for name, dims in spec.customs:
+        dshape = ", ".join(str(sizes[d]) if isinstance(d, str) else "1" for d in dims)
+        args.append(f'C_{name}: T.Tensor(({dshape},), "float32")')
+    args += [
+        f'LoT: T.Tensor(({shape.mask_batch}, {shape.mask_heads}, {nkb}), "int32")',
+        f'HiT: T.Tensor(({shape.mask_batch}, {shape.mask_heads}, {nkb}), "int32")',
+        f'ClsT: T.Tensor(({shape.mask_batch}, {shape.mask_heads}, {nkb}, {nqb}), "int8")',
+    ]
+    for name in spec.final_names:
+        args.append(f'F_{name}: T.Tensor(({shape.batch}, {shape.heads_q}, {Sq}), "float32")')
+    if spec.uses_doosum:
+        args.append(f'Delta: T.Tensor(({shape.batch}, {shape.heads_q}, {Sq}), "float32")')
+    args += [
+        f'dQ: T.Tensor(({shape.batch}, {Sq}, {shape.heads_q}, {D}), "float32")',
+        f'dK: T.Tensor(({shape.batch}, {Skv}, {shape.heads_kv}, {D}), "float32")',
+        f'dV: T.Tensor(({shape.batch}, {Skv}, {shape.heads_kv}, {Dv}), "float32")',
+    ]
+
+    lines: list[str] = []
+    w = lambda ind, text: _writer_lines(lines, ind, text)  # noqa: E731
+    w(0, f"# Generated by engine.codegen.backward: spec {spec.hash}, config {cfg.key()}")
+    w(0, "import tilelang.language as T\n\n")
+    w(0, "@T.prim_func")
+    w(0, "def main(")
+    for a in args:
+        w(1, a + ",")
+    w(0, "):")
+    w(1, f"with T.Kernel({nkb}, {shape.heads_q}, {shape.batch}, threads={cfg.threads}) as (bx, by, bz):")
+    b = 2
+    w(b, f'K_shared = T.alloc_shared(({bN}, {D}), "{dt}")')
+    w(b, f'V_shared = T.alloc_shared(({bN}, {Dv}), "{dt}")')
+    w(b, f'Q_shared = T.alloc_shared(({bM}, {D}), "{dt}")')
+    w(b, f'dO_shared = T.alloc_shared(({bM}, {Dv}), "{dt}")')
+    w(b, f'dsT_shared = T.alloc_shared(({bN}, {bM}), "{dt}")')
+    w(b, f'sT = T.alloc_fragment(({bN}, {bM}), "float32")')
+    w(b, f'dpT = T.alloc_fragment(({bN}, {bM}), "float32")')
+    w(b, f'pT = T.alloc_fragment(({bN}, {bM}), "float32")')
+    w(b, f'pT_cast = T.alloc_fragment(({bN}, {bM}), "{dt}")')
+    w(b, f'dsT_cast = T.alloc_fragment(({bN}, {bM}), "{dt}")')
+    w(b, f'dv = T.alloc_fragment(({bN}, {Dv}), "float32")')
+    w(b, f'dk = T.alloc_fragment(({bN}, {D}), "float32")')
+    w(b, f'dq = T.alloc_fragment(({bM}, {D}), "float32")')
+    if cfg.swizzle_panel:
+        w(b, f"T.use_swizzle({cfg.swizzle_panel})")
+    w(b, f"T.copy(K[bz, bx * {bN}:(bx + 1) * {bN}, by // {G}, :], K_shared)")
+    w(b, f"T.copy(V[bz, bx * {bN}:(bx + 1) * {bN}, by // {G}, :], V_shared)")
+    w(b, "T.clear(dk)")
+    w(b, "T.clear(dv)")
+    lo, hi = f"LoT[{mb}, {mh}, bx]", f"HiT[{mb}, {mh}, bx]"
+    w(b, f"for k in T.Pipelined({hi} - {lo}, num_stages={cfg.num_stages}):")
+    lb = b + 1
+    w(lb, f"qb: T.int32 = {lo} + k")
+    w(lb, f"T.copy(Q[bz, qb * {bM}:(qb + 1) * {bM}, by, :], Q_shared)")
+    w(lb, "T.clear(sT)")
+    w(lb, f"T.gemm(K_shared, Q_shared, sT, transpose_B=True, policy={policy})")
+    w(lb, f"T.copy(dO[bz, qb * {bM}:(qb + 1) * {bM}, by, :], dO_shared)")
+    w(lb, "T.clear(dpT)")
+    w(lb, f"T.gemm(V_shared, dO_shared, dpT, transpose_B=True, policy={policy})")
+    w(lb, f"if ClsT[{mb}, {mh}, bx, qb] == 2:")
+    w(lb + 1, tile_body(None))
+    w(lb, "else:")
+    w(lb + 1, tile_body(mask_text))
+    w(lb, f"T.gemm(pT_cast, dO_shared, dv, policy={policy})")
+    w(lb, f"T.gemm(dsT_cast, Q_shared, dk, policy={policy})")
+    w(lb, "T.copy(dsT_cast, dsT_shared)")
+    w(lb, "T.clear(dq)")
+    w(lb, "T.gemm(dsT_shared, K_shared, dq, transpose_A=True)")
+    w(lb, f"for i, j in T.Parallel({bM}, {D}):")
+    w(lb + 1, f"if qb * {bM} + i < {Sq}:")
+    w(lb + 2, f"T.atomic_add(dQ[bz, qb * {bM} + i, by, j], dq[i, j])")
+    for buf, out, width in (("dv", "dV", Dv), ("dk", "dK", D)):
+        w(b, f"for i, j in T.Parallel({bN}, {width}):")
+        w(b + 1, f"if bx * {bN} + i < {Skv}:")
+        w(b + 2, f"T.atomic_add({out}[bz, bx * {bN} + i, by // {G}, j], {buf}[i, j])")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,122 @@
+"""Render IR expressions as TileLang (TVM script) expression text.
+
+Leaves are bound by the caller (`bind`: which buffer element or loop index a leaf reads).
+Integer subexpressions (index arithmetic) stay int32 and are cast where they meet floats,
+since TVM refuses mixed-type arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from engine.dsl.expr import Expr
+
+LOG2E = 1.4426950408889634
+F32 = '"float32"'
+
+_INFIX = {
+    "add": "+",
+    "sub": "-",
+    "mul": "*",
+    "div": "/",
+    "ge": ">=",
+    "gt": ">",
+    "le": "<=",
+    "lt": "<",
+    "eq": "==",
+    "ne": "!=",
+}
+_UNARY = {
+    "exp2": "T.exp2",
+    "log": "T.log",
+    "log2": "T.log2",
+    "tanh": "T.tanh",
+    "sigmoid": "T.sigmoid",
+    "abs": "T.abs",
+}
+
+
+def const_text(value: float | int | bool, dtype: str) -> str:
+    if dtype == "bool":
+        return "T.bool(True)" if value else "T.bool(False)"
+    if dtype == "int":
+        return f"T.int32({int(value)})"
+    v = float(value)
+    if math.isinf(v):
+        return f"T.infinity({F32})" if v > 0 else f"(-T.infinity({F32}))"
+    return f"T.float32({v!r})"
+
+
+class Emitter:
+    """Turns an expression into text; `bind(node) -> str | None` supplies leaf (or any
+    precomputed node) text. Results are memoised per node key."""
+
+    def __init__(self, bind: Callable[[Expr], str | None]):
+        self.bind = bind
+        self.memo: dict[tuple, str] = {}
+
+    def float_(self, e: Expr) -> str:
+        t = self.text(e)
+        return f"T.Cast({F32}, {t})" if e.dtype in ("int", "bool") else t
+
+    def text(self, e: Expr) -> str:
+        if e.key in self.memo:
+            return self.memo[e.key]
+        bound = self.bind(e)
+        if bound is not None:
+            out = bound
+        else:
+            out = self._render(e)
+        self.memo[e.key] = out
+        return out
+
+    def _render(self, e: Expr) -> str:
+        op, a = e.op, e.args
+        if op == "const":
+            return const_text(e.attr, e.dtype)
+        if not a:
+            raise ValueError(f"codegen: leaf {op} ({e.attr}) has no binding in this context")
+        if op in ("add", "sub", "mul", "div"):
+            if e.dtype == "int":
+                return f"({self.text(a[0])} {_INFIX[op]} {self.text(a[1])})"
+            return f"({self.float_(a[0])} {_INFIX[op]} {self.float_(a[1])})"
+        if op in ("ge", "gt", "le", "lt", "eq", "ne"):
+            if a[0].dtype == "int" and a[1].dtype == "int":
+                return f"({self.text(a[0])} {_INFIX[op]} {self.text(a[1])})"
+            return f"({self.float_(a[0])} {_INFIX[op]} {self.float_(a[1])})"
+        if op == "and":
+            return f"T.And({self.text(a[0])}, {self.text(a[1])})"
+        if op == "or":
+            return f"T.Or({self.text(a[0])}, {self.text(a[1])})"
+        if op == "not":
+            return f"T.Not({self.text(a[0])})"
+        if op == "neg":
+            return f"(-{self.text(a[0])})"
+        if op == "exp":
+            # exp(x) = exp2(x * log2 e), with log2 e folded into constants and pushed through
+            # + and - (stopping at values already in registers), so s*c - m becomes one FFMA.
+            from engine.ir.rewrite import distribute_exp_scale
+
+            inner = distribute_exp_scale(a[0], LOG2E, stop=lambda n: self.bind(n) is not None)
+            return f"T.exp2({self.float_(inner)})"
+        if op in _UNARY:
+            return f"{_UNARY[op]}({self.float_(a[0])})"
+        if op in ("max", "min"):
+            fn = "T.max" if op == "max" else "T.min"
+            if e.dtype == "int":
+                return f"{fn}({self.text(a[0])}, {self.text(a[1])})"
+            return f"{fn}({self.float_(a[0])}, {self.float_(a[1])})"
+        if op == "pow":
+            c = e.attr
+            if c == 2.0:
+                x = self.float_(a[0])
+                return f"({x} * {x})"
+            return f"T.pow({self.float_(a[0])}, T.float32({c!r}))"
+        if op == "where":
+            if e.dtype == "float":
+                return (
+                    f"T.if_then_else({self.text(a[0])}, {self.float_(a[1])}, {self.float_(a[2])})"
+                )
+            return f"T.if_then_else({self.text(a[0])}, {self.text(a[1])}, {self.text(a[2])})"
+        raise ValueError(f"codegen: op {op!r} cannot be emitted here")

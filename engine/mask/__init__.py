@@ -1,0 +1,1 @@
+"""Mask analysis: which (q block, kv block) pairs are empty, partial or full."""

@@ -1,0 +1,25 @@
+"""Default kernel configs when no tune file has an entry: the first valid config, by the
+validity model, from a preference order measured on the H100 (see results/)."""
+
+from __future__ import annotations
+
+from engine.plan.config import KernelConfig, config_problems
+
+# Preference order: large tiles first (they amortise the softmax per wgmma best), then
+# smaller tiles / fewer stages as head dims grow and shared memory runs out.
+PREFERENCE: tuple[KernelConfig, ...] = (
+    KernelConfig(192, 128, 2, 384),  # 3 consumer warpgroups: 648-656 TFLOP/s at D=128 (H100)
+    KernelConfig(128, 128, 2, 256),
+    KernelConfig(128, 64, 2, 256),
+    KernelConfig(128, 64, 1, 256),
+    KernelConfig(64, 64, 2, 128),
+    KernelConfig(64, 64, 1, 128),
+    KernelConfig(64, 32, 1, 128),
+)
+
+
+def default_forward_config(head_dim: int, head_dim_v: int, elem_bytes: int = 2) -> KernelConfig:
+    for cfg in PREFERENCE:
+        if not config_problems(cfg, head_dim, head_dim_v, elem_bytes):
+            return cfg
+    raise ValueError(f"no valid forward kernel config for head dims D={head_dim}, Dv={head_dim_v}")

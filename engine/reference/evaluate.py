@@ -1,0 +1,148 @@
+"""Evaluate IR expressions with torch ops (any device, any float dtype).
+
+Layout: score tiles are [B, H, M, N], row values [B, H, M, 1], the output tile [B, H, M, Dv];
+index leaves are aranges shaped to broadcast (b: [B,1,1,1], h: [1,H,1,1], q: [1,1,M,1],
+kv: [1,1,1,N]). Everything here is differentiable by torch autograd.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.dsl.expr import Expr, topo
+
+_NEUTRAL = {"max": float("-inf"), "min": float("inf"), "sum": 0.0, "abssum": 0.0}
+
+
+@dataclass
+class Env:
+    """Values of the leaves for one evaluation."""
+
+    dtype: torch.dtype
+    device: torch.device
+    leaves: dict[str, torch.Tensor] = field(default_factory=dict)  # score, o, dp, p, doosum
+    rowscale: dict[str, torch.Tensor] = field(default_factory=dict)
+    final: dict[str, torch.Tensor] = field(default_factory=dict)
+    index: dict[str, torch.Tensor] = field(default_factory=dict)  # b, h, q, kv
+    customs: dict[str, torch.Tensor] = field(default_factory=dict)
+    mask: torch.Tensor | None = None  # bool tile: masked entries are neutral in reductions
+
+
+def index_tensors(
+    B: int, H: int, q_idx: torch.Tensor, kv_idx: torch.Tensor, device: torch.device
+) -> dict[str, torch.Tensor]:
+    return {
+        "b": torch.arange(B, device=device).view(B, 1, 1, 1),
+        "h": torch.arange(H, device=device).view(1, H, 1, 1),
+        "q": q_idx.to(device).view(1, 1, -1, 1),
+        "kv": kv_idx.to(device).view(1, 1, 1, -1),
+    }
+
+
+def custom_value(t: torch.Tensor, index: tuple, env: Env) -> torch.Tensor:
+    """Read custom tensor `t` at the symbolic `index` (entries "b", "h", "q", "kv" or 0)."""
+    idx = [
+        env.index[i] if isinstance(i, str) else torch.zeros((), dtype=torch.long, device=t.device)
+        for i in index
+    ]
+    val = t[tuple(idx)]
+    while val.dim() < 4:
+        val = val.unsqueeze(0)
+    return val
+
+
+def evaluate(roots: list[Expr], env: Env) -> list[torch.Tensor]:
+    vals: dict[tuple, torch.Tensor] = {}
+    for node in topo(roots):
+        vals[node.key] = _eval_node(node, [vals[a.key] for a in node.args], env)
+    return [vals[r.key] for r in roots]
+
+
+def _const(node: Expr, env: Env) -> torch.Tensor:
+    dt = {"bool": torch.bool, "int": torch.int64}.get(node.dtype, env.dtype)
+    return torch.tensor(node.attr, dtype=dt, device=env.device)
+
+
+def _eval_node(node: Expr, a: list[torch.Tensor], env: Env) -> torch.Tensor:
+    op = node.op
+    if op == "const":
+        return _const(node, env)
+    if op == "idx":
+        return env.index[node.attr]
+    if op == "custom":
+        name, _, index = node.attr
+        return custom_value(env.customs[name], index, env).to(env.dtype)
+    if op == "rowscale":
+        return env.rowscale[node.attr]
+    if op == "final":
+        return env.final[node.attr]
+    if op in ("score", "o", "dp", "p", "doosum"):
+        return env.leaves[op]
+    f = lambda t: t.to(env.dtype) if not t.is_floating_point() else t  # noqa: E731
+    if op == "neg":
+        return -a[0]
+    if op == "exp":
+        return torch.exp(f(a[0]))
+    if op == "exp2":
+        return torch.exp2(f(a[0]))
+    if op == "log":
+        return torch.log(f(a[0]))
+    if op == "log2":
+        return torch.log2(f(a[0]))
+    if op == "tanh":
+        return torch.tanh(f(a[0]))
+    if op == "sigmoid":
+        return torch.sigmoid(f(a[0]))
+    if op == "abs":
+        return torch.abs(a[0])
+    if op == "not":
+        return ~a[0]
+    if op == "pow":
+        return torch.pow(f(a[0]), node.attr)
+    if op == "add":
+        return a[0] + a[1]
+    if op == "sub":
+        return a[0] - a[1]
+    if op == "mul":
+        return a[0] * a[1]
+    if op == "div":
+        return f(a[0]) / a[1]
+    if op == "max":
+        x, y = torch.broadcast_tensors(*_promote(a))
+        return torch.maximum(x, y)
+    if op == "min":
+        x, y = torch.broadcast_tensors(*_promote(a))
+        return torch.minimum(x, y)
+    if op in ("ge", "gt", "le", "lt", "eq", "ne"):
+        return getattr(torch, op)(*_promote(a))
+    if op == "and":
+        return a[0] & a[1]
+    if op == "or":
+        return a[0] | a[1]
+    if op == "where":
+        x, y = _promote(a[1:])
+        return torch.where(a[0], x, y)
+    if op == "reduce":
+        x = a[0]
+        if env.mask is not None:
+            x = torch.where(
+                env.mask, x, torch.full((), _NEUTRAL[node.attr], dtype=x.dtype, device=x.device)
+            )
+        if node.attr == "max":
+            return x.amax(dim=-1, keepdim=True)
+        if node.attr == "min":
+            return x.amin(dim=-1, keepdim=True)
+        if node.attr == "sum":
+            return x.sum(dim=-1, keepdim=True)
+        return x.abs().sum(dim=-1, keepdim=True)
+    raise ValueError(f"evaluate: unknown op {op!r}")  # pragma: no cover
+
+
+def _promote(ts) -> list[torch.Tensor]:
+    ts = list(ts)
+    if any(t.is_floating_point() for t in ts):
+        dt = next(t.dtype for t in ts if t.is_floating_point())
+        ts = [t if t.is_floating_point() else t.to(dt) for t in ts]
+    return ts

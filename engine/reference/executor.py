@@ -1,0 +1,272 @@
+"""The reference executor: runs a TracedSpec with plain torch ops on any device.
+
+Two forward modes:
+- `materialized`: the whole key range is one block, so each row is normalised in one pass;
+  this is the definition the kernels are tested against.
+- `online`: the key range is walked block by block, applying `online_fwd` per block exactly as
+  a kernel does (block_N columns at a time); it checks the user's online algorithm.
+
+Masked entries take no part in row reductions (they count as the reduction's neutral value),
+get p = 0, and a row whose block holds no unmasked key leaves its online state unchanged. A row
+with no unmasked key at all outputs zeros; its final row scales are the epilogue's values for
+the initial state (lse = -inf for softmax), NaN replaced by the declared initial value.
+
+The backward follows the user's rules: p is recomputed with `forward` from the saved final row
+scales, `backward` gives d(score after score_mod), and the chain rule through score_mod uses
+its symbolic derivative.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from engine.dsl.expr import Expr, leaves
+from engine.ir.diff import diff
+from engine.ir.spec import TracedSpec
+from engine.reference.evaluate import Env, evaluate, index_tensors
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Runtime sizes (the runtime tensors are q [B,Sq,Hq,D], k [B,Skv,Hkv,D], v [B,Skv,Hkv,Dv])."""
+
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seqlen_q: int
+    seqlen_kv: int
+    head_dim: int
+    head_dim_v: int
+
+    @classmethod
+    def of(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Problem:
+        return cls(
+            q.shape[0], q.shape[2], k.shape[2], q.shape[1], k.shape[1], q.shape[3], v.shape[3]
+        )
+
+    @property
+    def groups(self) -> int:
+        return self.heads_q // self.heads_kv
+
+    def named_sizes(self) -> dict[str, int]:
+        return {
+            "batch": self.batch,
+            "heads": self.heads_q,
+            "seq_len": self.seqlen_q,
+            "seq_len_kv": self.seqlen_kv,
+        }
+
+
+def _bhsd(x: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    x = x.transpose(1, 2).to(dtype)
+    return x.repeat_interleave(groups, dim=1) if groups > 1 else x
+
+
+def _mask_tile(spec: TracedSpec, env: Env, kv_idx: torch.Tensor, seqlen_kv: int) -> torch.Tensor:
+    inb = (kv_idx < seqlen_kv).view(1, 1, 1, -1)
+    if spec.mask is None:
+        return inb
+    (m,) = evaluate([spec.mask], env)
+    return m & inb
+
+
+def _env(spec, prob, dtype, device, q_idx, kv_idx, customs) -> Env:
+    return Env(
+        dtype=dtype,
+        device=device,
+        index=index_tensors(prob.batch, prob.heads_q, q_idx, kv_idx, device),
+        customs=customs,
+    )
+
+
+def forward(
+    spec: TracedSpec,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    customs: dict[str, torch.Tensor] | None = None,
+    *,
+    mode: str = "materialized",
+    block_N: int = 64,
+    dtype: torch.dtype = torch.float32,
+    q_chunk: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Returns o [B, Sq, Hq, Dv] (in `dtype`) and the final row scales {name: [B, Hq, Sq]}."""
+    if mode not in ("materialized", "online"):
+        raise ValueError(f"mode={mode!r}: expected 'materialized' or 'online'")
+    customs = customs or {}
+    prob = Problem.of(q, k, v)
+    device = q.device
+    qh, kh, vh = _bhsd(q, 1, dtype), _bhsd(k, prob.groups, dtype), _bhsd(v, prob.groups, dtype)
+    bn = prob.seqlen_kv if mode == "materialized" else block_N
+    if q_chunk is None:
+        # Keep the materialised score block near 64M elements.
+        q_chunk = max(16, (1 << 26) // max(1, prob.batch * prob.heads_q * bn))
+    outs, finals = [], {n: [] for n in spec.final_names}
+    for q0 in range(0, prob.seqlen_q, q_chunk):
+        q_idx = torch.arange(q0, min(q0 + q_chunk, prob.seqlen_q), device=device)
+        o, fin = _forward_rows(spec, prob, qh[:, :, q_idx], kh, vh, customs, q_idx, bn, dtype)
+        outs.append(o)
+        for n in spec.final_names:
+            finals[n].append(fin[n])
+    o = torch.cat(outs, dim=2).transpose(1, 2)
+    return o, {n: torch.cat(f, dim=2).squeeze(-1) for n, f in finals.items()}
+
+
+def _forward_rows(spec, prob, qh, kh, vh, customs, q_idx, bn, dtype):
+    B, H, M = qh.shape[0], qh.shape[1], qh.shape[2]
+    device = qh.device
+    state = {
+        n: torch.full((B, H, M, 1), init, dtype=dtype, device=device)
+        for n, init in spec.online_init
+    }
+    o = torch.zeros(B, H, M, vh.shape[-1], dtype=dtype, device=device)
+    seen = torch.zeros(B, H, M, 1, dtype=torch.bool, device=device)
+    for k0 in range(0, prob.seqlen_kv, bn):
+        kv_idx = torch.arange(k0, min(k0 + bn, prob.seqlen_kv), device=device)
+        env = _env(spec, prob, dtype, device, q_idx, kv_idx, customs)
+        s = qh @ kh[:, :, kv_idx].transpose(-1, -2)
+        env.leaves["score"] = s
+        (s_mod,) = evaluate([spec.score_mod], env)
+        mask = _mask_tile(spec, env, kv_idx, prob.seqlen_kv).expand(B, H, M, len(kv_idx))
+        env.leaves["score"] = torch.broadcast_to(s_mod, s.shape)
+        env.rowscale = state
+        env.mask = mask
+        upd_exprs = [e for _, e in spec.online_updates]
+        p, o_scale, *new = evaluate([spec.online_p, spec.o_scale, *upd_exprs], env)
+        row_any = mask.any(dim=-1, keepdim=True)
+        state = {
+            n: torch.where(row_any, torch.broadcast_to(val, row_any.shape).to(dtype), state[n])
+            for (n, _), val in zip(spec.online_updates, new, strict=True)
+        }
+        o_scale = torch.where(
+            row_any,
+            torch.broadcast_to(o_scale, row_any.shape).to(dtype),
+            torch.ones((), dtype=dtype, device=device),
+        )
+        p = torch.where(
+            mask,
+            torch.broadcast_to(p, s.shape).to(dtype),
+            torch.zeros((), dtype=dtype, device=device),
+        )
+        o = o * o_scale + p @ vh[:, :, kv_idx]
+        seen = seen | row_any
+    env = _env(spec, prob, dtype, device, q_idx, torch.arange(0, device=device), customs)
+    env.leaves["o"], env.rowscale = o, state
+    o_new, *fin = evaluate([spec.epilogue_o, *(e for _, e in spec.epilogue_final)], env)
+    zero = torch.zeros((), dtype=dtype, device=device)
+    o_new = torch.where(seen, torch.broadcast_to(o_new, o.shape), zero)
+    init_final = dict(_final_inits(spec))
+    finals = {}
+    for (n, _), val in zip(spec.epilogue_final, fin, strict=True):
+        val = torch.broadcast_to(val, seen.shape).to(dtype)
+        finals[n] = torch.where(
+            torch.isnan(val), torch.full((), init_final[n], dtype=dtype, device=device), val
+        )
+    return o_new, finals
+
+
+def _final_inits(spec: TracedSpec) -> list[tuple[str, float]]:
+    # The declared initial values of final row scales are what rows with no key report.
+    return list(spec.final_init)
+
+
+def score_mod_derivatives(spec: TracedSpec) -> tuple[Expr, dict[str, Expr]]:
+    """d score_mod / d score, and d score_mod / d (each custom read) keyed by the read's text."""
+    score = next((n for n in leaves([spec.score_mod]) if n.op == "score"), None)
+    ds = diff(spec.score_mod, score) if score is not None else Expr.wrap(0.0)
+    dc = {}
+    for n in leaves([spec.score_mod]):
+        if n.op == "custom":
+            dc[n.key] = (n, diff(spec.score_mod, n))
+    return ds, dc
+
+
+def backward(
+    spec: TracedSpec,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    customs: dict[str, torch.Tensor],
+    o: torch.Tensor,
+    finals: dict[str, torch.Tensor],
+    do: torch.Tensor,
+    *,
+    dtype: torch.dtype = torch.float32,
+    q_chunk: int | None = None,
+    custom_grads: tuple[str, ...] = (),
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """Gradients dq, dk, dv (in the inputs' layouts, `dtype`) and {custom name: grad}."""
+    prob = Problem.of(q, k, v)
+    device = q.device
+    G = prob.groups
+    qh, kh, vh = _bhsd(q, 1, dtype), _bhsd(k, G, dtype), _bhsd(v, G, dtype)
+    oh, doh = _bhsd(o, 1, dtype), _bhsd(do, 1, dtype)
+    dscore, dcustom = score_mod_derivatives(spec)
+    dq = torch.zeros_like(qh)
+    dk = torch.zeros_like(kh)
+    dv = torch.zeros_like(vh)
+    cgrads = {n: torch.zeros_like(customs[n], dtype=dtype) for n in custom_grads}
+    if q_chunk is None:
+        q_chunk = max(16, (1 << 25) // max(1, prob.batch * prob.heads_q * prob.seqlen_kv))
+    kv_idx = torch.arange(prob.seqlen_kv, device=device)
+    for q0 in range(0, prob.seqlen_q, q_chunk):
+        q_idx = torch.arange(q0, min(q0 + q_chunk, prob.seqlen_q), device=device)
+        qc, doc = qh[:, :, q_idx], doh[:, :, q_idx]
+        env = _env(spec, prob, dtype, device, q_idx, kv_idx, customs)
+        s = qc @ kh.transpose(-1, -2)
+        env.leaves["score"] = s
+        (s_mod,) = evaluate([spec.score_mod], env)
+        mask = _mask_tile(spec, env, kv_idx, prob.seqlen_kv)
+        env.leaves["score"] = torch.broadcast_to(s_mod, s.shape)
+        env.final = {n: f.to(dtype)[:, :, q_idx].unsqueeze(-1) for n, f in finals.items()}
+        zero = torch.zeros((), dtype=dtype, device=device)
+        (p,) = evaluate([spec.fwd_recompute], env)
+        p = torch.where(mask, torch.broadcast_to(p, s.shape), zero)
+        dv += p.transpose(-1, -2) @ doc
+        dp = doc @ vh.transpose(-1, -2)
+        env.leaves.update(dp=dp, p=p, doosum=(doc * oh[:, :, q_idx]).sum(-1, keepdim=True))
+        (ds_mod,) = evaluate([spec.bwd], env)
+        ds_mod = torch.where(mask, torch.broadcast_to(ds_mod, s.shape), zero)
+        env.leaves["score"] = s
+        (dsm_ds, *dcs) = evaluate([dscore, *(d for _, d in dcustom.values())], env)
+        # Masked entries: ds_mod is 0 but score_mod's derivative may be inf there (0 * inf = NaN).
+        ds = torch.where(mask, ds_mod * dsm_ds, zero)
+        dq[:, :, q_idx] = ds @ kh
+        dk += ds.transpose(-1, -2) @ qc
+        for (leaf_node, _), dcv in zip(dcustom.values(), dcs, strict=True):
+            name, _, index = leaf_node.attr
+            if name in cgrads:
+                g = torch.where(mask, ds_mod * dcv, zero)
+                cgrads[name] += _scatter_custom_grad(customs[name], index, g, env)
+    if G > 1:
+        dk = dk.view(prob.batch, prob.heads_kv, G, prob.seqlen_kv, -1).sum(2)
+        dv = dv.view(prob.batch, prob.heads_kv, G, prob.seqlen_kv, -1).sum(2)
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), cgrads
+
+
+def _scatter_custom_grad(t: torch.Tensor, index: tuple, g: torch.Tensor, env: Env) -> torch.Tensor:
+    """Accumulate a tile-shaped gradient `g` back into the shape of custom tensor `t`."""
+    from engine.reference.evaluate import custom_value
+
+    src = t.detach().to(g.dtype).requires_grad_(True)
+    with torch.enable_grad():
+        val = custom_value(src, index, env)
+        g = g.expand(torch.broadcast_shapes(g.shape, val.shape))
+        # sum g over the dims that val broadcasts along
+        red = [d for d in range(4) if val.shape[d] == 1 and g.shape[d] != 1]
+        gs = g.sum(dim=red, keepdim=True) if red else g
+        (grad,) = torch.autograd.grad(val, src, grad_outputs=gs.expand(val.shape).contiguous())
+    return grad
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """||x - ref|| / ||ref|| in float64 (NaN if either has a NaN)."""
+    x64, r64 = x.double(), ref.double()
+    if torch.isnan(x64).any() or torch.isnan(r64).any():
+        return math.nan
+    denom = r64.norm().item()
+    return (x64 - r64).norm().item() / (denom if denom > 0 else 1.0)

@@ -1,0 +1,1 @@
+"""Runtime glue: autograd Functions and backends that execute a plan."""

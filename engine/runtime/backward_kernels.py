@@ -1,0 +1,138 @@
+"""Compile and launch the generated backward kernels (opt-in; not wired into AttentionEngine).
+
+backward_kernel_call(mod, q, k, v, o, finals, do, custom) -> (dq, dk, dv) runs
+  preprocess (Delta = rowsum(dO * O), only when the spec's bwd reads doosum),
+  main (one thread block per kv block x query head x batch; fp32 atomics into dQ, dK, dV),
+  postprocess (fp32 -> input dtype; a torch cast, it is a plain elementwise copy).
+The block tables are the forward's mask classification transposed: for each kv block the range
+of non-empty query blocks, and a query block's tail (rows past Sq) counts as partial.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.codegen.backward import (
+    check_backward_config,
+    default_backward_config,
+    generate_backward,
+    generate_preprocess,
+)
+from engine.mask.analysis import FULL, PARTIAL, BlockClasses
+from engine.plan.config import KernelConfig
+from engine.plan.shape import KERNEL_DTYPES, KernelShape
+from engine.runtime.compile import compile_source
+from engine.runtime.mask_tables import MaskTables
+
+
+@dataclass
+class BackwardKernels:
+    shape: KernelShape
+    config: KernelConfig
+    source: str
+    preprocess_source: str | None
+    tables: MaskTables
+    _main: Any = None
+    _prep: Any = None
+
+    def compiled(self) -> tuple[Any, Any]:
+        if self._main is None:
+            self._main = compile_source(self.source)
+        if self.preprocess_source is not None and self._prep is None:
+            self._prep = compile_source(self.preprocess_source)
+        return self._main, self._prep
+
+
+def backward_kernels_for(mod, config: KernelConfig | None = None) -> BackwardKernels:
+    """Generate (not compile) the backward kernels of an AttentionEngine module; cached on it."""
+    cached = getattr(mod, "_bwd_kernels", None)
+    if cached is not None and (config is None or cached.config == config):
+        return cached
+    if mod.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"dtype {mod.dtype}: backward kernels support {sorted(map(str, KERNEL_DTYPES))}")
+    p = mod.problem
+    spec = mod.spec
+    n_rows = len(spec.final_names) + int(spec.uses_doosum)
+    if config is None:
+        cfg = default_backward_config(p.head_dim, p.head_dim_v)
+    else:
+        cfg = check_backward_config(config, p.head_dim, p.head_dim_v, n_rows=n_rows)
+    shape = KernelShape.of(mod)
+    tables = MaskTables(spec.mask, shape, cfg.block_M, cfg.block_N,
+                        lambda bc: transposed_tables(bc, shape.seqlen_q, cfg.block_M))
+    bk = BackwardKernels(
+        shape,
+        cfg,
+        generate_backward(spec, shape, cfg),
+        generate_preprocess(shape) if spec.uses_doosum else None,
+        tables,
+    )
+    mod._bwd_kernels = bk
+    return bk
+
+
+def transposed_tables(
+    bc: BlockClasses, seqlen_q: int, block_M: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(LoT, HiT, ClsT): per kv block, the non-empty query blocks [LoT, HiT) and the classes
+    [.., kv block, q block]; a full block that holds the query tail becomes partial."""
+    cls = bc.classes.clone()
+    if seqlen_q % block_M:
+        last = cls[:, :, -1, :]
+        last[last == FULL] = PARTIAL
+    clsT = cls.transpose(-1, -2).contiguous()
+    lo, hi = BlockClasses(clsT, bc.block_N, block_M, bc.seqlen_kv, seqlen_q).loop_bounds()
+    return lo, hi, clsT
+
+
+def backward_kernel_call(
+    mod,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    finals: list[torch.Tensor] | dict[str, torch.Tensor],
+    do: torch.Tensor,
+    custom: list[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv (input dtype and layouts) of `mod`'s attention for output gradient `do`.
+
+    `finals` are the forward's final row scales ([B, Hq, Sq] fp32, in spec.final_names order or
+    by name); `custom` the CustomIO tensors in mod.custom_io.names() order. Gradients of custom
+    tensors are not computed here: a custom tensor that requires grad raises
+    NotImplementedError (the caller falls back to the reference backward)."""
+    names = list(mod.custom_io.names())
+    if len(custom) != len(names):
+        raise ValueError(f"custom: {len(custom)} tensors; expected {len(names)} ({names})")
+    for n, t in zip(names, custom, strict=True):
+        if t.requires_grad:
+            raise NotImplementedError(
+                f"custom input {n!r} requires grad: the generated backward does not compute "
+                "custom gradients yet"
+            )
+    spec = mod.spec
+    if isinstance(finals, dict):
+        finals = [finals[n] for n in spec.final_names]
+    if len(finals) != len(spec.final_names):
+        raise ValueError(f"finals: {len(finals)} tensors; expected {list(spec.final_names)}")
+    bk = backward_kernels_for(mod)
+    main, prep = bk.compiled()
+    cdict = dict(zip(names, custom, strict=True))
+    lo, hi, clsT = bk.tables.get(cdict, q.device)
+    p, dev = mod.problem, q.device
+    q, k, v, o, do = (t.contiguous() for t in (q, k, v, o, do))
+    f32 = [f.detach().float().contiguous() for f in finals]
+    extra = []
+    if prep is not None:
+        delta = torch.empty(p.batch, p.heads_q, p.seqlen_q, dtype=torch.float32, device=dev)
+        prep(o, do, delta)
+        extra.append(delta)
+    dq = torch.zeros(p.batch, p.seqlen_q, p.heads_q, p.head_dim, dtype=torch.float32, device=dev)
+    dk = torch.zeros(p.batch, p.seqlen_kv, p.heads_kv, p.head_dim, dtype=torch.float32, device=dev)
+    dv = torch.zeros(p.batch, p.seqlen_kv, p.heads_kv, p.head_dim_v, dtype=torch.float32, device=dev)
+    c32 = [t.detach().float().contiguous() for t in custom]
+    main(q, k, v, do, *c32, lo, hi, clsT, *f32, *extra, dq, dk, dv)
+    return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)

@@ -1,0 +1,65 @@
+"""Compile generated TileLang source for sm_90a, with an in-process cache keyed by
+(spec hash, shape, config) on top of TileLang's own disk cache (TILELANG_CACHE_DIR)."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from engine.fsutil import atomic_write_text
+
+TARGET = {"kind": "cuda", "arch": "sm_90a"}
+_lock = threading.Lock()
+_kernels: dict[str, Any] = {}
+
+
+def source_dir() -> Path:
+    d = Path(
+        os.environ.get("ATTNBENCH_KERNEL_DIR", Path.home() / ".cache" / "attnbench" / "kernels")
+    )
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def load_prim_func(source: str) -> Any:
+    """TVMScript parses functions from their source file, so the generated program is
+    written to a file (named by its content hash) and imported from there."""
+    digest = hashlib.sha256(source.encode()).hexdigest()[:20]
+    path = source_dir() / f"k_{digest}.py"
+    if not path.exists():
+        atomic_write_text(path, source)
+    spec = importlib.util.spec_from_file_location(f"attnbench_kernel_{digest}", path)
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def compile_source(source: str, *, fast_math: bool = True) -> Any:
+    """Compile (or fetch from cache) a generated program; returns TileLang's JIT kernel."""
+    key = hashlib.sha256(source.encode()).hexdigest()
+    with _lock:
+        if key in _kernels:
+            return _kernels[key]
+    from engine.runtime.device import require_nvcc
+
+    require_nvcc()
+    import tilelang
+
+    func = load_prim_func(source)
+    kernel = tilelang.compile(
+        func,
+        target=TARGET,
+        pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: fast_math},
+    )
+    with _lock:
+        _kernels[key] = kernel
+    return kernel
+
+
+def cache_size() -> int:
+    return len(_kernels)

@@ -1,0 +1,37 @@
+"""What the TileLang backend needs from the machine, and a clear message when it is missing."""
+
+from __future__ import annotations
+
+import shutil
+
+import torch
+
+
+def hopper_problem(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when TileLang kernels can run here; otherwise the reason they cannot."""
+    if device.type != "cuda":
+        return f"tensors are on {device.type}, kernels need a CUDA Hopper GPU"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) != (9, 0):
+        name = torch.cuda.get_device_name(device)
+        return f"GPU {name} is sm_{major}{minor}; kernels target sm_90a (H100/H200)"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {dtype}: kernels support float16 and bfloat16"
+    return None
+
+
+def require_nvcc() -> str:
+    path = shutil.which("nvcc")
+    if path is None:
+        import os
+
+        for cand in ("/usr/local/cuda/bin/nvcc",):
+            if os.path.exists(cand):
+                return cand
+        raise RuntimeError(
+            "nvcc not found: the TileLang backend compiles kernels with CUDA's nvcc "
+            "(install the CUDA toolkit or put nvcc on PATH)"
+        )
+    return path

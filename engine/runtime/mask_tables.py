@@ -1,0 +1,51 @@
+"""Block tables of a mask on the device, cached: computed once for index-only masks, and per
+tensor identity and version for masks that read tensors (an in-place change of the data bumps
+`_version` and recomputes them)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.dsl.expr import Expr
+from engine.mask.analysis import BlockClasses, classify, reads_data
+from engine.plan.shape import KernelShape
+
+# Bounded: a stream of fresh id tensors must not grow memory.
+MAX_DATA_ENTRIES = 8
+
+
+@dataclass
+class MaskTables:
+    """`layout` turns the classification into the kernel's tables (e.g. loop bounds and the
+    class table); each is expanded to the shape's leading (mask_batch, mask_heads) dims."""
+
+    mask: Expr | None
+    shape: KernelShape
+    block_M: int
+    block_N: int
+    layout: Callable[[BlockClasses], tuple[torch.Tensor, ...]]
+    _cache: dict[str, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+
+    @property
+    def data_dependent(self) -> bool:
+        return reads_data(self.mask)
+
+    def get(self, customs: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, ...]:
+        key = str(device)
+        if self.data_dependent:
+            key += "|" + "|".join(f"{n}:{t.data_ptr()}:{t._version}:{tuple(t.shape)}"
+                                  for n, t in sorted(customs.items()))
+        if key in self._cache:
+            return self._cache[key]
+        s = self.shape
+        bc = classify(self.mask, s.batch, s.heads_q, s.seqlen_q, s.seqlen_kv, self.block_M,
+                      self.block_N, customs if self.data_dependent else None)
+        out = tuple(t.expand(s.mask_batch, s.mask_heads, *t.shape[2:]).contiguous().to(device)
+                    for t in self.layout(bc))
+        if self.data_dependent and len(self._cache) >= MAX_DATA_ENTRIES:
+            self._cache.clear()
+        self._cache[key] = out
+        return out

@@ -1,0 +1,377 @@
+"""The variant library: each entry is the engine spec of a known attention variant plus an
+independent plain-torch formulation (and FlexAttention/SDPA forms where those can express it).
+
+All softmax-family variants scale scores by 1/sqrt(D) inside score_mod, as in the seeds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from engine.dsl.expr import where
+from engine.dsl.io import CustomIO
+from engine.dsl.online import OnlineIdentity, OnlineRetention, OnlineSoftmax
+from engine.variants.base import SpecParts, Variant
+
+SLIDING_WINDOW = 1024
+PREFIX = 1024
+SOFTCAP = 30.0
+DOC_BOUNDS = (0.15, 0.45, 0.7)  # fractions of the sequence where documents start
+
+
+def _scale(sz: dict) -> float:
+    return 1.0 / math.sqrt(sz["head_dim"])
+
+
+def _no_customs(sz, gen):
+    return {}
+
+
+def _scores(q, k, scale):
+    # q, k: [B, S, H, D] -> [B, H, Sq, Skv]
+    return torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+
+
+def _pv(p, v):
+    return torch.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+def _idx(sz, device):
+    q = torch.arange(sz["seqlen_q"], device=device).view(-1, 1)
+    kv = torch.arange(sz["seqlen_kv"], device=device).view(1, -1)
+    return q, kv
+
+
+def _softmax_ref(mask_fn, mod_fn=None):
+    def ref(q, k, v, customs, sz):
+        s = _scores(q, k, _scale(sz))
+        qi, ki = _idx(sz, q.device)
+        if mod_fn is not None:
+            s = mod_fn(s, customs, qi, ki)
+        if mask_fn is not None:
+            m = mask_fn(customs, qi, ki)
+            s = s.masked_fill(~m, float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        p = torch.nan_to_num(p, nan=0.0)  # fully masked rows give zeros
+        return _pv(p, v)
+
+    return ref
+
+
+# ---------------------------------------------------------------- masks (engine DSL form)
+def causal_mask(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def sliding_window_mask(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < SLIDING_WINDOW)
+
+
+def prefix_lm_mask(b, h, q_idx, kv_idx):
+    return (kv_idx < PREFIX) | (q_idx >= kv_idx)
+
+
+def _softmax_spec(mask_mod, extra_mod=None, customs=None):
+    def make(sz):
+        scale = _scale(sz)
+        cio = CustomIO(customs or {})
+
+        def score_mod(score, custom_fwd_inputs, b, h, q_idx, kv_idx):
+            s = score * scale
+            return extra_mod(s, custom_fwd_inputs, b, h, q_idx, kv_idx) if extra_mod else s
+
+        mm = (
+            mask_mod(cio)
+            if (mask_mod is not None and getattr(mask_mod, "needs_io", False))
+            else mask_mod
+        )
+        return SpecParts(score_mod, mm, OnlineSoftmax(), cio)
+
+    return make
+
+
+def _flex(mask_fn=None, mod_fn=None):
+    def make(customs, sz):
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return mod_fn(score, customs, b, h, q_idx, kv_idx) if mod_fn else score
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return mask_fn(customs, b, h, q_idx, kv_idx)
+
+        return (score_mod if mod_fn else None), (mask_mod if mask_fn else None)
+
+    return make
+
+
+# ---------------------------------------------------------------- ALiBi
+def _alibi_slopes(sz, gen):
+    H = sz["heads_q"]
+    base = torch.tensor([2.0 ** (-8.0 * (i + 1) / H) for i in range(H)])
+    return {"alibi_slopes": base * (1.0 + 0.05 * torch.rand(H, generator=gen))}
+
+
+def _alibi_mod(s, io, b, h, q_idx, kv_idx):
+    return s + io["alibi_slopes"] * (kv_idx - q_idx)
+
+
+# ---------------------------------------------------------------- soft-capping
+def _softcap_mod(s, io, b, h, q_idx, kv_idx):
+    return (s * (1.0 / SOFTCAP)).tanh() * SOFTCAP
+
+
+# ---------------------------------------------------------------- document mask
+def _doc_ids(sz, gen):
+    S = sz["seqlen_q"]
+    ids = torch.zeros(sz["batch"], S)
+    for f in DOC_BOUNDS:
+        ids[:, int(f * S) :] += 1
+    return {"doc_ids": ids}
+
+
+def _document_mask_for(io: CustomIO):
+    doc = io["doc_ids"]
+
+    def document_mask(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (doc[b, q_idx] == doc[b, kv_idx])
+
+    return document_mask
+
+
+_document_mask_for.needs_io = True
+
+
+# ---------------------------------------------------------------- sigmoid attention
+def _sigmoid_bias(sz, gen):
+    H = sz["heads_q"]
+    return {"bias": -math.log(sz["seqlen_kv"]) + 0.1 * torch.randn(H, generator=gen)}
+
+
+def _sigmoid_spec(sz):
+    scale = _scale(sz)
+
+    def score_mod(score, custom_fwd_inputs, b, h, q_idx, kv_idx):
+        return (score * scale + custom_fwd_inputs["bias"]).sigmoid()
+
+    return SpecParts(score_mod, None, OnlineIdentity(), CustomIO({"bias": ("heads",)}))
+
+
+def _sigmoid_ref(q, k, v, customs, sz):
+    s = _scores(q, k, _scale(sz)) + customs["bias"].view(1, -1, 1, 1)
+    return _pv(torch.sigmoid(s), v)
+
+
+# ---------------------------------------------------------------- ReLU attention
+def _relu_spec(sz):
+    scale, inv_n = _scale(sz), 1.0 / sz["seqlen_kv"]
+
+    def score_mod(score, custom_fwd_inputs, b, h, q_idx, kv_idx):
+        return (score * scale).max(0.0) * inv_n
+
+    return SpecParts(score_mod, None, OnlineIdentity(), CustomIO({}))
+
+
+def _relu_ref(q, k, v, customs, sz):
+    return _pv(torch.relu(_scores(q, k, _scale(sz))) / sz["seqlen_kv"], v)
+
+
+# ---------------------------------------------------------------- RetNet parallel retention
+def _retnet_decay(sz, gen):
+    H = sz["heads_q"]
+    gamma = 1.0 - torch.exp(torch.linspace(math.log(1 / 32), math.log(1 / 512), H))
+    return {"log_decay": torch.log(gamma)}
+
+
+def _retnet_spec(sz):
+    scale = _scale(sz)
+
+    def score_mod(score, custom_fwd_inputs, b, h, q_idx, kv_idx):
+        decay = ((q_idx - kv_idx) * custom_fwd_inputs["log_decay"]).exp()
+        return score * scale * decay
+
+    return SpecParts(score_mod, causal_mask, OnlineRetention(), CustomIO({"log_decay": ("heads",)}))
+
+
+def _retnet_ref(q, k, v, customs, sz):
+    qi, ki = _idx(sz, q.device)
+    # exp of the clamped distance: above the diagonal the unclamped exponent overflows to inf.
+    dist = (qi - ki).clamp(min=0).to(q.dtype)
+    decay = torch.exp(dist.view(1, 1, *dist.shape) * customs["log_decay"].view(1, -1, 1, 1))
+    decay = torch.where(qi >= ki, decay, torch.zeros((), dtype=q.dtype, device=q.device))
+    s = _scores(q, k, _scale(sz)) * decay
+    r = s.abs().sum(-1, keepdim=True).clamp(min=1.0)
+    return _pv(s / r, v)
+
+
+# ---------------------------------------------------------------- the table
+def _causal_t(c, q, k):
+    return q >= k
+
+
+VARIANTS: dict[str, Variant] = {}
+
+
+def _add(v: Variant) -> None:
+    VARIANTS[v.name] = v
+
+
+_add(
+    Variant(
+        "softmax",
+        "softmax attention, no mask",
+        "softmax",
+        "none",
+        False,
+        _softmax_spec(None),
+        _no_customs,
+        _softmax_ref(None),
+        flex_fn=None,
+        sdpa_causal=False,
+    )
+)
+_add(
+    Variant(
+        "softmax_causal",
+        "causal softmax attention",
+        "softmax",
+        "causal",
+        True,
+        _softmax_spec(causal_mask),
+        _no_customs,
+        _softmax_ref(_causal_t),
+        flex_fn=_flex(lambda c, b, h, q, k: q >= k),
+        sdpa_causal=True,
+    )
+)
+# Same spec as softmax_causal; suites pair it with grouped-query shapes.
+_add(
+    dataclasses.replace(
+        VARIANTS["softmax_causal"], name="softmax_gqa",
+        description="causal softmax attention (grouped-query shapes)",
+    )
+)
+_add(
+    Variant(
+        "alibi",
+        "causal softmax with ALiBi slopes per head (learnable)",
+        "softmax",
+        "causal",
+        True,
+        _softmax_spec(causal_mask, _alibi_mod, {"alibi_slopes": ("heads",)}),
+        _alibi_slopes,
+        _softmax_ref(
+            _causal_t, lambda s, c, q, k: s + c["alibi_slopes"].view(1, -1, 1, 1) * (k - q)
+        ),
+        flex_fn=_flex(
+            lambda c, b, h, q, k: q >= k,
+            lambda s, c, b, h, q, k: s + c["alibi_slopes"][h] * (k - q),
+        ),
+        learnable=("alibi_slopes",),
+    )
+)
+_add(
+    Variant(
+        "softcap",
+        f"causal softmax with tanh soft-capping at {SOFTCAP:g}",
+        "softmax",
+        "causal",
+        True,
+        _softmax_spec(causal_mask, _softcap_mod),
+        _no_customs,
+        _softmax_ref(_causal_t, lambda s, c, q, k: SOFTCAP * torch.tanh(s / SOFTCAP)),
+        flex_fn=_flex(
+            lambda c, b, h, q, k: q >= k, lambda s, c, b, h, q, k: SOFTCAP * torch.tanh(s / SOFTCAP)
+        ),
+    )
+)
+_add(
+    Variant(
+        "sliding_window",
+        f"causal sliding-window softmax (window {SLIDING_WINDOW})",
+        "softmax",
+        "sliding_window",
+        True,
+        _softmax_spec(sliding_window_mask),
+        _no_customs,
+        _softmax_ref(lambda c, q, k: (q >= k) & (q - k < SLIDING_WINDOW)),
+        flex_fn=_flex(lambda c, b, h, q, k: (q >= k) & (q - k < SLIDING_WINDOW)),
+    )
+)
+_add(
+    Variant(
+        "document",
+        "causal softmax over packed documents (document ids per token)",
+        "softmax",
+        "document",
+        True,
+        _softmax_spec(_document_mask_for, None, {"doc_ids": ("batch", "seq_len")}),
+        _doc_ids,
+        _softmax_ref(
+            lambda c, q, k: (
+                (q >= k)
+                & (
+                    c["doc_ids"][:, q.view(-1)].unsqueeze(-1)
+                    == c["doc_ids"][:, k.view(-1)].view(-1, 1, k.numel())
+                ).unsqueeze(1)
+            )
+        ),
+        flex_fn=_flex(lambda c, b, h, q, k: (q >= k) & (c["doc_ids"][b, q] == c["doc_ids"][b, k])),
+        needs_equal_seqlens=True,
+    )
+)
+_add(
+    Variant(
+        "prefix_lm",
+        f"prefix-LM softmax (bidirectional prefix of {PREFIX}, causal after)",
+        "softmax",
+        "prefix_lm",
+        False,
+        _softmax_spec(prefix_lm_mask),
+        _no_customs,
+        _softmax_ref(lambda c, q, k: (k < PREFIX) | (q >= k)),
+        flex_fn=_flex(lambda c, b, h, q, k: (k < PREFIX) | (q >= k)),
+    )
+)
+_add(
+    Variant(
+        "sigmoid",
+        "sigmoid attention with a learnable per-head bias",
+        "sigmoid",
+        "none",
+        False,
+        _sigmoid_spec,
+        _sigmoid_bias,
+        _sigmoid_ref,
+        learnable=("bias",),
+    )
+)
+_add(
+    Variant(
+        "relu",
+        "ReLU attention (relu(q.k/sqrt(D)) / Skv)",
+        "relu",
+        "none",
+        False,
+        _relu_spec,
+        _no_customs,
+        _relu_ref,
+    )
+)
+_add(
+    Variant(
+        "retnet",
+        "RetNet parallel retention, per-head decay (learnable log decay)",
+        "retention",
+        "causal",
+        True,
+        _retnet_spec,
+        _retnet_decay,
+        _retnet_ref,
+        learnable=("log_decay",),
+    )
+)
+
+# Expose the select used by users writing their own variants alongside these.
+__all__ = ["VARIANTS", "where"]

@@ -1,0 +1,55 @@
+"""Compile the engine kernels a suite will need, in parallel (run before `attnbench run`)."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from attnbench.impls.base import TORCH_DTYPES
+from attnbench.suites import load_suite
+from engine.runtime.precompile import precompile
+from engine.runtime.tilelang_backend import kernels_for
+from engine.variants import get_variant
+
+
+def main(names: list[str]) -> int:
+    srcs = []
+    for name in names:
+        for c in load_suite(name).cases:
+            if "engine" not in c.impls or c.kind != "attention":
+                continue
+            v = get_variant(c.variant)
+            if v.supports(
+                head_dim=c.head_dim,
+                head_dim_v=c.head_dim_v,
+                heads_q=c.heads_q,
+                heads_kv=c.heads_kv,
+                seqlen_q=c.seqlen_q,
+                seqlen_kv=c.seqlen_kv,
+            ):
+                continue
+            mod = v.build(
+                batch=c.batch,
+                heads_q=c.heads_q,
+                heads_kv=c.heads_kv,
+                seqlen_q=c.seqlen_q,
+                seqlen_kv=c.seqlen_kv,
+                head_dim=c.head_dim,
+                head_dim_v=c.head_dim_v,
+                dtype=TORCH_DTYPES[c.dtype],
+                backend="tilelang",
+            )
+            srcs.append(kernels_for(mod).forward_source)
+    t = time.time()
+    errors = precompile(srcs)
+    print(f"precompiled {len(set(srcs))} kernels in {time.time() - t:.0f}s, {len(errors)} failed")
+    for e in errors.values():
+        print("  ", e[:300])
+    return 0
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,93 @@
+"""CI without a GPU: the generated backward kernels (preprocess + main) of the main variants
+are generated and nvcc-compiled for sm_90a at their default config, plus CPU checks of the
+block tables, the config model and the custom-gradient refusal."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from engine.codegen.backward import (
+    backward_config_problems,
+    default_backward_config,
+)
+from engine.mask.analysis import EMPTY, FULL, PARTIAL, classify
+from engine.plan.config import KernelConfig
+from engine.runtime.backward_kernels import (
+    backward_kernel_call,
+    backward_kernels_for,
+    transposed_tables,
+)
+from engine.variants import VARIANTS
+
+SHAPE = dict(batch=2, heads_q=8, heads_kv=2, seqlen_q=1000, seqlen_kv=1000)  # GQA 4
+COMPILED = ["softmax_causal", "softmax", "alibi", "softcap", "sigmoid", "retnet"]
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+
+
+def _module(name: str, dtype=torch.bfloat16, D: int = 128, Dv: int = 128):
+    return VARIANTS[name].build(**SHAPE, head_dim=D, head_dim_v=Dv, dtype=dtype, backend="tilelang")
+
+
+@pytest.mark.compile
+@needs_nvcc
+@pytest.mark.parametrize("name", COMPILED)
+def test_backward_compiles_for_sm90a(name, tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
+    mod = _module(name)
+    bk = backward_kernels_for(mod)
+    assert (bk.preprocess_source is not None) == mod.spec.uses_doosum
+    main, prep = bk.compiled()
+    cuda = main.get_kernel_source()
+    assert "wgmma" in cuda, "S^T, dP^T, dV and dK products must use Hopper wgmma"
+    assert "tma_load" in cuda and "AtomicAdd" in cuda and "__global__" in cuda
+    if prep is not None:
+        assert "__global__" in prep.get_kernel_source()
+
+
+def test_backward_source_follows_the_spec():
+    src = backward_kernels_for(_module("softcap")).source
+    assert "T.tanh" in src, "d score_mod / d score of a soft-cap reads tanh"
+    assert "if ClsT[0, 0, bx, qb] == 2:" in src
+    assert "by // 4" in src, "GQA: query head by reads kv head by // 4"
+    sig = backward_kernels_for(_module("sigmoid"))
+    assert sig.preprocess_source is None and "Delta" not in sig.source
+    assert "T.sigmoid" in sig.source
+
+
+def test_transposed_tables_cover_the_causal_triangle_and_the_query_tail():
+    bM, bN, S = 32, 128, 1000
+    bc = classify(_module("softmax_causal").spec.mask, 2, 8, S, S, bM, bN)
+    lo, hi, clsT = transposed_tables(bc, S, bM)
+    nqb, nkb = -(-S // bM), -(-S // bN)
+    assert clsT.shape == (1, 1, nkb, nqb)
+    for kb in range(nkb):
+        # Causal: query block qb sees kv block kb iff its last row reaches kb's first key.
+        first = next(qb for qb in range(nqb) if (qb + 1) * bM - 1 >= kb * bN)
+        assert (lo[0, 0, kb].item(), hi[0, 0, kb].item()) == (first, nqb)
+        assert (clsT[0, 0, kb, :first] == EMPTY).all()
+    assert (clsT[0, 0, :, -1] != FULL).all(), "the query tail block must evaluate the bounds"
+    bc_full = classify(None, 1, 1, S, S, bM, bN)
+    _, _, c2 = transposed_tables(bc_full, S, bM)
+    assert c2[0, 0, 0, 0] == FULL and c2[0, 0, 0, -1] == PARTIAL
+
+
+def test_backward_config_model():
+    cfg = default_backward_config(128, 128)
+    assert not backward_config_problems(cfg, 128, 128)
+    # dK and dV [128 x 128] plus [128 x 64] score tiles do not fit 240 registers.
+    assert any("registers" in p for p in backward_config_problems(KernelConfig(64, 128), 128, 128))
+    # 64 keys cannot be split over 8 warps along the keys only.
+    assert backward_config_problems(KernelConfig(32, 64, 2, 256), 128, 128)
+
+
+def test_custom_input_requiring_grad_is_refused():
+    mod = _module("alibi")
+    inp = VARIANTS["alibi"].make_inputs(**SHAPE, head_dim=128, head_dim_v=128, dtype=torch.bfloat16)
+    q, k, v = inp["q"], inp["k"], inp["v"]
+    slopes = torch.rand(SHAPE["heads_q"], requires_grad=True)
+    lse = torch.zeros(2, 8, 1000)
+    with pytest.raises(NotImplementedError, match="alibi_slopes"):
+        backward_kernel_call(mod, q, k, v, q, [lse], q, [slopes])

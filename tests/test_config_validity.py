@@ -1,0 +1,77 @@
+"""The KernelConfig validity model: TileLang's warp partition of both forward gemms, checked
+against TileLang's own partition code, and the configs measured on the H100."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from engine.plan.config import KernelConfig, config_problems, warp_partition
+
+# Compiled and ran on the H100 (first `attnbench tune` run, llama3-8b, D=128, bf16).
+WORKED = [
+    KernelConfig(192, 128, 2, 384, "FullRow"),
+    KernelConfig(128, 128, 2, 256, "FullRow"),
+    KernelConfig(128, 64, 2, 256, "FullRow"),
+    KernelConfig(64, 64, 2, 128, "FullRow"),
+    KernelConfig(64, 128, 1, 128, "Square"),
+]
+# Refused by TileLang 0.1.15 at lowering: no partition (H100 run), or a split along N that
+# conflicts with P as the register operand of the PV gemm (lowered on CPU).
+REFUSED = [
+    KernelConfig(64, 32, 2, 384, "Square"),
+    KernelConfig(64, 64, 2, 256, "FullRow"),
+    KernelConfig(128, 128, 2, 256, "Square"),
+    KernelConfig(128, 96, 2, 384, "Square"),
+]
+
+
+@pytest.mark.parametrize("cfg", WORKED, ids=lambda c: c.key())
+def test_configs_that_ran_are_valid(cfg):
+    assert config_problems(cfg, 128, 128) == []
+
+
+@pytest.mark.parametrize("cfg", REFUSED, ids=lambda c: c.key())
+def test_configs_tilelang_refused_are_invalid(cfg):
+    problems = config_problems(cfg, 128, 128)
+    assert problems and any("warp" in p for p in problems)
+
+
+def test_partition_rules_by_hand():
+    assert warp_partition(64, 32, 12, "Square") is None  # the H100 error message's case
+    assert warp_partition(192, 128, 12, "FullRow") == (12, 1)
+    assert warp_partition(64, 64, 8, "FullRow") == (4, 2)  # wgmma: groups of 4 along M
+    assert warp_partition(64, 64, 8, "FullRow", wgmma=False) == (4, 2)
+    assert warp_partition(32, 64, 8, "FullRow", wgmma=False) == (2, 4)
+    assert warp_partition(128, 128, 8, "FullCol") == (4, 2)
+    assert warp_partition(256, 192, 12, "FullRow") == (4, 3)
+
+
+def test_partition_matches_tilelang():
+    tilelang = pytest.importorskip("tilelang")
+    from tilelang.ir import GemmWarpPolicy
+    from tvm.target import Target
+
+    target = Target({"kind": "cuda", "arch": "sm_90a"})
+    codes = {"Square": 0, "FullRow": 1, "FullCol": 2}
+    assert tilelang is not None
+    for m, n, warps, pol, (inst, wgmma) in itertools.product(
+        [64, 128, 192, 256], [32, 64, 96, 128, 192, 256], [4, 8, 12], codes,
+        [("cuda.wgmma", True), ("cuda.mma", False)],
+    ):
+        policy = GemmWarpPolicy(policy_type=codes[pol], m_warp=1, n_warp=1)
+        try:
+            want = policy.compute_warp_partition(m, n, warps * 32, target, inst)
+        except Exception:  # TileLang's "No valid warp partition"
+            want = None
+        assert warp_partition(m, n, warps, pol, wgmma) == want, (m, n, warps, pol, inst)
+
+
+def test_space_keeps_enough_valid_configs():
+    from attnbench.tune.space import load_space
+
+    space = load_space("attention_fwd")
+    counts = {d: len(space.valid_configs(d, d)) for d in (64, 128, 256)}
+    assert counts == {64: 198, 128: 130, 256: 36}  # the numbers quoted in the space file
+    assert counts[128] >= 48

@@ -1,0 +1,111 @@
+import pytest
+
+from attnbench.impls import IMPL_NAMES, DeviceInfo, get_impl, registry
+from attnbench.suites import Case
+
+CPU = DeviceInfo("cpu")
+H100 = DeviceInfo("cuda", "NVIDIA H100 80GB HBM3", (9, 0))
+A100 = DeviceInfo("cuda", "NVIDIA A100-SXM4-80GB", (8, 0))
+
+
+def case(**over):
+    c = dict(suite="t", name="c", variant="softmax", shape="s", batch=1, heads_q=4, heads_kv=4,
+             seqlen_q=128, seqlen_kv=128, head_dim=64, head_dim_v=64, dtype="float32",
+             kind="attention", modes=("fwd",), impls=("reference",), baseline="reference")
+    c.update(over)
+    return Case(**c)
+
+
+def test_registry_names():
+    assert tuple(registry()) == IMPL_NAMES
+    for name in ("engine", "flash-attention-3", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient",
+                 "sdpa-math", "flex", "reference", "fla"):
+        assert get_impl(name).name == name
+    with pytest.raises(ValueError, match="unknown implementation 'fa9'; known .*sdpa-math"):
+        get_impl("fa9")
+
+
+def test_cpu_only_runs_reference_and_sdpa_math():
+    runnable = {n for n, i in registry().items() if i.caps.check(case(), CPU) is None}
+    assert runnable == {"reference", "sdpa-math"}
+    assert get_impl("engine").caps.check(case(), CPU) == "needs a Hopper GPU"
+    assert get_impl("sdpa-flash").caps.check(case(), CPU) == "needs a CUDA GPU"
+
+
+@pytest.mark.parametrize("impl, c, dev, msg", [
+    ("sdpa-flash", case(dtype="float32"), H100, "dtype float32 not supported"),
+    ("sdpa-math", case(variant="sigmoid"), CPU, "variant sigmoid not supported"),
+    ("sdpa-cudnn", case(head_dim=512, head_dim_v=512, dtype="float16"), H100, "head dim 512"),
+    ("engine", case(dtype="float16"), A100, "compute capability >= 9.0"),
+    ("engine", case(kind="decode", dtype="float16"), H100, "decode cases not supported"),
+    ("fla", case(kind="linear", variant="retnet", heads_kv=2, dtype="bfloat16"), H100,
+     "GQA not supported"),
+    ("fla", case(variant="retnet", dtype="bfloat16"), H100, "attention cases not supported"),
+    ("reference", case(batch=8, heads_q=64, seqlen_q=16384, seqlen_kv=16384), CPU,
+     "materialises"),
+])
+def test_capability_reasons(impl, c, dev, msg):
+    reason = get_impl(impl).caps.check(c, dev)
+    assert reason is not None and msg in reason
+
+
+def test_supported_cases_pass():
+    assert get_impl("sdpa-cudnn").caps.check(case(dtype="bfloat16", heads_kv=2), H100) is None
+    assert get_impl("engine").caps.check(case(dtype="bfloat16", variant="alibi"), H100) is None
+    c = case(kind="linear", variant="retnet", dtype="bfloat16")
+    assert get_impl("fla").caps.check(c, H100) is None
+
+
+def test_fa3_capabilities_follow_installed_package(monkeypatch):
+    from attnbench.impls import fa3
+
+    monkeypatch.setattr(fa3, "_installed", lambda m: m == fa3.FWD_ONLY)
+    caps = get_impl("flash-attention-3").caps
+    assert caps.dtypes == {"bfloat16"} and caps.modes == {"fwd"}
+    assert "mode bwd not supported" in caps.check_mode("bwd")
+    monkeypatch.setattr(fa3, "_installed", lambda m: m == fa3.FULL)
+    caps = get_impl("flash-attention-3").caps
+    assert caps.dtypes == {"float16", "bfloat16"} and caps.check_mode("bwd") is None
+    monkeypatch.setattr(fa3, "_installed", lambda m: False)
+    impl = get_impl("flash-attention-3")
+    assert "is installed" in impl.check(case(dtype="bfloat16"), None, H100)
+
+
+def test_sdpa_math_prepare_matches_reference(variants):
+    import torch
+
+    from attnbench.impls.base import Unsupported
+
+    v = variants["softmax_causal"]
+    c = case(variant="softmax_causal", heads_q=4, heads_kv=2, seqlen_q=64, seqlen_kv=64,
+             head_dim=32, head_dim_v=32)
+    inputs = v.make_inputs(batch=1, heads_q=4, heads_kv=2, seqlen_q=64, seqlen_kv=64,
+                           head_dim=32, head_dim_v=32, dtype=torch.float32, device="cpu", seed=3)
+    p = get_impl("sdpa-math").prepare(c, v, inputs, needs_grad=True)
+    with p.context():
+        out = p.to_common(p.forward())
+    ref = v.torch_reference(inputs)
+    assert out.shape == ref.shape and torch.allclose(out, ref, atol=1e-5)
+    assert p.leaves[0].requires_grad and p.leaves[0].shape == (1, 4, 64, 32)
+    with pytest.raises(Unsupported, match="no SDPA form"):
+        get_impl("sdpa-math").prepare(case(variant="sigmoid"), variants["sigmoid"], inputs, False)
+
+
+@pytest.mark.gpu
+def test_every_impl_on_gpu_is_ok_or_skipped(variants, tmp_path):
+    """On the H100: each implementation either measures accurately or skips with a reason."""
+    from attnbench.runner import Runner, RunOptions
+    from attnbench.suites import parse_suite
+
+    suite = parse_suite(
+        {"impls": list(IMPL_NAMES), "baseline": "sdpa-cudnn", "modes": ["fwd", "bwd"],
+         "dtypes": ["bfloat16"], "repeats": 5, "warmup": 1,
+         "cases": [{"variants": ["softmax_causal", "alibi"], "shapes": ["llama3-8b"],
+                    "seqlens": [1024]}]},
+        name="gpu-check", variant_names=list(variants))
+    rows = Runner(suite, RunOptions(device="cuda", out_dir=tmp_path),
+                  get_variant=variants.__getitem__).run().rows
+    bad = [(r["case"], r["impl"], r["mode"], r["status"], r["reason"]) for r in rows
+           if r["status"] not in ("ok", "skipped")]
+    assert not bad, bad
+    assert {r["impl"] for r in rows if r["status"] == "ok"} >= {"sdpa-cudnn", "flex", "reference"}

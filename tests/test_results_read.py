@@ -1,0 +1,102 @@
+"""Result CSV loading: typed round trip, and clear errors for foreign or broken files."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from attnbench.report.sample import SampleSpec, sample_rows, write_csv
+from attnbench.results.read import (
+    ResultFileError,
+    dedupe_latest,
+    gpu_slug,
+    read_many,
+    read_results,
+)
+from attnbench.results.schema import COLUMN_NAMES, COLUMNS, SCHEMA_VERSION
+
+
+@pytest.fixture
+def rows() -> pd.DataFrame:
+    return sample_rows(np.random.default_rng(11), SampleSpec(seqlens=(1024, 4096)))
+
+
+def test_round_trip_keeps_values_and_dtypes(tmp_path, rows):
+    path = write_csv(rows, tmp_path / "2026-11-22-h100-softmax.csv")
+    back = read_results(path)
+    assert list(back.columns) == [*COLUMN_NAMES, "source"]
+    for name, dtype in COLUMNS:
+        assert str(back[name].dtype) == dtype, name
+    np.testing.assert_allclose(back["latency_ms"], rows["latency_ms"], rtol=1e-12)
+    np.testing.assert_allclose(back["rel_err"], rows["rel_err"], rtol=1e-12)
+    assert back["latency_ms"].isna().sum() == (rows["status"] != "ok").sum() > 0
+    assert back["causal"].tolist() == rows["causal"].tolist()
+    assert set(back["source"]) == {str(path)}
+
+
+@pytest.mark.parametrize("column", ["schema_version", "case", "latency_spread_ms", "timestamp"])
+def test_missing_column_names_file_and_column(tmp_path, rows, column):
+    path = tmp_path / "old.csv"
+    rows.drop(columns=[column]).to_csv(path, index=False)
+    with pytest.raises(ResultFileError) as err:
+        read_results(path)
+    assert str(path) in str(err.value) and repr(column) in str(err.value)
+    assert err.value.column == column
+
+
+def test_other_schema_version_is_refused(tmp_path, rows):
+    path = tmp_path / "future.csv"
+    write_csv(rows.assign(schema_version=SCHEMA_VERSION + 1), path)
+    with pytest.raises(ResultFileError, match="schema_version") as err:
+        read_results(path)
+    assert str(path) in str(err.value) and str(SCHEMA_VERSION + 1) in str(err.value)
+
+
+def test_garbage_number_names_the_column(tmp_path, rows):
+    path = tmp_path / "bad.csv"
+    bad = rows.astype({"latency_ms": "object"})
+    bad.loc[3, "latency_ms"] = "fast"
+    write_csv(bad, path)
+    with pytest.raises(ResultFileError, match="latency_ms") as err:
+        read_results(path)
+    assert "'fast'" in str(err.value)
+
+
+def test_unknown_status_and_empty_and_missing_file(tmp_path, rows):
+    path = tmp_path / "status.csv"
+    write_csv(rows.assign(status="maybe"), path)
+    with pytest.raises(ResultFileError, match="status"):
+        read_results(path)
+    empty = tmp_path / "empty.csv"
+    empty.write_text("")
+    with pytest.raises(ResultFileError, match="empty"):
+        read_results(empty)
+    with pytest.raises(ResultFileError, match="no such"):
+        read_results(tmp_path / "absent.csv")
+
+
+def test_read_many_and_dedupe_latest(tmp_path, rows):
+    first = write_csv(rows, tmp_path / "a.csv")
+    later = rows.iloc[:5].assign(timestamp="2026-11-23T00:00:00Z",
+                                 latency_ms=rows["latency_ms"].iloc[:5] * 2)
+    second = write_csv(later, tmp_path / "b.csv")
+    both = read_many([first, second])
+    assert len(both) == len(rows) + 5
+    latest = dedupe_latest(both)
+    assert len(latest) == len(rows)
+    merged = latest.set_index(["suite", "case", "impl", "mode"])
+    for _, r in later.iterrows():
+        got = merged.loc[(r["suite"], r["case"], r["impl"], r["mode"]), "latency_ms"]
+        assert got == pytest.approx(r["latency_ms"], nan_ok=True)
+    assert read_many([]).empty
+
+
+@pytest.mark.parametrize(
+    ("name", "slug"),
+    [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"), ("NVIDIA GH200 480GB", "gh200"),
+     ("h100", "h100"), ("NVIDIA GeForce RTX 4090", "nvidia-geforce-rtx-4090"), (None, "unknown"),
+     ("", "unknown")],
+)
+def test_gpu_slug(name, slug):
+    assert gpu_slug(name) == slug

@@ -1,0 +1,183 @@
+import math
+import os
+
+import pytest
+import torch
+
+from attnbench import cli
+from attnbench.impls import Capabilities, Impl, Prepared, Unsupported, registry
+from attnbench.impls.base import grad_leaves
+from attnbench.results.read import read_results
+from attnbench.results.schema import COLUMN_NAMES
+from attnbench.results.store import append_rows
+from attnbench.runner import Runner, RunOptions
+from attnbench.suites import load_suite, parse_suite
+
+CPU_CAPS = Capabilities(devices=frozenset({"cpu"}), dtypes=frozenset({"float32", "bfloat16"}))
+
+
+class FakeImpl(Impl):
+    """Plain torch softmax attention on the CPU, with switchable misbehaviour."""
+
+    gpu_only = False
+
+    def __init__(self, name, behaviour="ok", caps=CPU_CAPS):
+        self.name, self.behaviour, self._caps = name, behaviour, caps
+        self.calls = 0
+
+    @property
+    def caps(self):
+        return self._caps
+
+    def prepare(self, case, variant, inputs, needs_grad):
+        self.calls += 1
+        if self.behaviour == "crash":
+            raise RuntimeError("kernel exploded")
+        if self.behaviour == "unsupported":
+            raise Unsupported("not this one")
+        if self.behaviour == "interrupt" and self.calls == 2:
+            raise KeyboardInterrupt
+        q, k, v = grad_leaves(inputs, needs_grad)
+        mod = variant.build(
+            batch=case.batch, heads_q=case.heads_q, heads_kv=case.heads_kv,
+            seqlen_q=case.seqlen_q, seqlen_kv=case.seqlen_kv, head_dim=case.head_dim,
+            head_dim_v=case.head_dim_v, dtype=inputs["q"].dtype, backend="reference")
+
+        def forward():
+            out = mod(q=q, k=k, v=v)
+            return out * float("nan") if self.behaviour == "nan" else out
+
+        return Prepared(forward=forward, leaves=(q, k, v))
+
+
+def small_suite(impls, baseline, modes=("fwd", "bwd"), variants=("softmax", "softmax_causal")):
+    data = {"impls": list(impls), "baseline": baseline, "modes": list(modes),
+            "dtypes": ["float32"], "repeats": 3, "warmup": 1,
+            "cases": [{"variants": list(variants), "shapes": ["smoke-gqa"], "seqlens": [32]}]}
+    return parse_suite(data, name="unit", variant_names=["softmax", "softmax_causal"],
+                       impl_names=list(impls))
+
+
+def make_runner(suite, impls, variants, tmp_path, **opts):
+    return Runner(suite, RunOptions(device="cpu", out_dir=tmp_path, **opts),
+                  get_variant=variants.__getitem__, impls=impls, log=lambda s: None)
+
+
+def test_rows_statuses_speedup_and_round_trip(variants, tmp_path):
+    impls = {"base": FakeImpl("base"), "other": FakeImpl("other"),
+             "boom": FakeImpl("boom", "crash"), "nan": FakeImpl("nan", "nan"),
+             "nope": FakeImpl("nope", "unsupported"),
+             "gpu": FakeImpl("gpu", caps=Capabilities(devices=frozenset({"cuda"}),
+                                                      dtypes=frozenset({"float32"})))}
+    suite = small_suite(impls, "base")
+    runner = make_runner(suite, impls, variants, tmp_path)
+    assert runner.gpu_only_skipped() == ["gpu"]
+    rows = runner.run().rows
+    assert len(rows) == 2 * len(impls) * 2
+    by = {(r["case"].split("/")[0], r["impl"], r["mode"]): r for r in rows}
+    ok = by[("softmax", "base", "fwd")]
+    assert ok["status"] == "ok", ok["reason"]
+    assert ok["latency_ms"] > 0 and ok["repeats"] == 3
+    assert ok["rel_err"] < 1e-5 and ok["speedup"] == 1.0 and ok["causal"] is False
+    assert ok["flops"] == 2 * 1 * 4 * 32 * 32 * (32 + 32)  # B1 Hq4 S32 D32
+    causal_bwd = by[("softmax_causal", "other", "bwd")]
+    assert causal_bwd["status"] == "ok" and causal_bwd["mask"] == "causal"
+    assert causal_bwd["flops"] == 0.5 * 2 * 1 * 4 * 32 * 32 * (3 * 32 + 2 * 32)
+    assert causal_bwd["speedup"] > 0
+    boom = by[("softmax", "boom", "fwd")]
+    assert boom["status"] == "error" and "kernel exploded" in boom["reason"]
+    nan = by[("softmax", "nan", "bwd")]
+    assert nan["status"] == "failed" and math.isnan(nan["rel_err"]) and "NaN" in nan["reason"]
+    assert by[("softmax", "nope", "fwd")]["status"] == "skipped"
+    assert by[("softmax", "nope", "fwd")]["reason"] == "not this one"
+    assert by[("softmax", "gpu", "fwd")]["reason"] == "needs a CUDA GPU"
+
+    df = read_results(runner.path)  # the file round-trips through the schema-checked reader
+    assert list(df.columns[: len(COLUMN_NAMES)]) == list(COLUMN_NAMES)
+    assert len(df) == len(rows)
+    got = df.set_index(["case", "impl", "mode"]).loc[(ok["case"], "base", "fwd")]
+    assert got["latency_ms"] == pytest.approx(ok["latency_ms"])
+    assert got["status"] == "ok" and got["seed"] == 0 and bool(got["causal"]) is False
+
+
+def test_inaccurate_impl_fails(variants, tmp_path):
+    class Off(FakeImpl):
+        def prepare(self, case, variant, inputs, needs_grad):
+            p = super().prepare(case, variant, inputs, needs_grad)
+            f = p.forward
+            p.forward = lambda: f() * 1.1
+            return p
+
+    impls = {"base": FakeImpl("base"), "off": Off("off")}
+    rows = make_runner(small_suite(impls, "base", modes=("fwd",), variants=("softmax",)), impls,
+                       variants, tmp_path).run().rows
+    off = [r for r in rows if r["impl"] == "off"][0]
+    assert off["status"] == "failed" and off["rel_err"] == pytest.approx(0.1, rel=1e-3)
+
+
+def test_interrupted_run_keeps_finished_cases(variants, tmp_path):
+    impls = {"base": FakeImpl("base", "interrupt")}
+    runner = make_runner(small_suite(impls, "base"), impls, variants, tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        runner.run()
+    df = read_results(runner.path)
+    assert set(df["case"]) == {runner.suite.cases[0].name} and len(df) == 2
+
+
+def test_store_never_half_written(variants, tmp_path, monkeypatch):
+    impls = {"base": FakeImpl("base")}
+    runner = make_runner(small_suite(impls, "base", modes=("fwd",)), impls, variants, tmp_path)
+    rows = runner.run().rows
+    before = runner.path.read_bytes()
+
+    def broken_replace(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", broken_replace)
+    with pytest.raises(OSError, match="disk full"):
+        append_rows(runner.path, rows)
+    assert runner.path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == [runner.path.name]  # temp file removed
+    monkeypatch.undo()
+    append_rows(runner.path, rows)
+    assert len(read_results(runner.path)) == 2 * len(rows)
+    with pytest.raises(ValueError, match="missing columns"):
+        append_rows(runner.path, [{"status": "ok"}])
+
+
+def test_smoke_suite_cli_on_cpu(variants, tmp_path, monkeypatch, capsys):
+    """`attnbench run suite smoke` runs reference and sdpa-math on the CPU and writes rows."""
+    import attnbench.runner
+    import attnbench.suites
+
+    monkeypatch.setattr(attnbench.suites, "known_variant_names", lambda: sorted(variants))
+    monkeypatch.setattr(attnbench.runner, "default_get_variant", variants.__getitem__)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+    assert cli.main(["run", "suite", "smoke", "--dry-run"]) == 0
+    assert "softmax_causal/smoke-gqa/b2/s256/bfloat16" in capsys.readouterr().out
+
+    rc = cli.main(["run", "suite", "smoke", "--out", str(tmp_path), "--repeat", "2",
+                   "--warmup", "0", "--filter", "s128", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert out.count("no CUDA device: skipping GPU-only implementations") == 1
+    (path,) = tmp_path.glob("*-cpu-smoke.csv")
+    df = read_results(path)
+    ran = df[df["status"] == "ok"]
+    assert set(ran["impl"]) == {"reference", "sdpa-math"}
+    assert set(df[df["status"] == "skipped"]["impl"]) == {
+        n for n in registry() if n not in ("reference", "sdpa-math", "fla")}
+    assert (ran["rel_err"] < 1e-2).all() and (ran["repeats"] == 2).all()
+
+
+def test_cli_errors(capsys):
+    assert cli.main(["run", "suite", "nosuch-suite"]) == 2
+    assert "known suites" in capsys.readouterr().err
+    assert cli.main(["run", "suite", "smoke", "--impl", "fa9"]) == 2
+    assert "unknown implementation(s) fa9" in capsys.readouterr().err
+
+
+def test_shipped_smoke_loads_with_variants(variants):
+    suite = load_suite("smoke", variant_names=variants)
+    assert any(c.variant == "softmax_causal" for c in suite.cases)

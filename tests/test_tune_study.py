@@ -1,0 +1,245 @@
+"""The tuner's machinery with the deterministic fake objective (no GPU): constraint pruning,
+seeding, exhaustive mode, failures and crash isolation, two GPU workers on one SQLite study,
+and grid vs Optuna."""
+
+from __future__ import annotations
+
+import json
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from attnbench.tune.compare import compare_grid
+from attnbench.tune.objective import FakeObjective, fake_latency_ms
+from attnbench.tune.problem import Problem
+from attnbench.tune.runner import TuneOptions, run_study
+from attnbench.tune.space import SearchSpaceError, load_space, parse_space
+from engine.plan.config import KernelConfig, config_problems
+from engine.tuning.tune_file import lookup
+
+# The tuner beats for its own trials (ask/tell); Optuna's hint about Study.optimize is noise here.
+pytestmark = pytest.mark.filterwarnings("ignore:Heartbeat of storage:UserWarning")
+
+PROBLEM = Problem("softmax", batch=2, heads_q=32, heads_kv=8, seqlen_q=4096, seqlen_kv=4096,
+                  head_dim=128, head_dim_v=128)
+SMALL = {
+    "template": "attention_fwd",
+    "params": {"block_M": [64, 128, 256], "block_N": [32, 64, 128, 256], "num_stages": [2, 3],
+               "threads": [256]},
+    "seed": [{"block_M": 128, "block_N": 64, "num_stages": 2, "threads": 256}],
+}
+
+
+def _opts(tmp_path, **kw) -> TuneOptions:
+    base = dict(storage=f"sqlite:///{tmp_path / 's.db'}", compile_jobs=2, progress=False,
+                tune_file=tmp_path / "tune.json", bench_timeout_s=20, compile_timeout_s=20)
+    base.update(kw)
+    return TuneOptions(**base)
+
+
+def _study(tmp_path, name) -> optuna.Study:
+    return optuna.load_study(study_name=name, storage=f"sqlite:///{tmp_path / 's.db'}")
+
+
+def _evaluated(study):
+    return [t for t in study.get_trials() if t.user_attrs.get("evaluated")]
+
+
+def test_forward_space_is_data_and_big_enough():
+    space = load_space("attention_fwd")
+    valid = space.valid_configs(128, 128)
+    assert len(valid) >= 48
+    assert len(valid) < len(space.all_configs())  # the validity model prunes
+    assert all(c in valid for c in space.seeds)
+    assert KernelConfig() in space.seeds
+
+
+def test_bad_space_files_are_clear_errors(tmp_path):
+    with pytest.raises(SearchSpaceError, match="block_Q"):
+        parse_space({"template": "t", "params": {"block_Q": [1]}})
+    with pytest.raises(SearchSpaceError, match="distinct int"):
+        parse_space({"template": "t", "params": {"block_M": [64, "128"]}})
+    with pytest.raises(SearchSpaceError, match="outside"):
+        parse_space({"template": "t", "params": {"block_M": [64]}, "seed": [{"block_M": 128}]})
+    with pytest.raises(SearchSpaceError, match="known templates"):
+        load_space("attention_nope")
+
+
+def test_tpe_prunes_invalid_configs_and_starts_from_seeds(tmp_path):
+    space = load_space("attention_fwd")
+    res = run_study(FakeObjective(PROBLEM), space, _opts(tmp_path, trials=14, search="tpe"))
+    assert res.evaluated == 14 and not res.exhaustive
+    study = _study(tmp_path, res.study_name)
+    trials = study.get_trials()
+    # Seeds first, in the file's order.
+    assert [t.params for t in trials[: len(space.seeds)]] == [
+        space.params_of(c) for c in space.seeds
+    ]
+    for t in trials:
+        cfg = KernelConfig(**t.params)
+        problems = config_problems(cfg, 128, 128)
+        if problems:  # invalid: pruned with a constraint, never compiled
+            assert t.state == TrialState.PRUNED and "evaluated" not in t.user_attrs
+            assert t.user_attrs["invalid"] and t.constraints["validity"] > 0
+        if t.user_attrs.get("evaluated"):
+            assert not problems
+    # The fake's "compile failures" end as FAIL with their reason kept.
+    for t in _evaluated(study):
+        cfg = KernelConfig(**t.params)
+        if cfg.block_N == 32 and cfg.num_stages == 3:
+            assert t.state == TrialState.FAIL and "compile failed" in t.user_attrs["fail_reason"]
+        else:
+            assert t.state == TrialState.COMPLETE
+            assert t.value == pytest.approx(fake_latency_ms(cfg, PROBLEM))
+    # Best config went to the tune file and reads back.
+    cfg, meta = lookup(tmp_path / "tune.json", template="attention_fwd", spec_hash="fake-spec",
+                       dtype="bf16", mode="fwd", gpu="Fake GPU", shape=PROBLEM.shape())
+    assert cfg.to_dict() == res.best_config and meta["latency_ms"] == res.best_latency_ms
+    assert meta["trials"] == 14
+
+
+def test_small_space_is_searched_exhaustively(tmp_path):
+    space = parse_space(SMALL)
+    valid = space.valid_configs(128, 128)
+    res = run_study(FakeObjective(PROBLEM), space, _opts(tmp_path, trials=3))
+    assert res.exhaustive and res.evaluated == len(valid) == res.target
+    study = _study(tmp_path, res.study_name)
+    keys = [t.user_attrs["config"] for t in _evaluated(study)]
+    assert sorted(keys) == sorted(c.key() for c in valid)  # each valid config exactly once
+    ok = [c for c in valid if not (c.block_N == 32 and c.num_stages == 3)]
+    assert res.best_latency_ms == pytest.approx(min(fake_latency_ms(c, PROBLEM) for c in ok))
+    # Running again finds the study complete: nothing new is evaluated.
+    again = run_study(FakeObjective(PROBLEM), space, _opts(tmp_path, trials=3))
+    assert again.evaluated == res.evaluated
+    assert len(_evaluated(_study(tmp_path, res.study_name))) == len(valid)
+
+
+def test_hang_crash_and_wrong_output_fail_only_their_trials(tmp_path):
+    space = parse_space(SMALL)
+    valid = space.valid_configs(128, 128)
+    compiles = [c for c in valid if not (c.block_N == 32 and c.num_stages == 3)]
+    hang, crash, wrong, unpicklable = (c.key() for c in compiles[:4])
+    obj = FakeObjective(PROBLEM, hang_keys=(hang,), crash_keys=(crash,), wrong_keys=(wrong,),
+                        unpicklable_keys=(unpicklable,))
+    res = run_study(obj, space, _opts(tmp_path, bench_timeout_s=3, search="grid"))
+    study = _study(tmp_path, res.study_name)
+    by_key = {t.user_attrs["config"]: t for t in _evaluated(study)}
+    assert len(by_key) == len(valid)
+    assert by_key[hang].state == TrialState.FAIL
+    assert "timed out" in by_key[hang].user_attrs["fail_reason"]
+    assert by_key[crash].state == TrialState.FAIL
+    assert "worker died" in by_key[crash].user_attrs["fail_reason"]
+    assert "mismatch" in by_key[wrong].user_attrs["fail_reason"]
+    # An error the worker cannot pickle back (tvm_ffi's ffi.Error) fails with its own reason.
+    reason = by_key[unpicklable].user_attrs["fail_reason"]
+    assert "No valid warp partition" in reason and "worker died" not in reason
+    completed = [t for t in by_key.values() if t.state == TrialState.COMPLETE]
+    assert len(completed) == len(compiles) - 4
+
+
+def test_two_gpu_workers_share_one_sqlite_study(tmp_path):
+    space = load_space("attention_fwd")
+    res = run_study(FakeObjective(PROBLEM), space,
+                    _opts(tmp_path, trials=12, devices=(0, 1), search="tpe"))
+    study = _study(tmp_path, res.study_name)
+    ev = _evaluated(study)
+    assert 12 <= len(ev) <= 13  # two workers may overshoot by at most the last in-flight trial
+    assert len({t.number for t in study.get_trials()}) == len(study.get_trials())
+    assert not [t for t in study.get_trials() if t.state == TrialState.RUNNING]
+
+
+def test_grid_vs_optuna_record(tmp_path):
+    space = parse_space({**SMALL, "params": {**SMALL["params"], "num_stages": [1, 2, 3],
+                                             "swizzle_panel": [0, 8]}})
+    valid = space.valid_configs(128, 128)
+    rec = compare_grid(FakeObjective(PROBLEM), space, _opts(tmp_path), out_dir=tmp_path)
+    assert rec["grid"]["trials"] == len(valid)
+    assert rec["optuna"]["trials"] == int(0.3 * len(valid))
+    assert rec["optuna_gap_vs_grid_best"] >= 0
+    on_disk = json.loads(open(rec["path"]).read())
+    assert on_disk["pass"] == rec["pass"] and on_disk["grid"] == rec["grid"]
+
+
+def _trace(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def test_compile_of_next_trial_overlaps_benchmark_of_current(tmp_path):
+    space = parse_space(SMALL)
+    trace = tmp_path / "trace.jsonl"
+    obj = FakeObjective(PROBLEM, delay_s=0.4, trace_path=str(trace))
+    run_study(obj, space, _opts(tmp_path, trials=6, search="tpe", compile_jobs=2))
+    events = _trace(trace)
+    compiles = {e["key"]: e for e in events if e["step"] == "compile"}
+    benches = sorted((e for e in events if e["step"] == "bench"), key=lambda e: e["t0"])
+    assert len(benches) >= 6
+    # The compile of trial N+1 started before the benchmark of trial N ended (compiles run
+    # ahead instead of waiting for a whole batch of benchmarks), for every consecutive pair,
+    # and at least one ran while a benchmark did.
+    overlapped = 0
+    for cur, nxt in zip(benches, benches[1:], strict=False):
+        c = compiles[nxt["key"]]
+        assert c["t0"] < cur["t1"], (cur, c)
+        overlapped += c["t1"] > cur["t0"]
+    assert overlapped
+
+
+def test_default_config_is_measured_first_and_gates_the_tune_file(tmp_path):
+    from engine.plan.defaults import default_forward_config
+
+    space = load_space("attention_fwd")
+    default = default_forward_config(128, 128)
+    trace = tmp_path / "trace.jsonl"
+    res = run_study(FakeObjective(PROBLEM, trace_path=str(trace)), space,
+                    _opts(tmp_path, trials=6, search="tpe"))
+    first = min((e for e in _trace(trace) if e["step"] == "bench"), key=lambda e: e["t0"])
+    assert first["key"] == default.key()
+    assert res.baseline_latency_ms == pytest.approx(fake_latency_ms(default, PROBLEM))
+    assert res.run_best_latency_ms <= res.baseline_latency_ms
+    cfg, meta = lookup(tmp_path / "tune.json", template="attention_fwd", spec_hash="fake-spec",
+                       dtype="bf16", mode="fwd", gpu="Fake GPU", shape=PROBLEM.shape())
+    assert meta["latency_ms"] == res.run_best_latency_ms <= meta["default_latency_ms"]
+    # A second run of the same (resumed) study measures the default again, without counting it.
+    again = run_study(FakeObjective(PROBLEM), space, _opts(tmp_path, trials=8, search="tpe"))
+    assert again.baseline_latency_ms is not None and again.run_id != res.run_id
+    study = _study(tmp_path, res.study_name)
+    base = [t for t in study.get_trials() if t.user_attrs.get("baseline")]
+    assert len(base) == 2 and [bool(t.user_attrs.get("evaluated")) for t in base] == [True, False]
+    assert len(_evaluated(study)) == 8
+
+
+def test_faster_existing_entry_is_kept_and_failed_default_writes_nothing(tmp_path, caplog):
+    from engine.plan.defaults import default_forward_config
+    from engine.tuning.tune_file import store
+
+    space = load_space("attention_fwd")
+    fast = KernelConfig(64, 64, 1, 128)
+    store(tmp_path / "tune.json", {
+        "template": "attention_fwd", "spec_hash": "fake-spec", "dtype": "bf16", "mode": "fwd",
+        "gpu": "Fake GPU", "shape": PROBLEM.shape(), "config": fast.to_dict(),
+        "latency_ms": 1e-3, "tflops": 1e6, "date": "2026-11-22T00:00:00+00:00"})
+    with caplog.at_level("INFO"):
+        res = run_study(FakeObjective(PROBLEM), space, _opts(tmp_path, trials=4, search="tpe"))
+    assert res.tune_file is None and "kept the existing entry" in res.tune_file_note
+    assert "kept the existing entry" in caplog.text
+    cfg, meta = lookup(tmp_path / "tune.json", template="attention_fwd", spec_hash="fake-spec",
+                       dtype="bf16", mode="fwd", gpu="Fake GPU", shape=PROBLEM.shape())
+    assert cfg == fast and meta["latency_ms"] == 1e-3
+    # The default fails (wrong output): nothing measured against it, nothing written.
+    other = tmp_path / "other"
+    other.mkdir()
+    bad = FakeObjective(PROBLEM, wrong_keys=(default_forward_config(128, 128).key(),))
+    res = run_study(bad, space, _opts(other, trials=4, search="tpe"))
+    assert res.best_latency_ms is not None and res.baseline_latency_ms is None
+    assert not (other / "tune.json").exists() and "not measured" in res.tune_file_note
+
+
+def test_interrupted_comparison_still_writes_a_partial_record(tmp_path):
+    space = parse_space({**SMALL, "params": {**SMALL["params"], "num_stages": [1, 2, 3]}})
+    obj = FakeObjective(PROBLEM, delay_s=0.5)
+    rec = compare_grid(obj, space, _opts(tmp_path, timeout_s=4.0), out_dir=tmp_path)
+    on_disk = json.loads(open(rec["path"]).read())
+    assert on_disk["complete"] is False and on_disk["pass"] is False
+    assert on_disk["incomplete_reasons"]
+    assert 0 < on_disk["grid"]["trials"] < len(space.valid_configs(128, 128))
