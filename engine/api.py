@@ -69,6 +69,12 @@ class AttentionEngine(torch.nn.Module):
 
     backend: "auto" (TileLang kernels on a Hopper GPU, else the reference executor),
     "reference", or "tilelang". config: a KernelConfig overriding defaults and tune files.
+    tune_file: the tune file to read (default results/tune/<gpu>/attention_fwd.json); a shape
+    it lacks uses its nearest tuned shape. tune=True: on the first call on a Hopper GPU, a shape
+    with no exact entry is tuned first (attnbench's tuner, a few minutes at most, see
+    engine.tuning.autotune) and the result is written to that file.
+    deterministic: True keeps the backward free of atomics (run-to-run identical gradients);
+    today that means the reference rules instead of the backward kernels.
     """
 
     def __init__(
@@ -100,6 +106,9 @@ class AttentionEngine(torch.nn.Module):
             raise ValueError(f"config: expected a KernelConfig, got {type(config).__name__}")
         if not isinstance(tune, bool):
             raise ValueError(f"tune: expected a bool, got {tune!r}")
+        if tune and config is not None:
+            raise ValueError("tune=True and config= exclude each other: config fixes the kernel "
+                             "config that tuning would choose")
         self.custom_io = custom_fwd_inputs if custom_fwd_inputs is not None else CustomIO({})
         self.online_func = online_func if online_func is not None else OnlineSoftmax()
         self.spec: TracedSpec = trace_spec(score_mod, mask_mod, self.online_func, self.custom_io)
@@ -109,6 +118,27 @@ class AttentionEngine(torch.nn.Module):
         self.tune_file = tune_file
         self.deterministic = deterministic
         self._kernels: Any = None
+        self._tune_checked = False
+
+    @classmethod
+    def from_traced(
+        cls,
+        qkv_meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        spec: TracedSpec,
+        custom_fwd_inputs: CustomIO | None = None,
+        *,
+        backend: str = "auto",
+        config: KernelConfig | None = None,
+        tune_file: str | None = None,
+    ) -> AttentionEngine:
+        """A module for an already traced spec. The tuner's worker processes receive the spec
+        by pickling (the user's hook functions may not pickle) and build modules with this."""
+        if not isinstance(spec, TracedSpec):
+            raise ValueError(f"spec: expected a TracedSpec, got {type(spec).__name__}")
+        mod = cls(qkv_meta, custom_fwd_inputs, backend=backend, config=config,
+                  tune_file=tune_file)
+        mod.spec = spec
+        return mod
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -211,6 +241,8 @@ class AttentionEngine(torch.nn.Module):
         if reason is None:
             return "tilelang"
         _log_once(f"engine: running the reference executor ({reason})")
+        if self.tune:
+            _log_once("engine: tune=True has nothing to tune on the reference executor")
         return "reference"
 
     def forward(

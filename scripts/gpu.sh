@@ -9,6 +9,8 @@ mkdir -p "$OUT/runs"
 if [ -f .gpu/install.sh ]; then source .gpu/install.sh >/dev/null; fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export ATTNBENCH_KERNEL_DIR=/tmp/attnbench-kernels TILELANG_CACHE_DIR=/tmp/tilelang-cache
+# The generated backward kernels (off by default until verified here; see tilelang_backend).
+export ATTNBENCH_KERNEL_BACKWARD=${ATTNBENCH_KERNEL_BACKWARD:-1}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests llama3 variants)
 for step in "${steps[@]}"; do

@@ -9,8 +9,9 @@ import torch
 
 from attnbench.impls.base import TORCH_DTYPES
 from attnbench.suites import load_suite
+from engine.runtime.backward_kernels import backward_kernels_for
 from engine.runtime.precompile import precompile
-from engine.runtime.tilelang_backend import kernels_for
+from engine.runtime.tilelang_backend import kernel_backward_problem, kernels_for
 from engine.variants import get_variant
 
 
@@ -42,6 +43,9 @@ def main(names: list[str]) -> int:
                 backend="tilelang",
             )
             srcs.append(kernels_for(mod).forward_source)
+            if set(c.modes) - {"fwd"} and kernel_backward_problem(mod) is None:
+                bk = backward_kernels_for(mod)
+                srcs += [bk.source] + ([bk.preprocess_source] if bk.preprocess_source else [])
     t = time.time()
     errors = precompile(srcs)
     print(f"precompiled {len(set(srcs))} kernels in {time.time() - t:.0f}s, {len(errors)} failed")

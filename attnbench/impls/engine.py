@@ -41,6 +41,13 @@ class _EngineBase(Impl):
             )
         except NotImplementedError as exc:  # kernels for this variant have not landed yet
             raise Unsupported(f"engine backend {self.backend!r} not implemented: {exc}") from exc
+        if needs_grad and self.backend == "tilelang":
+            from engine.runtime.tilelang_backend import kernel_backward_problem
+
+            # Never time the reference rules as if they were the engine's backward kernel.
+            reason = kernel_backward_problem(mod)
+            if reason is not None:
+                raise Unsupported(f"engine backward: {reason}")
         q, k, v = grad_leaves(inputs, needs_grad)
         others = {n: t for n, t in inputs.items() if n not in ("q", "k", "v")}
 
@@ -57,11 +64,14 @@ class EngineImpl(_EngineBase):
 
     @property
     def caps(self) -> Capabilities:
-        # Forward only: backward kernels are not generated yet (the engine's backward runs
-        # the reference rules in torch, which would be timed as if it were a kernel).
+        # Backward modes only with the generated backward kernels on (prepare() also skips a
+        # spec they cannot run): the reference rules must never be timed as the engine.
+        from engine.runtime import tilelang_backend
+
+        modes = {"fwd", "bwd", "fwd+bwd"} if tilelang_backend.KERNEL_BACKWARD else {"fwd"}
         return Capabilities(
             devices=frozenset({"cuda"}), dtypes=HALF, min_capability=(9, 0),
-            cuda_reason="needs a Hopper GPU", modes=frozenset({"fwd"}),
+            cuda_reason="needs a Hopper GPU", modes=frozenset(modes),
         )
 
 

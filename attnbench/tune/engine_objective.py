@@ -67,19 +67,7 @@ class EngineObjective:
         return str(mod.spec_hash)
 
     def gpu_name(self, device: int | None) -> str:
-        idx = 0 if device is None else device
-        try:
-            out = subprocess.run(
-                ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", str(idx)],
-                capture_output=True, text=True, timeout=30, check=True,
-            )
-            return out.stdout.strip().splitlines()[0]
-        except (OSError, subprocess.SubprocessError, IndexError):
-            import torch
-
-            if not torch.cuda.is_available():
-                raise RuntimeError("attnbench tune needs a CUDA GPU (none found)") from None
-            return torch.cuda.get_device_name(idx)
+        return gpu_name(device)
 
     def unmasked_fraction(self) -> float:
         p = self.problem
@@ -115,7 +103,7 @@ class EngineObjective:
                 with torch.no_grad():
                     mod(**inputs)
 
-        med, n = _median_ms(step, self.reps, self.warmup)
+        med, n = median_ms(step, self.reps, self.warmup)
         return Measurement(med, {"rel_err": rel_err, "reps": n,
                                  "gpu_env": os.environ.get("CUDA_VISIBLE_DEVICES", "")})
 
@@ -163,22 +151,45 @@ class EngineObjective:
             leaves = [inputs[k] for k in ("q", "k", "v")]
             got = torch.autograd.grad(out, leaves, dout)
             pairs += [(f"d{k}", g, w) for k, g, w in zip("qkv", got, want, strict=True)]
-        worst = 0.0
-        for name, a, b in pairs:
-            a, b = a.float(), b.float()
-            if not torch.isfinite(a).all():
-                raise TrialFailed(f"output mismatch: {name} has NaN/Inf")
-            err = float((a - b).norm() / b.norm().clamp_min(1e-30))
-            if not err < self.rtol:
-                raise TrialFailed(
-                    f"output mismatch: {name} rel err {err:.3e} >= {self.rtol:g} against the "
-                    f"reference (checked at {p.shape()})"
-                )
-            worst = max(worst, err)
-        return worst
+        return check_close(pairs, self.rtol, f"checked at {p.shape()}")
 
 
-def _median_ms(step, reps: int, warmup: int) -> tuple[float, int]:
+def gpu_name(device: int | None) -> str:
+    """The name of GPU `device` (nvidia-smi first: it does not initialise CUDA here)."""
+    idx = 0 if device is None else device
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", str(idx)],
+            capture_output=True, text=True, timeout=30, check=True,
+        )
+        return out.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("attnbench tune needs a CUDA GPU (none found)") from None
+        return torch.cuda.get_device_name(idx)
+
+
+def check_close(pairs, rtol: float, where: str) -> float:
+    """The worst relative error (Frobenius) over (name, got, want) pairs; TrialFailed on NaN/Inf
+    or an error of `rtol` or more."""
+    worst = 0.0
+    for name, a, b in pairs:
+        a, b = a.float(), b.float()
+        if not bool(a.isfinite().all()):
+            raise TrialFailed(f"output mismatch: {name} has NaN/Inf")
+        err = float((a - b).norm() / b.norm().clamp_min(1e-30))
+        if not err < rtol:
+            raise TrialFailed(
+                f"output mismatch: {name} rel err {err:.3e} >= {rtol:g} against the reference "
+                f"({where})"
+            )
+        worst = max(worst, err)
+    return worst
+
+
+def median_ms(step, reps: int, warmup: int) -> tuple[float, int]:
     """Median time of `step` in ms: attnbench.timing.time_cuda (the suite runner's timer) when
     it exists, else attnbench.tune.timing's."""
     import statistics

@@ -1,11 +1,16 @@
 """The TileLang backend: generated forward kernels behind a torch.autograd.Function.
 
-The backward runs the reference executor's rules on the GPU (materialised in row chunks)
-until generated backward kernels land."""
+The backward runs the generated backward kernels (engine.runtime.backward_kernels) when
+KERNEL_BACKWARD is on and the spec allows it; otherwise the reference executor's rules on the
+GPU (materialised in row chunks), with a log line saying why. KERNEL_BACKWARD stays off by
+default until the backward kernels have passed tests/gpu on the H100; the environment variable
+ATTNBENCH_KERNEL_BACKWARD=1 turns it on (the GPU tests and benchmark runs do).
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +28,8 @@ from engine.runtime.reference_backend import GRAD_ANCHOR, reference_backward
 log = logging.getLogger("engine")
 # Tests set this to fill outputs with NaN before each launch, to prove every element is written.
 POISON_OUTPUTS = False
+KERNEL_BACKWARD = os.environ.get("ATTNBENCH_KERNEL_BACKWARD", "0") == "1"
+_logged: set[str] = set()
 
 
 @dataclass
@@ -110,6 +117,7 @@ class TileLangAttention(torch.autograd.Function):
     def forward(ctx, mod, _unused, anchor, q, k, v, *custom):
         # argument positions match ReferenceAttention's, so the backward is shared
         o, finals = forward_kernel_call(mod, q, k, v, list(custom))
+        ctx.mod = mod
         ctx.spec, ctx.names, ctx.final_names = (
             mod.spec,
             tuple(mod.custom_io.names()),
@@ -121,9 +129,50 @@ class TileLangAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, *_unused):
-        return reference_backward(ctx, do)
+        n_custom = len(ctx.names)
+        if not any(ctx.needs_input_grad[3:]):
+            return (None,) * (6 + n_custom)
+        reason = kernel_backward_problem(ctx.mod, ctx.needs_input_grad[6:])
+        if reason is not None:
+            if reason not in _logged:
+                _logged.add(reason)
+                log.info("engine: backward by the reference rules: %s", reason)
+            return reference_backward(ctx, do)
+        from engine.runtime.backward_kernels import backward_kernel_call
+
+        q, k, v, o, *rest = ctx.saved_tensors
+        nf = len(ctx.final_names)
+        dq, dk, dv = backward_kernel_call(ctx.mod, q, k, v, o, rest[:nf], do, rest[nf:])
+        return (None, None, None, dq, dk, dv, *(None,) * n_custom)
+
+
+def kernel_backward_problem(mod, custom_needs_grad=()) -> str | None:
+    """Why `mod`'s backward cannot run as generated kernels (None: it can)."""
+    if not KERNEL_BACKWARD:
+        return "kernel backward is off (ATTNBENCH_KERNEL_BACKWARD=1 turns it on)"
+    if mod.deterministic:
+        return "deterministic=True (the backward kernel accumulates dQ, dK, dV with atomics)"
+    wants = [n for n, need in zip(mod.custom_io.names(), custom_needs_grad, strict=False) if need]
+    if wants:
+        return f"custom input(s) {wants} require grad (not computed by the kernel yet)"
+    from engine.plan.config import ConfigError
+    from engine.runtime.backward_kernels import backward_kernels_for
+
+    try:
+        backward_kernels_for(mod)
+    except (NotImplementedError, ConfigError, ValueError) as exc:
+        return str(exc)
+    return None
 
 
 def run(mod, q, k, v, custom: list[torch.Tensor]):
+    if mod.tune and not mod._tune_checked:
+        # Once per module, before its kernel is built: the tuned entry is then picked up by
+        # _select_config like any other.
+        from engine.tuning.autotune import ensure_tuned
+
+        mod._tune_checked = True
+        ensure_tuned(mod, q, k, v, custom)
+        mod._kernels = None
     o, *finals = TileLangAttention.apply(mod, None, GRAD_ANCHOR, q, k, v, *custom)
     return o, dict(zip(mod.spec.final_names, finals, strict=True))

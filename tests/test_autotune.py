@@ -1,0 +1,95 @@
+"""AttentionEngine(tune=True): a shape missing from the tune file is tuned (through the real
+study, worker processes and tune-file rule, with attnbench's fake objective standing in for the
+GPU), written to the module's tune file, and then used by the module's kernel."""
+
+from __future__ import annotations
+
+import functools
+import json
+import pickle
+
+import pytest
+import torch
+
+from attnbench.tune.objective import FakeObjective
+from attnbench.tune.spec_objective import SpecObjective
+from engine.plan.config import KernelConfig
+from engine.plan.defaults import default_forward_config
+from engine.runtime.tilelang_backend import kernels_for
+from engine.tuning import autotune
+from engine.tuning.autotune import TuneBudget, ensure_tuned
+from engine.tuning.tune_file import lookup
+from engine.variants import VARIANTS
+
+SIZES = dict(batch=2, heads_q=8, heads_kv=2, seqlen_q=1024, seqlen_kv=1024, head_dim=128,
+             head_dim_v=128)
+GPU = "none"  # what the engine calls the GPU on a machine without one
+
+
+def _module(name: str, tune_file, **kw):
+    return VARIANTS[name].build(**SIZES, dtype=torch.bfloat16, backend="reference",
+                                tune_file=str(tune_file), **kw)
+
+
+def _inputs(name: str):
+    inp = VARIANTS[name].make_inputs(**SIZES, dtype=torch.bfloat16, device="cpu", seed=3)
+    mod_names = list(VARIANTS[name].make_spec(VARIANTS[name].sizes(**SIZES)).custom_fwd_inputs.names())
+    return inp["q"], inp["k"], inp["v"], [inp[n] for n in mod_names]
+
+
+def _fake(spec_hash: str, problem, inputs_path):
+    assert torch.load(inputs_path, weights_only=True)["q"].shape == (2, 1024, 8, 128)
+    return FakeObjective(problem=problem, spec=spec_hash, gpu=GPU)
+
+
+def test_tune_true_tunes_a_missing_shape_once(tmp_path):
+    path = tmp_path / "tune.json"
+    mod = _module("softmax_causal", path, tune=True)
+    q, k, v, customs = _inputs("softmax_causal")
+    make = functools.partial(_fake, mod.spec_hash)
+    budget = TuneBudget(trials=6, timeout_s=240)
+    res = ensure_tuned(mod, q, k, v, customs, gpu=GPU, budget=budget, make_objective=make,
+                       progress=False)
+    assert res is not None and res["evaluated"] >= 6
+    hit = lookup(str(path), template="attention_fwd", spec_hash=mod.spec_hash, dtype="bf16",
+                 mode="fwd", gpu=GPU, shape=autotune.problem_shape(mod))
+    assert hit is not None and hit[1]["exact"]
+    assert hit[0] == KernelConfig.from_dict(res["run_best_config"])
+    # The tune-file rule: never slower than the default measured in the same run.
+    assert hit[1]["latency_ms"] <= res["baseline_latency_ms"]
+    # The module's kernel now uses the tuned config.
+    assert kernels_for(mod).forward.config == hit[0]
+    # An exact entry exists: a second module of the same spec and shape tunes nothing.
+    again = _module("softmax_causal", path, tune=True)
+    assert ensure_tuned(again, q, k, v, customs, gpu=GPU, budget=budget, make_objective=make,
+                        progress=False) is None
+    data = json.loads(path.read_text())
+    assert len(data["entries"]) == 1
+
+
+def test_tune_true_and_config_exclude_each_other(tmp_path):
+    with pytest.raises(ValueError, match="tune=True and config="):
+        _module("softmax", tmp_path / "t.json", tune=True,
+                config=default_forward_config(128, 128))
+
+
+def test_spec_objective_pickles_and_compiles_on_cpu(tmp_path):
+    """The worker side of tune=True: the spec travels by pickling (no user functions) and the
+    kernel of a config nvcc-compiles; the mask fraction comes from the saved inputs."""
+    from attnbench.tune.problem import Problem
+
+    mod = _module("document", tmp_path / "t.json")
+    q, k, v, customs = _inputs("document")
+    path = tmp_path / "inputs.pt"
+    torch.save({"q": q, "k": k, "v": v, "doc_ids": customs[0]}, path)
+    problem = Problem(variant="custom", dtype="bf16", **autotune.problem_shape(mod))
+    obj = pickle.loads(pickle.dumps(SpecObjective(problem, mod.spec, mod.custom_io, str(path))))
+    assert obj.spec_hash() == mod.spec_hash
+    ids = customs[0]
+    causal = torch.ones(1024, 1024).tril().bool()
+    kept = (ids[:, :, None] == ids[:, None, :]) & causal  # same document, causal
+    assert obj.unmasked_fraction() == pytest.approx(kept.double().mean().item())
+    built = obj.module(None, backend="tilelang")
+    assert built.spec_hash == mod.spec_hash and built.problem == mod.problem
+    assert kernels_for(built).forward_source == kernels_for(mod).forward_source
+    obj.compile(default_forward_config(128, 128))  # nvcc, sm_90a
