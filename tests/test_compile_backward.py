@@ -83,11 +83,45 @@ def test_backward_config_model():
     assert backward_config_problems(KernelConfig(32, 64, 2, 256), 128, 128)
 
 
-def test_custom_input_requiring_grad_is_refused():
+LEARNABLE = {"alibi": "alibi_slopes", "sigmoid": "bias", "retnet": "log_decay"}
+
+
+@pytest.mark.compile
+@needs_nvcc
+@pytest.mark.parametrize("name", sorted(LEARNABLE))
+def test_backward_with_custom_gradients_compiles(name, tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
+    cname = LEARNABLE[name]
+    bk = backward_kernels_for(_module(name), custom_grads=(cname,))
+    # Per-head parameter: rows reduced in registers over the query loop, one atomic per key row.
+    assert f"dC_{cname}: T.Tensor((8,)" in bk.source
+    assert "T.reduce_sum(cg_tile, cg_row, dim=1)" in bk.source
+    assert f"T.atomic_add(dC_{cname}[by], cg_acc0[i])" in bk.source
+    main, _ = bk.compiled()
+    assert "AtomicAdd" in main.get_kernel_source()
+
+
+def _query_indexed_bias_module():
+    from engine import AttentionEngine, CustomIO, meta_tensor
+
+    io = CustomIO({"qbias": ("batch", "heads", "seq_len")})
+    meta = (meta_tensor(2, 8, 1000, 128, dtype=torch.bfloat16),
+            meta_tensor(2, 2, 1000, 128, dtype=torch.bfloat16),
+            meta_tensor(2, 2, 1000, 128, dtype=torch.bfloat16))
+    return AttentionEngine(meta, io, score_mod=lambda s, io_, b, h, qi, ki: s + io_["qbias"],
+                           backend="tilelang")
+
+
+def test_custom_gradients_the_kernel_cannot_produce_are_refused():
     mod = _module("alibi")
-    inp = VARIANTS["alibi"].make_inputs(**SHAPE, head_dim=128, head_dim_v=128, dtype=torch.bfloat16)
-    q, k, v = inp["q"], inp["k"], inp["v"]
-    slopes = torch.rand(SHAPE["heads_q"], requires_grad=True)
-    lse = torch.zeros(2, 8, 1000)
-    with pytest.raises(NotImplementedError, match="alibi_slopes"):
-        backward_kernel_call(mod, q, k, v, q, [lse], q, [slopes])
+    with pytest.raises(ValueError, match="not CustomIO inputs"):
+        inp = VARIANTS["alibi"].make_inputs(**SHAPE, head_dim=128, head_dim_v=128,
+                                            dtype=torch.bfloat16)
+        q = inp["q"]
+        backward_kernel_call(mod, q, inp["k"], inp["v"], q, [torch.zeros(2, 8, 1000)], q,
+                             [inp["alibi_slopes"]], custom_grads=("nope",))
+    qmod = _query_indexed_bias_module()
+    with pytest.raises(NotImplementedError, match="indexed by the query position"):
+        backward_kernels_for(qmod, custom_grads=("qbias",))
+    # Without its gradient the same spec generates.
+    assert "dC_" not in backward_kernels_for(qmod).source

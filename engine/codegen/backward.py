@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from engine.codegen.emit import Emitter
 from engine.dsl.expr import Expr, leaf, leaves, topo
-from engine.ir.diff import diff
+from engine.ir.diff import diff, score_mod_derivatives
 from engine.ir.rewrite import substitute
 from engine.ir.spec import TracedSpec
 from engine.plan.config import (
@@ -194,9 +194,34 @@ def _check_spec(spec: TracedSpec) -> None:
             raise NotImplementedError(f"backward kernel: {name} reads {sorted(bad)}")
 
 
-def generate_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig) -> str:
-    """TileLang source defining `main`, the main backward prim_func of `spec` at `shape`."""
+def custom_grad_problem(spec: TracedSpec, name: str) -> str | None:
+    """Why the kernel cannot produce the gradient of CustomIO tensor `name` (None: it can).
+    The kernel sums a custom gradient over the query positions of its kv block in registers,
+    so a read indexed by the query position is left to the reference rules."""
+    if name in spec.online_custom_reads():
+        return f"custom input {name!r} is read in the online functions"
+    reads = [leaf_ for leaf_, _ in score_mod_derivatives(spec)[1].values() if leaf_.attr[0] == name]
+    if not reads:
+        return f"custom input {name!r} is not read in score_mod (its gradient is zero)"
+    for leaf_ in reads:
+        if "q" in leaf_.attr[2]:
+            return f"custom input {name!r} is indexed by the query position"
+    return None
+
+
+def generate_backward(
+    spec: TracedSpec, shape: KernelShape, cfg: KernelConfig, custom_grads: tuple[str, ...] = ()
+) -> str:
+    """TileLang source defining `main`, the main backward prim_func of `spec` at `shape`.
+
+    `custom_grads`: CustomIO tensors whose gradients the kernel also produces (fp32 outputs
+    dC_<name>, accumulated with atomics): per thread block, sum over its queries of
+    dS' * d score_mod / d custom, kept per key row in registers across the query loop."""
     _check_spec(spec)
+    for name in custom_grads:
+        why = custom_grad_problem(spec, name)
+        if why is not None:
+            raise NotImplementedError(f"backward kernel: {why}")
     bM, bN, D, Dv = cfg.block_M, cfg.block_N, shape.head_dim, shape.head_dim_v
     Sq, Skv = shape.seqlen_q, shape.seqlen_kv
     G = shape.heads_q // shape.heads_kv
@@ -214,6 +239,12 @@ def generate_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig) -
     p_expr = substitute(spec.fwd_recompute, {score.key: smod})
     ds_mod = substitute(spec.bwd, {score.key: smod})
     dsm_ds = substitute(diff(spec.score_mod, score), {score.key: raw})
+    # (custom name, its read's index, d score_mod / d read over the raw score) per wanted read
+    dc_reads = [
+        (read.attr[0], read.attr[2], substitute(d, {score.key: raw}))
+        for read, d in score_mod_derivatives(spec)[1].values()
+        if read.attr[0] in custom_grads
+    ]
 
     # Transposed frame: i runs over keys (fragment rows), j over queries (fragment columns).
     q_idx, kv_idx = f"(qb * {bM} + j)", f"(bx * {bN} + i)"
@@ -290,6 +321,10 @@ def generate_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig) -
         f'dK: T.Tensor(({shape.batch}, {Skv}, {shape.heads_kv}, {D}), "float32")',
         f'dV: T.Tensor(({shape.batch}, {Skv}, {shape.heads_kv}, {Dv}), "float32")',
     ]
+    decls = dict(spec.customs)
+    for name in custom_grads:
+        dshape = ", ".join(str(sizes[d]) if isinstance(d, str) else "1" for d in decls[name])
+        args.append(f'dC_{name}: T.Tensor(({dshape},), "float32")')
 
     lines: list[str] = []
     w = lambda ind, text: _writer_lines(lines, ind, text)  # noqa: E731
@@ -315,6 +350,12 @@ def generate_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig) -
     w(b, f'dv = T.alloc_fragment(({bN}, {Dv}), "float32")')
     w(b, f'dk = T.alloc_fragment(({bN}, {D}), "float32")')
     w(b, f'dq = T.alloc_fragment(({bM}, {D}), "float32")')
+    if dc_reads:
+        w(b, f'cg_tile = T.alloc_fragment(({bN}, {bM}), "float32")')
+        w(b, f'cg_row = T.alloc_fragment(({bN},), "float32")')
+    for r in range(len(dc_reads)):
+        w(b, f'cg_acc{r} = T.alloc_fragment(({bN},), "float32")')
+        w(b, f"T.clear(cg_acc{r})")
     if cfg.swizzle_panel:
         w(b, f"T.use_swizzle({cfg.swizzle_panel})")
     w(b, f"T.copy(K[bz, bx * {bN}:(bx + 1) * {bN}, by // {G}, :], K_shared)")
@@ -335,6 +376,14 @@ def generate_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig) -
     w(lb + 1, tile_body(None))
     w(lb, "else:")
     w(lb + 1, tile_body(mask_text))
+    for r, (_, _, d_read) in enumerate(dc_reads):
+        em = Emitter(bind)
+        g_text = f"({em.float_(ds_mod)} * {em.float_(d_read)})"
+        w(lb, f"for i, j in T.Parallel({bN}, {bM}):")
+        w(lb + 1, f"cg_tile[i, j] = T.if_then_else({mask_text}, {g_text}, T.float32(0.0))")
+        w(lb, "T.reduce_sum(cg_tile, cg_row, dim=1)")
+        w(lb, f"for i in T.Parallel({bN}):")
+        w(lb + 1, f"cg_acc{r}[i] += cg_row[i]")
     w(lb, f"T.gemm(pT_cast, dO_shared, dv, policy={policy})")
     w(lb, f"T.gemm(dsT_cast, Q_shared, dk, policy={policy})")
     w(lb, "T.copy(dsT_cast, dsT_shared)")
@@ -343,6 +392,11 @@ def generate_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig) -
     w(lb, f"for i, j in T.Parallel({bM}, {D}):")
     w(lb + 1, f"if qb * {bM} + i < {Sq}:")
     w(lb + 2, f"T.atomic_add(dQ[bz, qb * {bM} + i, by, j], dq[i, j])")
+    for r, (name, index, _) in enumerate(dc_reads):
+        parts = [index_text.get(x, "0") if isinstance(x, str) else "0" for x in index]
+        w(b, f"for i in T.Parallel({bN}):")
+        w(b + 1, f"if bx * {bN} + i < {Skv}:")
+        w(b + 2, f"T.atomic_add(dC_{name}[{', '.join(parts)}], cg_acc{r}[i])")
     for buf, out, width in (("dv", "dV", Dv), ("dk", "dK", D)):
         w(b, f"for i, j in T.Parallel({bN}, {width}):")
         w(b + 1, f"if bx * {bN} + i < {Skv}:")

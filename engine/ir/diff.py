@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from engine.dsl.expr import Expr, topo, where
+from engine.dsl.expr import Expr, leaves, topo, where
 
 _LN2 = math.log(2.0)
 
@@ -102,3 +102,16 @@ def _rule(node: Expr, ds: list[Expr]) -> Expr:
     if op == "reduce":
         raise ValueError("cannot differentiate a row reduction elementwise")
     raise ValueError(f"no derivative rule for op {op!r}")  # pragma: no cover - all ops covered
+
+
+def score_mod_derivatives(spec) -> tuple[Expr, dict[str, tuple[Expr, Expr]]]:
+    """d score_mod / d score, and for each custom read in score_mod, keyed by the read's text,
+    (the read's leaf, d score_mod / d read). Shared by the reference backward and the backward
+    kernel generator."""
+    score = next((n for n in leaves([spec.score_mod]) if n.op == "score"), None)
+    ds = diff(spec.score_mod, score) if score is not None else Expr.wrap(0.0)
+    dc = {}
+    for n in leaves([spec.score_mod]):
+        if n.op == "custom":
+            dc[n.key] = (n, diff(spec.score_mod, n))
+    return ds, dc

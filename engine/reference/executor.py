@@ -23,8 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.dsl.expr import Expr, leaves
-from engine.ir.diff import diff
+from engine.ir.diff import score_mod_derivatives
 from engine.ir.spec import TracedSpec
 from engine.reference.evaluate import Env, evaluate, index_tensors
 
@@ -172,17 +171,6 @@ def _forward_rows(spec, prob, qh, kh, vh, customs, q_idx, bn, dtype):
 def _final_inits(spec: TracedSpec) -> list[tuple[str, float]]:
     # The declared initial values of final row scales are what rows with no key report.
     return list(spec.final_init)
-
-
-def score_mod_derivatives(spec: TracedSpec) -> tuple[Expr, dict[str, Expr]]:
-    """d score_mod / d score, and d score_mod / d (each custom read) keyed by the read's text."""
-    score = next((n for n in leaves([spec.score_mod]) if n.op == "score"), None)
-    ds = diff(spec.score_mod, score) if score is not None else Expr.wrap(0.0)
-    dc = {}
-    for n in leaves([spec.score_mod]):
-        if n.op == "custom":
-            dc[n.key] = (n, diff(spec.score_mod, n))
-    return ds, dc
 
 
 def backward(

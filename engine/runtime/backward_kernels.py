@@ -1,6 +1,6 @@
-"""Compile and launch the generated backward kernels (opt-in; not wired into AttentionEngine).
+"""Compile and launch the generated backward kernels (used by TileLangAttention.backward).
 
-backward_kernel_call(mod, q, k, v, o, finals, do, custom) -> (dq, dk, dv) runs
+backward_kernel_call(mod, q, k, v, o, finals, do, custom, custom_grads) -> (dq, dk, dv, dC) runs
   preprocess (Delta = rowsum(dO * O), only when the spec's bwd reads doosum),
   main (one thread block per kv block x query head x batch; fp32 atomics into dQ, dK, dV),
   postprocess (fp32 -> input dtype; a torch cast, it is a plain elementwise copy).
@@ -35,6 +35,7 @@ class BackwardKernels:
     source: str
     preprocess_source: str | None
     tables: MaskTables
+    custom_grads: tuple[str, ...] = ()
     _main: Any = None
     _prep: Any = None
 
@@ -46,11 +47,16 @@ class BackwardKernels:
         return self._main, self._prep
 
 
-def backward_kernels_for(mod, config: KernelConfig | None = None) -> BackwardKernels:
-    """Generate (not compile) the backward kernels of an AttentionEngine module; cached on it."""
-    cached = getattr(mod, "_bwd_kernels", None)
-    if cached is not None and (config is None or cached.config == config):
-        return cached
+def backward_kernels_for(
+    mod, config: KernelConfig | None = None, custom_grads: tuple[str, ...] = ()
+) -> BackwardKernels:
+    """Generate (not compile) the backward kernels of an AttentionEngine module, producing the
+    gradients of the CustomIO tensors named in `custom_grads` too; cached on the module."""
+    custom_grads = tuple(custom_grads)
+    cache = mod.__dict__.setdefault("_bwd_kernels", {})
+    key = (config, custom_grads)
+    if key in cache:
+        return cache[key]
     if mod.dtype not in KERNEL_DTYPES:
         raise ValueError(f"dtype {mod.dtype}: backward kernels support {sorted(map(str, KERNEL_DTYPES))}")
     p = mod.problem
@@ -66,11 +72,12 @@ def backward_kernels_for(mod, config: KernelConfig | None = None) -> BackwardKer
     bk = BackwardKernels(
         shape,
         cfg,
-        generate_backward(spec, shape, cfg),
+        generate_backward(spec, shape, cfg, custom_grads),
         generate_preprocess(shape) if spec.uses_doosum else None,
         tables,
+        custom_grads,
     )
-    mod._bwd_kernels = bk
+    cache[key] = bk
     return bk
 
 
@@ -97,28 +104,25 @@ def backward_kernel_call(
     finals: list[torch.Tensor] | dict[str, torch.Tensor],
     do: torch.Tensor,
     custom: list[torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv (input dtype and layouts) of `mod`'s attention for output gradient `do`.
+    custom_grads: tuple[str, ...] = (),
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """dq, dk, dv (input dtype and layouts) of `mod`'s attention for output gradient `do`, and
+    the gradients of the CustomIO tensors named in `custom_grads` (each in its tensor's dtype).
 
     `finals` are the forward's final row scales ([B, Hq, Sq] fp32, in spec.final_names order or
-    by name); `custom` the CustomIO tensors in mod.custom_io.names() order. Gradients of custom
-    tensors are not computed here: a custom tensor that requires grad raises
-    NotImplementedError (the caller falls back to the reference backward)."""
+    by name); `custom` the CustomIO tensors in mod.custom_io.names() order."""
     names = list(mod.custom_io.names())
     if len(custom) != len(names):
         raise ValueError(f"custom: {len(custom)} tensors; expected {len(names)} ({names})")
-    for n, t in zip(names, custom, strict=True):
-        if t.requires_grad:
-            raise NotImplementedError(
-                f"custom input {n!r} requires grad: the generated backward does not compute "
-                "custom gradients yet"
-            )
+    unknown = sorted(set(custom_grads) - set(names))
+    if unknown:
+        raise ValueError(f"custom_grads: {unknown} are not CustomIO inputs ({names})")
     spec = mod.spec
     if isinstance(finals, dict):
         finals = [finals[n] for n in spec.final_names]
     if len(finals) != len(spec.final_names):
         raise ValueError(f"finals: {len(finals)} tensors; expected {list(spec.final_names)}")
-    bk = backward_kernels_for(mod)
+    bk = backward_kernels_for(mod, custom_grads=tuple(custom_grads))
     main, prep = bk.compiled()
     cdict = dict(zip(names, custom, strict=True))
     lo, hi, clsT = bk.tables.get(cdict, q.device)
@@ -134,5 +138,7 @@ def backward_kernel_call(
     dk = torch.zeros(p.batch, p.seqlen_kv, p.heads_kv, p.head_dim, dtype=torch.float32, device=dev)
     dv = torch.zeros(p.batch, p.seqlen_kv, p.heads_kv, p.head_dim_v, dtype=torch.float32, device=dev)
     c32 = [t.detach().float().contiguous() for t in custom]
-    main(q, k, v, do, *c32, lo, hi, clsT, *f32, *extra, dq, dk, dv)
-    return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
+    dc = {n: torch.zeros(cdict[n].shape, dtype=torch.float32, device=dev) for n in bk.custom_grads}
+    main(q, k, v, do, *c32, lo, hi, clsT, *f32, *extra, dq, dk, dv, *dc.values())
+    cg = {n: g.to(cdict[n].dtype) for n, g in dc.items()}
+    return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), cg

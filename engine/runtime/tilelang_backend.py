@@ -142,8 +142,17 @@ class TileLangAttention(torch.autograd.Function):
 
         q, k, v, o, *rest = ctx.saved_tensors
         nf = len(ctx.final_names)
-        dq, dk, dv = backward_kernel_call(ctx.mod, q, k, v, o, rest[:nf], do, rest[nf:])
-        return (None, None, None, dq, dk, dv, *(None,) * n_custom)
+        wants = _wanted_custom_grads(ctx.mod, ctx.needs_input_grad[6:])
+        dq, dk, dv, dc = backward_kernel_call(
+            ctx.mod, q, k, v, o, rest[:nf], do, rest[nf:], custom_grads=wants
+        )
+        return (None, None, None, dq, dk, dv, *(dc.get(n) for n in ctx.names))
+
+
+def _wanted_custom_grads(mod, custom_needs_grad) -> tuple[str, ...]:
+    return tuple(
+        n for n, need in zip(mod.custom_io.names(), custom_needs_grad, strict=False) if need
+    )
 
 
 def kernel_backward_problem(mod, custom_needs_grad=()) -> str | None:
@@ -152,14 +161,11 @@ def kernel_backward_problem(mod, custom_needs_grad=()) -> str | None:
         return "kernel backward is off (ATTNBENCH_KERNEL_BACKWARD=1 turns it on)"
     if mod.deterministic:
         return "deterministic=True (the backward kernel accumulates dQ, dK, dV with atomics)"
-    wants = [n for n, need in zip(mod.custom_io.names(), custom_needs_grad, strict=False) if need]
-    if wants:
-        return f"custom input(s) {wants} require grad (not computed by the kernel yet)"
     from engine.plan.config import ConfigError
     from engine.runtime.backward_kernels import backward_kernels_for
 
     try:
-        backward_kernels_for(mod)
+        backward_kernels_for(mod, custom_grads=_wanted_custom_grads(mod, custom_needs_grad))
     except (NotImplementedError, ConfigError, ValueError) as exc:
         return str(exc)
     return None

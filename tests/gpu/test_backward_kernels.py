@@ -1,6 +1,7 @@
 """Generated backward kernels against the reference executor's backward, on the GPU
 (pytest -m gpu). Fresh random inputs and output gradients per case; dq, dk, dv must have a
-relative error < 2e-2 for fp16/bf16 and no NaN. The forward (o and its final row scales) is the
+relative error < 2e-2 for fp16/bf16 and no NaN; so must the gradients of learnable CustomIO
+tensors. The forward (o and its final row scales) is the
 reference executor's, in float32, so only the backward kernels are under test."""
 
 from __future__ import annotations
@@ -68,8 +69,12 @@ def test_backward_matches_reference(case):
     o = o32.to(dt)
     do = torch.randn_like(o)
     finals = [fin[n].float().contiguous() for n in mod.spec.final_names]
-    dq, dk, dv = backward_kernel_call(mod, q, k, v, o, finals, do, [customs[n] for n in names])
-    rq, rk, rv, _ = executor.backward(
+    # Learnable CustomIO tensors (ALiBi slopes, sigmoid bias, RetNet decay) get gradients too.
+    learn = tuple(VARIANTS[name].learnable)
+    dq, dk, dv, dc = backward_kernel_call(
+        mod, q, k, v, o, finals, do, [customs[n] for n in names], custom_grads=learn
+    )
+    rq, rk, rv, rc = executor.backward(
         mod.spec,
         q,
         k,
@@ -79,9 +84,13 @@ def test_backward_matches_reference(case):
         dict(zip(mod.spec.final_names, finals, strict=True)),
         do,
         dtype=torch.float32,
+        custom_grads=learn,
     )
-    for what, got, ref in (("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv)):
-        assert got.shape == ref.shape and got.dtype == dt, what
+    pairs = [("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv)]
+    pairs += [(f"d{n}", dc[n], rc[n]) for n in learn]
+    for what, got, ref in pairs:
+        assert got.shape == ref.shape, what
+        assert got.dtype == (dt if what in ("dq", "dk", "dv") else customs[what[1:]].dtype), what
         assert not torch.isnan(got).any(), f"{what} has NaN"
         err = rel_err(got, ref)
         assert not math.isnan(err) and err < 2e-2, f"{what}: relative error {err:.3e}"
@@ -103,9 +112,9 @@ def test_backward_head_dims(case):
 
 @pytest.mark.parametrize("name", ["softmax_causal", "alibi", "sigmoid"])
 def test_engine_autograd_runs_the_kernels(name, monkeypatch):
-    """AttentionEngine's autograd with the kernel backward on: gradients match the reference
-    backend's, the reference rules are never called, a non-contiguous output gradient works,
-    and retain_graph gives the same gradients twice."""
+    """AttentionEngine's autograd with the kernel backward on: gradients (learnable CustomIO
+    tensors included) match the reference backend's, the reference rules are never called, a
+    non-contiguous output gradient works, and retain_graph gives the same gradients twice."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from engine.runtime import tilelang_backend
@@ -120,17 +129,22 @@ def test_engine_autograd_runs_the_kernels(name, monkeypatch):
     mod, sizes = _build(case)
     ref_mod = VARIANTS[name].build(**sizes, dtype=BF16, backend="reference")
     inp = VARIANTS[name].make_inputs(**sizes, dtype=BF16, device="cuda", seed=11)
-    customs = {n: inp[n] for n in mod.custom_io.names()}
+    learn = VARIANTS[name].learnable
+    customs = {n: inp[n].detach().clone().requires_grad_(n in learn)
+               for n in mod.custom_io.names()}
     leaves = [inp[n].detach().clone().requires_grad_(True) for n in ("q", "k", "v")]
-    o = mod(*leaves, **customs)
+    leaves += [customs[n] for n in learn]
+    o = mod(*leaves[:3], **customs)
     do = torch.randn(o.shape[::-1], device="cuda", dtype=BF16).permute(3, 2, 1, 0)
     assert not do.is_contiguous()
     g1 = torch.autograd.grad(o, leaves, do, retain_graph=True)
     g2 = torch.autograd.grad(o, leaves, do)
     ref_leaves = [t.detach().clone().requires_grad_(True) for t in leaves]
-    ro = ref_mod(*ref_leaves, **customs)
+    ref_customs = dict(customs, **dict(zip(learn, ref_leaves[3:], strict=True)))
+    ro = ref_mod(*ref_leaves[:3], **ref_customs)
     want = torch.autograd.grad(ro, ref_leaves, do)
-    for what, a, b, w in zip(("dq", "dk", "dv"), g1, g2, want, strict=True):
+    whats = ("dq", "dk", "dv", *(f"d{n}" for n in learn))
+    for what, a, b, w in zip(whats, g1, g2, want, strict=True):
         assert not torch.isnan(a).any(), f"{what} has NaN"
         assert rel_err(a, w) < 2e-2, f"{what}: relative error {rel_err(a, w):.3e}"
         assert rel_err(b, a) < 1e-2, f"{what}: retain_graph run differs"
