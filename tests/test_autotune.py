@@ -93,3 +93,26 @@ def test_spec_objective_pickles_and_compiles_on_cpu(tmp_path):
     assert built.spec_hash == mod.spec_hash and built.problem == mod.problem
     assert kernels_for(built).forward_source == kernels_for(mod).forward_source
     obj.compile(default_forward_config(128, 128))  # nvcc, sm_90a
+
+
+@pytest.mark.parametrize("objective", ["engine", "spec"])
+def test_compile_step_compiles_the_timed_kernel(objective, tmp_path, monkeypatch):
+    """The compile workers must really compile (building a module compiles nothing): the
+    trial's compile step hands the generated source of the very kernel the benchmark worker
+    times to TileLang."""
+    from attnbench.tune.engine_objective import EngineObjective
+    from attnbench.tune.problem import Problem
+    from engine.runtime import tilelang_backend
+
+    seen: list[str] = []
+    monkeypatch.setattr(tilelang_backend, "compile_source", lambda src: seen.append(src))
+    cfg = default_forward_config(128, 128)
+    problem = Problem(variant="softmax_causal", dtype="bf16", **SIZES)
+    mod = _module("softmax_causal", tmp_path / "t.json", config=cfg)
+    if objective == "engine":
+        EngineObjective(problem).compile(cfg)
+    else:
+        q, k, v, _ = _inputs("softmax_causal")
+        torch.save({"q": q, "k": k, "v": v}, tmp_path / "in.pt")
+        SpecObjective(problem, mod.spec, mod.custom_io, str(tmp_path / "in.pt")).compile(cfg)
+    assert seen == [kernels_for(mod).forward_source]

@@ -1,6 +1,11 @@
 """The real objective: build the engine's TileLang kernel for a config, check it against the
-variant's torch reference, time it with CUDA events. Runs in the tuner's worker processes;
-everything CUDA is imported inside the methods so the CPU machinery never touches it.
+reference executor, time it with CUDA events. Runs in the tuner's worker processes; everything
+CUDA is imported inside the methods so the CPU machinery never touches it.
+
+One kernel per trial: the timed full-size kernel is also the one checked. Its output (and, in
+'bwd' mode, its gradients) on batch 0 and kv head 0's query heads is compared with the
+reference executor run on just that slice (engine.reference.executor.first_group), which
+costs 1/(B·Hkv) of the full reference and is row-chunked, so it fits at any length.
 """
 
 from __future__ import annotations
@@ -13,11 +18,6 @@ from dataclasses import dataclass
 from attnbench.tune.objective import Measurement, TrialFailed
 from attnbench.tune.problem import Problem
 from engine.plan.config import KernelConfig
-
-# The materialised reference needs about 3 float32 [B, Hq, Sq, Skv] tensors; above this budget
-# the output is checked on a smaller problem built with the same config.
-REFERENCE_BUDGET_BYTES = 6 * 1024**3
-CHECK_SEQLEN = 2048
 
 # Per benchmark-worker process: inputs and reference results, built once per (problem, seed)
 # and reused by every trial (the reference costs far more than the kernel it checks).
@@ -51,16 +51,6 @@ class EngineObjective:
             **shape, dtype=_torch_dtype(problem.dtype), backend=backend, config=cfg
         )
 
-    def check_problem(self) -> Problem:
-        """The problem the output is checked on: the tuned one if its reference fits."""
-        p = self.problem
-        if 12 * p.batch * p.heads_q * p.seqlen_q * p.seqlen_kv <= REFERENCE_BUDGET_BYTES:
-            return p
-        from dataclasses import replace
-
-        return replace(p, batch=1, seqlen_q=min(p.seqlen_q, CHECK_SEQLEN),
-                       seqlen_kv=min(p.seqlen_kv, CHECK_SEQLEN))
-
     @functools.cache  # noqa: B019 - one objective per study, cached per worker process
     def spec_hash(self) -> str:
         mod = self._build(self.problem, None, backend="reference")
@@ -74,20 +64,15 @@ class EngineObjective:
         return float(self._variant().unmasked_fraction(p.seqlen_q, p.seqlen_kv))
 
     def compile(self, cfg: KernelConfig) -> None:
-        # Builds populate TileLang's on-disk cache; the benchmark worker's build is a cache hit.
-        for prob in {self.problem, self.check_problem()}:
-            try:
-                self._build(prob, cfg)
-            except Exception as exc:
-                raise TrialFailed(f"compile failed: {type(exc).__name__}: {exc}"[:2000]) from None
+        compile_kernels(self._build(self.problem, cfg), self.problem.mode)
 
     def evaluate(self, cfg: KernelConfig) -> Measurement:
         import torch
 
         if not torch.cuda.is_available():
             raise TrialFailed("no CUDA device visible to the benchmark worker")
-        rel_err = self._check(cfg)
         mod = self._build(self.problem, cfg)
+        rel_err = self._check(mod)
         inputs = self._inputs(self.problem, requires_grad=self.problem.mode == "bwd")
         if self.problem.mode == "bwd":
             out = mod(**inputs)
@@ -110,7 +95,7 @@ class EngineObjective:
     def _inputs(self, p: Problem, requires_grad: bool) -> dict:
         key = (p, self.seed, requires_grad)
         if key not in _INPUTS:
-            if len(_INPUTS) >= 2:  # one study per worker: tuned and check problem at most
+            if len(_INPUTS) >= 2:  # one study per worker: its fwd and bwd inputs at most
                 _INPUTS.clear()
                 _REFERENCE.clear()
             _INPUTS[key] = self._variant().make_inputs(
@@ -119,39 +104,67 @@ class EngineObjective:
             )
         return _INPUTS[key]
 
-    def _reference(self, p: Problem, inputs: dict) -> tuple:
-        """(output, dout, grads of q/k/v or None) of the variant's torch reference, cached."""
+    def _reference(self, mod, inputs: dict) -> tuple:
+        """(output, dout, grads of q/k/v or None) of the reference executor on the first
+        group's slice of `inputs` (dout is full size; its slice is what the reference saw)."""
         import torch
 
-        key = (p, self.seed, p.mode == "bwd")
+        from engine.reference import executor
+
+        p = self.problem
+        key = (p, self.seed)
         if key not in _REFERENCE:
-            ref = self._variant().torch_reference(inputs)
+            names = list(mod.custom_io.names())
+            customs = {n: inputs[n].detach() for n in names}
+            q, k, v, cs = executor.first_group(
+                inputs["q"].detach(), inputs["k"].detach(), inputs["v"].detach(), customs,
+                mod.custom_io.decls,
+            )
+            o, fin = executor.forward(mod.spec, q, k, v, cs, dtype=torch.float32)
             if p.mode == "bwd":
                 gen = torch.Generator(device="cuda").manual_seed(self.seed + 1)
-                dout = torch.randn(ref.shape, generator=gen, device="cuda",
-                                   dtype=inputs["q"].dtype)
-                leaves = [inputs[k] for k in ("q", "k", "v")]
-                grads = torch.autograd.grad(ref, leaves, dout.to(ref.dtype))
-                _REFERENCE[key] = (ref.detach(), dout, tuple(g.detach() for g in grads))
+                full = inputs["q"].shape[:3] + (p.head_dim_v,)
+                dout = torch.randn(full, generator=gen, device="cuda", dtype=inputs["q"].dtype)
+                G = q.shape[2]
+                grads = executor.backward(mod.spec, q, k, v, cs, o, fin, dout[:1, :, :G],
+                                          dtype=torch.float32)[:3]
+                _REFERENCE[key] = (o, dout, grads)
             else:
-                _REFERENCE[key] = (ref.detach(), None, None)
+                _REFERENCE[key] = (o, None, None)
         return _REFERENCE[key]
 
-    def _check(self, cfg: KernelConfig) -> float:
+    def _check(self, mod) -> float:
         import torch
 
-        p = self.check_problem()
-        mod = self._build(p, cfg)
-        bwd = p.mode == "bwd"
-        inputs = self._inputs(p, requires_grad=bwd)
-        ref, dout, want = self._reference(p, inputs)
+        bwd = self.problem.mode == "bwd"
+        inputs = self._inputs(self.problem, requires_grad=bwd)
+        ref, dout, want = self._reference(mod, inputs)
+        G, Bs = ref.shape[2], (slice(0, 1),)
         out = mod(**inputs)
-        pairs = [("output", out, ref)]
+        pairs = [("output", out[Bs + (slice(None), slice(0, G))], ref)]
         if bwd:
             leaves = [inputs[k] for k in ("q", "k", "v")]
             got = torch.autograd.grad(out, leaves, dout)
-            pairs += [(f"d{k}", g, w) for k, g, w in zip("qkv", got, want, strict=True)]
-        return check_close(pairs, self.rtol, f"checked at {p.shape()}")
+            heads = (slice(0, G), slice(0, 1), slice(0, 1))
+            pairs += [(f"d{n}", g[Bs + (slice(None), h)], w)
+                      for n, g, h, w in zip("qkv", got, heads, want, strict=True)]
+        return check_close(pairs, self.rtol,
+                           f"batch 0, query heads 0..{G - 1} of {self.problem.shape()}")
+
+
+def compile_kernels(mod, mode: str) -> None:
+    """nvcc-compile `mod`'s kernels in this (compile worker) process. TileLang's disk cache
+    then makes the benchmark worker's build a cache hit, so compiles run in parallel on the
+    CPU cores instead of serially on the GPU's worker. Building a module compiles nothing."""
+    from engine.runtime.backward_kernels import backward_kernels_for
+    from engine.runtime.tilelang_backend import kernel_backward_problem, kernels_for
+
+    try:
+        kernels_for(mod).forward.compiled()
+        if mode == "bwd" and kernel_backward_problem(mod) is None:
+            backward_kernels_for(mod).compiled()
+    except Exception as exc:
+        raise TrialFailed(f"compile failed: {type(exc).__name__}: {exc}"[:2000]) from None
 
 
 def gpu_name(device: int | None) -> str:

@@ -13,7 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from attnbench.tune.engine_objective import _torch_dtype, check_close, gpu_name, median_ms
+from attnbench.tune.engine_objective import (
+    _torch_dtype,
+    check_close,
+    compile_kernels,
+    gpu_name,
+    median_ms,
+)
 from attnbench.tune.objective import Measurement, TrialFailed
 from attnbench.tune.problem import Problem
 from engine.dsl.io import CustomIO
@@ -77,12 +83,7 @@ class SpecObjective:
                                            config=cfg)
 
     def compile(self, cfg: KernelConfig) -> None:
-        from engine.runtime.tilelang_backend import kernels_for
-
-        try:
-            kernels_for(self.module(cfg)).forward.compiled()
-        except Exception as exc:
-            raise TrialFailed(f"compile failed: {type(exc).__name__}: {exc}"[:2000]) from None
+        compile_kernels(self.module(cfg), "fwd")
 
     def evaluate(self, cfg: KernelConfig) -> Measurement:
         import os

@@ -258,3 +258,24 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
         return math.nan
     denom = r64.norm().item()
     return (x64 - r64).norm().item() / (denom if denom > 0 else 1.0)
+
+
+def first_group(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    customs: dict[str, torch.Tensor],
+    decls: dict[str, tuple],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """The inputs of batch 0 and of the query heads that share kv head 0 (custom tensors sliced
+    along their declared "batch" and "heads" dims). Attention of this slice is exactly that
+    slice of the full problem's output and gradients (b and h indices are unchanged), so a
+    kernel run at full size can be checked against a reference that costs 1/(B·Hkv) of it."""
+    G = q.shape[2] // k.shape[2]
+    cut = {"batch": slice(0, 1), "heads": slice(0, G)}
+    out = {}
+    for name, t in customs.items():
+        index = tuple(cut.get(d, slice(None)) if isinstance(d, str) else slice(None)
+                      for d in decls[name])
+        out[name] = t[index]
+    return q[:1, :, :G], k[:1, :, :1], v[:1, :, :1], out

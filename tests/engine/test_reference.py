@@ -207,3 +207,29 @@ def test_rel_err_flags_nan():
     x = torch.randn(4)
     assert math.isnan(executor.rel_err(x.clone().fill_(math.nan), x))
     assert executor.rel_err(x, x) == 0.0
+
+
+@pytest.mark.parametrize("name", ["alibi", "document", "retnet", "sigmoid"])
+def test_first_group_slice_is_the_slice_of_the_full_problem(name):
+    """What the tuner checks a full-size kernel against: the reference of batch 0 and kv head
+    0's query heads equals that part of the full reference, output and gradients."""
+    from engine.reference.executor import backward, first_group, forward
+    from engine.variants import VARIANTS
+
+    v = VARIANTS[name]
+    sizes = dict(batch=2, heads_q=6, heads_kv=2, seqlen_q=96, seqlen_kv=96, head_dim=32,
+                 head_dim_v=32)
+    mod = v.build(**sizes, dtype=torch.float32, backend="reference")
+    inp = v.make_inputs(**sizes, dtype=torch.float32, device="cpu", seed=5)
+    customs = {n: inp[n] for n in mod.custom_io.names()}
+    o, fin = forward(mod.spec, inp["q"], inp["k"], inp["v"], customs)
+    do = torch.randn_like(o)
+    full = backward(mod.spec, inp["q"], inp["k"], inp["v"], customs, o, fin, do)
+    sq, sk, sv, sc = first_group(inp["q"], inp["k"], inp["v"], customs, mod.custom_io.decls)
+    assert sq.shape[:3] == (1, 96, 3) and sk.shape[:3] == (1, 96, 1)
+    so, sfin = forward(mod.spec, sq, sk, sv, sc)
+    torch.testing.assert_close(so, o[:1, :, :3])
+    part = backward(mod.spec, sq, sk, sv, sc, so, sfin, do[:1, :, :3])
+    torch.testing.assert_close(part[0], full[0][:1, :, :3])
+    torch.testing.assert_close(part[1], full[1][:1, :, :1])
+    torch.testing.assert_close(part[2], full[2][:1, :, :1])
