@@ -73,8 +73,9 @@ class AttentionEngine(torch.nn.Module):
     it lacks uses its nearest tuned shape. tune=True: on the first call on a Hopper GPU, a shape
     with no exact entry is tuned first (attnbench's tuner, a few minutes at most, see
     engine.tuning.autotune) and the result is written to that file.
-    deterministic: True keeps the backward free of atomics (run-to-run identical gradients);
-    today that means the reference rules instead of the backward kernels.
+    deterministic: True runs the atomic-free backward kernels (bitwise identical gradients
+    run to run): dK/dV stored per query head and summed per group, custom gradients per key
+    row, and dQ from a second kernel that recomputes the scores per query block.
     """
 
     def __init__(

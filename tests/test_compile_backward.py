@@ -125,3 +125,33 @@ def test_custom_gradients_the_kernel_cannot_produce_are_refused():
         backward_kernels_for(qmod, custom_grads=("qbias",))
     # Without its gradient the same spec generates.
     assert "dC_" not in backward_kernels_for(qmod).source
+
+
+@pytest.mark.compile
+@needs_nvcc
+@pytest.mark.parametrize("name", ["softmax_causal", "alibi"])
+def test_deterministic_backward_compiles_without_atomics(name, tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
+    grads = tuple(VARIANTS[name].learnable)
+    bk = backward_kernels_for(_module(name), custom_grads=grads, deterministic=True)
+    assert bk.deterministic and bk.dq_source is not None
+    for src in (bk.source, bk.dq_source):
+        assert "atomic_add" not in src
+    # dK/dV per query head (8), summed per group afterwards; custom gradients per key row.
+    assert 'dK: T.Tensor((2, 1000, 8, 128), "float32")' in bk.source
+    if grads:
+        assert "dCrow0[bz, by, bx * 128 + i] = cg_acc0[i]" in bk.source
+    bk.compiled()
+    assert "wgmma" in bk._dq.get_kernel_source()
+    assert "AtomicAdd" not in bk._main.get_kernel_source() + bk._dq.get_kernel_source()
+
+
+def test_fold_rows_matches_broadcast_sums():
+    from engine.runtime.backward_kernels import fold_rows
+
+    rows = torch.randn(2, 8, 100, dtype=torch.float64)
+    torch.testing.assert_close(fold_rows(rows, ("h",), (8,)), rows.sum((0, 2)))
+    torch.testing.assert_close(fold_rows(rows, ("b", "h"), (2, 8)), rows.sum(2))
+    torch.testing.assert_close(fold_rows(rows, ("kv", "b"), (100, 2)), rows.sum(1).T)
+    torch.testing.assert_close(fold_rows(rows, (0,), (1,)), rows.sum().reshape(1))
+    torch.testing.assert_close(fold_rows(rows, ("b", "h", "kv"), (2, 8, 100)), rows)

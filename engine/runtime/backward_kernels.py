@@ -18,7 +18,9 @@ import torch
 from engine.codegen.backward import (
     check_backward_config,
     default_backward_config,
+    default_dq_config,
     generate_backward,
+    generate_backward_dq,
     generate_preprocess,
 )
 from engine.mask.analysis import FULL, PARTIAL, BlockClasses
@@ -36,25 +38,44 @@ class BackwardKernels:
     preprocess_source: str | None
     tables: MaskTables
     custom_grads: tuple[str, ...] = ()
+    # Deterministic mode: the dQ kernel, its config and its (forward-layout) tables.
+    dq_source: str | None = None
+    dq_config: KernelConfig | None = None
+    dq_tables: MaskTables | None = None
     _main: Any = None
     _prep: Any = None
+    _dq: Any = None
+
+    @property
+    def deterministic(self) -> bool:
+        return self.dq_source is not None
+
+    def sources(self) -> list[str]:
+        return [s for s in (self.source, self.preprocess_source, self.dq_source) if s]
 
     def compiled(self) -> tuple[Any, Any]:
         if self._main is None:
             self._main = compile_source(self.source)
         if self.preprocess_source is not None and self._prep is None:
             self._prep = compile_source(self.preprocess_source)
+        if self.dq_source is not None and self._dq is None:
+            self._dq = compile_source(self.dq_source)
         return self._main, self._prep
 
 
 def backward_kernels_for(
-    mod, config: KernelConfig | None = None, custom_grads: tuple[str, ...] = ()
+    mod,
+    config: KernelConfig | None = None,
+    custom_grads: tuple[str, ...] = (),
+    deterministic: bool | None = None,
 ) -> BackwardKernels:
     """Generate (not compile) the backward kernels of an AttentionEngine module, producing the
-    gradients of the CustomIO tensors named in `custom_grads` too; cached on the module."""
+    gradients of the CustomIO tensors named in `custom_grads` too; cached on the module.
+    `deterministic` defaults to the module's setting."""
     custom_grads = tuple(custom_grads)
+    det = bool(mod.deterministic if deterministic is None else deterministic)
     cache = mod.__dict__.setdefault("_bwd_kernels", {})
-    key = (config, custom_grads)
+    key = (config, custom_grads, det)
     if key in cache:
         return cache[key]
     if mod.dtype not in KERNEL_DTYPES:
@@ -72,11 +93,18 @@ def backward_kernels_for(
     bk = BackwardKernels(
         shape,
         cfg,
-        generate_backward(spec, shape, cfg, custom_grads),
+        generate_backward(spec, shape, cfg, custom_grads, deterministic=det),
         generate_preprocess(shape) if spec.uses_doosum else None,
         tables,
         custom_grads,
     )
+    if det:
+        from engine.runtime.tilelang_backend import forward_layout
+
+        dq_cfg = default_dq_config(p.head_dim, p.head_dim_v)
+        bk.dq_source = generate_backward_dq(spec, shape, dq_cfg)
+        bk.dq_config = dq_cfg
+        bk.dq_tables = MaskTables(spec.mask, shape, dq_cfg.block_M, dq_cfg.block_N, forward_layout)
     cache[key] = bk
     return bk
 
@@ -129,16 +157,56 @@ def backward_kernel_call(
     p, dev = mod.problem, q.device
     q, k, v, o, do = (t.contiguous() for t in (q, k, v, o, do))
     f32 = [f.detach().float().contiguous() for f in finals]
-    extra = []
+    extra: list[torch.Tensor] = []
     if prep is not None:
         delta = torch.empty(p.batch, p.heads_q, p.seqlen_q, dtype=torch.float32, device=dev)
         prep(o, do, delta)
         extra.append(delta)
-    dq = torch.zeros(p.batch, p.seqlen_q, p.heads_q, p.head_dim, dtype=torch.float32, device=dev)
-    dk = torch.zeros(p.batch, p.seqlen_kv, p.heads_kv, p.head_dim, dtype=torch.float32, device=dev)
-    dv = torch.zeros(p.batch, p.seqlen_kv, p.heads_kv, p.head_dim_v, dtype=torch.float32, device=dev)
     c32 = [t.detach().float().contiguous() for t in custom]
-    dc = {n: torch.zeros(cdict[n].shape, dtype=torch.float32, device=dev) for n in bk.custom_grads}
-    main(q, k, v, do, *c32, lo, hi, clsT, *f32, *extra, dq, dk, dv, *dc.values())
+    f32 = [*f32, *extra]
+    z = lambda *shape: torch.zeros(shape, dtype=torch.float32, device=dev)  # noqa: E731
+    if bk.deterministic:
+        dq = z(p.batch, p.seqlen_q, p.heads_q, p.head_dim)
+        dkh = z(p.batch, p.seqlen_kv, p.heads_q, p.head_dim)
+        dvh = z(p.batch, p.seqlen_kv, p.heads_q, p.head_dim_v)
+        reads = dc_reads(spec, bk.custom_grads)
+        rows = [z(p.batch, p.heads_q, p.seqlen_kv) for _ in reads]
+        main(q, k, v, do, *c32, lo, hi, clsT, *f32, dkh, dvh, *rows)
+        lo2, hi2, cls2 = bk.dq_tables.get(cdict, dev)
+        bk._dq(q, k, v, do, *c32, lo2, hi2, cls2, *f32, dq)
+        # Fixed-order sums: the query heads of each group, and the rows of each custom read.
+        G = p.heads_q // p.heads_kv
+        dk = dkh.view(p.batch, p.seqlen_kv, p.heads_kv, G, p.head_dim).sum(3)
+        dv = dvh.view(p.batch, p.seqlen_kv, p.heads_kv, G, p.head_dim_v).sum(3)
+        dc = {n: torch.zeros(cdict[n].shape, dtype=torch.float32, device=dev)
+              for n in bk.custom_grads}
+        for (name, index), row in zip(reads, rows, strict=True):
+            dc[name] += fold_rows(row, index, tuple(cdict[name].shape))
+    else:
+        dq = z(p.batch, p.seqlen_q, p.heads_q, p.head_dim)
+        dk = z(p.batch, p.seqlen_kv, p.heads_kv, p.head_dim)
+        dv = z(p.batch, p.seqlen_kv, p.heads_kv, p.head_dim_v)
+        dc = {n: torch.zeros(cdict[n].shape, dtype=torch.float32, device=dev)
+              for n in bk.custom_grads}
+        main(q, k, v, do, *c32, lo, hi, clsT, *f32, dq, dk, dv, *dc.values())
     cg = {n: g.to(cdict[n].dtype) for n, g in dc.items()}
     return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), cg
+
+
+def dc_reads(spec, custom_grads: tuple[str, ...]) -> list[tuple[str, tuple]]:
+    """(name, index) of each custom read whose gradient the kernel produces, in kernel order."""
+    from engine.ir.diff import score_mod_derivatives
+
+    return [(leaf.attr[0], leaf.attr[2]) for leaf, _ in score_mod_derivatives(spec)[1].values()
+            if leaf.attr[0] in custom_grads]
+
+
+def fold_rows(rows: torch.Tensor, index: tuple, shape: tuple[int, ...]) -> torch.Tensor:
+    """A custom read's gradient from its per-(b, h, key) partial sums `rows` [B, Hq, Skv]:
+    summed over the axes the read's index does not use, laid out as the custom tensor."""
+    axis = {"b": 0, "h": 1, "kv": 2}
+    used = [axis[s] for s in index if isinstance(s, str)]
+    kept = rows.sum(dim=[a for a in range(3) if a not in used]) if len(used) < 3 else rows
+    # kept's axes are the used ones in ascending order; put them in index order.
+    kept = kept.permute(*[sorted(used).index(a) for a in used]) if used else kept
+    return kept.reshape(shape)

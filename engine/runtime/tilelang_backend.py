@@ -80,13 +80,13 @@ def kernels_for(mod) -> Kernels:
     if mod._kernels is None:
         cfg = _select_config(mod)
         shape = KernelShape.of(mod)
-        tables = MaskTables(mod.spec.mask, shape, cfg.block_M, cfg.block_N, _forward_layout)
+        tables = MaskTables(mod.spec.mask, shape, cfg.block_M, cfg.block_N, forward_layout)
         src = generate_forward(mod.spec, shape, cfg)
         mod._kernels = Kernels(ForwardKernel(shape, cfg, src, tables))
     return mod._kernels
 
 
-def _forward_layout(bc: BlockClasses) -> tuple[torch.Tensor, ...]:
+def forward_layout(bc: BlockClasses) -> tuple[torch.Tensor, ...]:
     """Per query block: first and one-past-last non-empty key block, and the class table."""
     lo, hi = bc.loop_bounds()
     return lo, hi, bc.classes
@@ -159,8 +159,6 @@ def kernel_backward_problem(mod, custom_needs_grad=()) -> str | None:
     """Why `mod`'s backward cannot run as generated kernels (None: it can)."""
     if not KERNEL_BACKWARD:
         return "kernel backward is off (ATTNBENCH_KERNEL_BACKWARD=1 turns it on)"
-    if mod.deterministic:
-        return "deterministic=True (the backward kernel accumulates dQ, dK, dV with atomics)"
     from engine.plan.config import ConfigError
     from engine.runtime.backward_kernels import backward_kernels_for
 
