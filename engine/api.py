@@ -68,7 +68,8 @@ class AttentionEngine(torch.nn.Module):
     tensors that require grad (through score_mod).
 
     backend: "auto" (TileLang kernels on a Hopper GPU, else the reference executor),
-    "reference", or "tilelang". config: a KernelConfig overriding defaults and tune files.
+    "reference", or "tilelang". config: a KernelConfig overriding defaults and tune files;
+    backward_config: the same for the backward's main kernel (template attention_bwd).
     tune_file: the tune file to read (default results/tune/<gpu>/attention_fwd.json); a shape
     it lacks uses its nearest tuned shape. tune=True: on the first call on a Hopper GPU, a shape
     with no exact entry is tuned first (attnbench's tuner, a few minutes at most, see
@@ -91,6 +92,7 @@ class AttentionEngine(torch.nn.Module):
         block_mask: Any = None,
         backend: str = "auto",
         config: KernelConfig | None = None,
+        backward_config: KernelConfig | None = None,
         deterministic: bool = False,
     ):
         super().__init__()
@@ -103,8 +105,11 @@ class AttentionEngine(torch.nn.Module):
             mask_mod = getattr(block_mask, "mask_mod", block_mask)
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
-        if config is not None and not isinstance(config, KernelConfig):
-            raise ValueError(f"config: expected a KernelConfig, got {type(config).__name__}")
+        for what, cfg in (("config", config), ("backward_config", backward_config)):
+            if cfg is not None and not isinstance(cfg, KernelConfig):
+                raise ValueError(f"{what}: expected a KernelConfig, got {type(cfg).__name__}")
+        if not isinstance(deterministic, bool):
+            raise ValueError(f"deterministic: expected a bool, got {deterministic!r}")
         if not isinstance(tune, bool):
             raise ValueError(f"tune: expected a bool, got {tune!r}")
         if tune and config is not None:
@@ -115,6 +120,7 @@ class AttentionEngine(torch.nn.Module):
         self.spec: TracedSpec = trace_spec(score_mod, mask_mod, self.online_func, self.custom_io)
         self.backend_name = backend
         self.config = config
+        self.backward_config = backward_config
         self.tune = tune
         self.tune_file = tune_file
         self.deterministic = deterministic
@@ -130,6 +136,7 @@ class AttentionEngine(torch.nn.Module):
         *,
         backend: str = "auto",
         config: KernelConfig | None = None,
+        backward_config: KernelConfig | None = None,
         tune_file: str | None = None,
     ) -> AttentionEngine:
         """A module for an already traced spec. The tuner's worker processes receive the spec
@@ -137,7 +144,7 @@ class AttentionEngine(torch.nn.Module):
         if not isinstance(spec, TracedSpec):
             raise ValueError(f"spec: expected a TracedSpec, got {type(spec).__name__}")
         mod = cls(qkv_meta, custom_fwd_inputs, backend=backend, config=config,
-                  tune_file=tune_file)
+                  backward_config=backward_config, tune_file=tune_file)
         mod.spec = spec
         return mod
 

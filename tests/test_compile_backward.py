@@ -9,11 +9,11 @@ import shutil
 import pytest
 import torch
 
-from engine.codegen.backward import (
+from engine.mask.analysis import EMPTY, FULL, PARTIAL, classify
+from engine.plan.backward import (
     backward_config_problems,
     default_backward_config,
 )
-from engine.mask.analysis import EMPTY, FULL, PARTIAL, classify
 from engine.plan.config import KernelConfig
 from engine.runtime.backward_kernels import (
     backward_kernel_call,

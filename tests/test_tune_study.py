@@ -237,9 +237,47 @@ def test_faster_existing_entry_is_kept_and_failed_default_writes_nothing(tmp_pat
 
 def test_interrupted_comparison_still_writes_a_partial_record(tmp_path):
     space = parse_space({**SMALL, "params": {**SMALL["params"], "num_stages": [1, 2, 3]}})
-    obj = FakeObjective(PROBLEM, delay_s=0.5)
-    rec = compare_grid(obj, space, _opts(tmp_path, timeout_s=4.0), out_dir=tmp_path)
+    # 1 s per benchmark and a 16 s budget: a few of the 14 grid trials finish even when
+    # starting the worker processes takes seconds on a loaded 2-core machine.
+    obj = FakeObjective(PROBLEM, delay_s=2.0)
+    rec = compare_grid(obj, space, _opts(tmp_path, timeout_s=16.0), out_dir=tmp_path)
     on_disk = json.loads(open(rec["path"]).read())
     assert on_disk["complete"] is False and on_disk["pass"] is False
     assert on_disk["incomplete_reasons"]
     assert 0 < on_disk["grid"]["trials"] < len(space.valid_configs(128, 128))
+
+
+def test_backward_space_tunes_the_backward_kernel_the_engine_then_uses(tmp_path):
+    """`--mode bwd`: the attention_bwd space (pruned by the backward's own validity model) is
+    searched, the best config lands in the tune file under attention_bwd, and a module of that
+    spec and shape builds its backward kernel with it."""
+    import torch
+
+    from engine.plan.backward import backward_config_problems, default_backward_config
+    from engine.runtime.backward_kernels import backward_kernels_for
+    from engine.variants import VARIANTS
+
+    space = load_space("attention_bwd")
+    valid = space.valid_configs(128, 128)
+    assert 24 <= len(valid) < len(space.all_configs())
+    assert all(not backward_config_problems(c, 128, 128) for c in valid)
+    assert default_backward_config(128, 128) in valid
+    sizes = dict(batch=2, heads_q=8, heads_kv=2, seqlen_q=1024, seqlen_kv=1024, head_dim=128,
+                 head_dim_v=128)
+    mod = VARIANTS["softmax_causal"].build(**sizes, dtype=torch.bfloat16, backend="reference",
+                                           tune_file=str(tmp_path / "tune.json"))
+    problem = Problem("softmax_causal", dtype="bf16", mode="bwd", **sizes)
+    fake = FakeObjective(problem, spec=mod.spec_hash, gpu="none")
+    res = run_study(fake, space, _opts(tmp_path, trials=12))
+    assert res.baseline_config == default_backward_config(128, 128).to_dict()
+    tuned = KernelConfig.from_dict(res.run_best_config)
+    hit = lookup(tmp_path / "tune.json", template="attention_bwd", spec_hash=mod.spec_hash,
+                 dtype="bf16", mode="bwd", gpu="none", shape=sizes)
+    assert hit is not None and hit[0] == tuned
+    assert backward_kernels_for(mod).config == tuned
+    # An explicit backward_config wins over the tune file.
+    other = next(c for c in valid if c != tuned)
+    pinned = VARIANTS["softmax_causal"].build(**sizes, dtype=torch.bfloat16, backend="reference",
+                                              tune_file=str(tmp_path / "tune.json"),
+                                              backward_config=other)
+    assert backward_kernels_for(pinned).config == other

@@ -46,9 +46,11 @@ class EngineObjective:
         return get_variant(self.problem.variant)
 
     def _build(self, problem: Problem, cfg: KernelConfig | None, backend: str = "tilelang"):
-        shape = problem.shape()
+        # 'bwd' studies tune the backward's main kernel; the forward keeps its own config.
+        which = "backward_config" if problem.template == "attention_bwd" else "config"
         return self._variant().build(
-            **shape, dtype=_torch_dtype(problem.dtype), backend=backend, config=cfg
+            **problem.shape(), dtype=_torch_dtype(problem.dtype), backend=backend,
+            **{which: cfg},
         )
 
     @functools.cache  # noqa: B019 - one objective per study, cached per worker process
@@ -72,6 +74,7 @@ class EngineObjective:
         if not torch.cuda.is_available():
             raise TrialFailed("no CUDA device visible to the benchmark worker")
         mod = self._build(self.problem, cfg)
+        require_kernel_backward(mod, self.problem.mode)
         rel_err = self._check(mod)
         inputs = self._inputs(self.problem, requires_grad=self.problem.mode == "bwd")
         if self.problem.mode == "bwd":
@@ -152,17 +155,31 @@ class EngineObjective:
                            f"batch 0, query heads 0..{G - 1} of {self.problem.shape()}")
 
 
+def require_kernel_backward(mod, mode: str) -> None:
+    """A 'bwd' trial must time the generated backward, never the reference rules."""
+    if mode != "bwd":
+        return
+    from engine.runtime.tilelang_backend import kernel_backward_problem
+
+    reason = kernel_backward_problem(mod)
+    if reason is not None:
+        raise TrialFailed(f"no backward kernel to time: {reason}")
+
+
 def compile_kernels(mod, mode: str) -> None:
     """nvcc-compile `mod`'s kernels in this (compile worker) process. TileLang's disk cache
     then makes the benchmark worker's build a cache hit, so compiles run in parallel on the
     CPU cores instead of serially on the GPU's worker. Building a module compiles nothing."""
     from engine.runtime.backward_kernels import backward_kernels_for
-    from engine.runtime.tilelang_backend import kernel_backward_problem, kernels_for
+    from engine.runtime.tilelang_backend import kernels_for
 
     try:
         kernels_for(mod).forward.compiled()
-        if mode == "bwd" and kernel_backward_problem(mod) is None:
+        if mode == "bwd":
+            require_kernel_backward(mod, mode)
             backward_kernels_for(mod).compiled()
+    except TrialFailed:
+        raise
     except Exception as exc:
         raise TrialFailed(f"compile failed: {type(exc).__name__}: {exc}"[:2000]) from None
 

@@ -36,7 +36,7 @@ from attnbench.tune.objective import Objective
 from attnbench.tune.space import SearchSpace
 from attnbench.tune.storage import OWNER_ATTR, Heartbeat, owner_tag
 from attnbench.tune.workers import BenchWorker, CompilePool
-from engine.plan.config import KernelConfig, config_problems
+from engine.plan.config import KernelConfig
 
 log = logging.getLogger(__name__)
 # Optuna warns that heartbeats are meant for Study.optimize; this loop beats for its own trials
@@ -234,7 +234,7 @@ class StudyWorker:
             cfg = self.space.config(params)
             key = cfg.key()
             trial.set_user_attr("config", key)
-            problems = config_problems(
+            problems = self.space.problems(
                 cfg, self.problem.head_dim, self.problem.head_dim_v, self.problem.elem_bytes
             )
             # The validity model is Optuna's constraint: TPE learns to avoid infeasible regions.

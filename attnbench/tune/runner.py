@@ -126,12 +126,14 @@ def _enqueue(study: optuna.Study, configs, space: SearchSpace) -> int:
 
 def default_config(problem, space: SearchSpace) -> KernelConfig | None:
     """The engine's default config for this problem if the space can express it, else None."""
-    if problem.template != "attention_fwd":
-        return None
+    from engine.plan.backward import default_backward_config
     from engine.plan.defaults import default_forward_config
 
+    default = {"attention_fwd": default_forward_config, "attention_bwd": default_backward_config}
+    if problem.template not in default:
+        return None
     try:
-        cfg = default_forward_config(problem.head_dim, problem.head_dim_v, problem.elem_bytes)
+        cfg = default[problem.template](problem.head_dim, problem.head_dim_v, problem.elem_bytes)
     except ValueError:
         return None
     if not space.contains(cfg):

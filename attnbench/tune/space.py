@@ -8,7 +8,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from engine.plan.config import KernelConfig, config_problems
+from engine.plan.config import KernelConfig
+from engine.plan.templates import template_problems
 
 SPACES_DIR = Path(__file__).resolve().parents[2] / "search_spaces"
 _CONFIG_FIELDS = {f.name: f for f in fields(KernelConfig)}
@@ -54,14 +55,18 @@ class SearchSpace:
         combos = itertools.product(*(c for _, c in self.params))
         return [KernelConfig(**dict(zip(self.names, combo, strict=True))) for combo in combos]
 
+    def problems(
+        self, cfg: KernelConfig, head_dim: int, head_dim_v: int, elem_bytes: int = 2
+    ) -> list[str]:
+        """Why the template's validity model rejects `cfg` (empty list: valid)."""
+        return template_problems(self.template)(cfg, head_dim, head_dim_v, elem_bytes)
+
     def valid_configs(
         self, head_dim: int, head_dim_v: int, elem_bytes: int = 2
     ) -> list[KernelConfig]:
         """Every config of the space the validity model accepts, in a stable order."""
         return [
-            c
-            for c in self.all_configs()
-            if not config_problems(c, head_dim, head_dim_v, elem_bytes)
+            c for c in self.all_configs() if not self.problems(c, head_dim, head_dim_v, elem_bytes)
         ]
 
 

@@ -15,19 +15,14 @@ from typing import Any
 
 import torch
 
-from engine.codegen.backward import (
-    check_backward_config,
-    default_backward_config,
-    default_dq_config,
-    generate_backward,
-    generate_backward_dq,
-    generate_preprocess,
-)
+from engine.codegen.backward import generate_backward, generate_backward_dq, generate_preprocess
 from engine.mask.analysis import FULL, PARTIAL, BlockClasses
+from engine.plan.backward import check_backward_config, default_backward_config, default_dq_config
 from engine.plan.config import KernelConfig
 from engine.plan.shape import KERNEL_DTYPES, KernelShape
 from engine.runtime.compile import compile_source
 from engine.runtime.mask_tables import MaskTables
+from engine.tuning.select import tuned_config
 
 
 @dataclass
@@ -83,10 +78,11 @@ def backward_kernels_for(
     p = mod.problem
     spec = mod.spec
     n_rows = len(spec.final_names) + int(spec.uses_doosum)
-    if config is None:
+    cfg = config or mod.backward_config or tuned_config(mod, "attention_bwd", "bwd")
+    if cfg is None:
         cfg = default_backward_config(p.head_dim, p.head_dim_v)
     else:
-        cfg = check_backward_config(config, p.head_dim, p.head_dim_v, n_rows=n_rows)
+        cfg = check_backward_config(cfg, p.head_dim, p.head_dim_v, n_rows=n_rows)
     shape = KernelShape.of(mod)
     tables = MaskTables(spec.mask, shape, cfg.block_M, cfg.block_N,
                         lambda bc: transposed_tables(bc, shape.seqlen_q, cfg.block_M))

@@ -20,7 +20,7 @@ from engine.codegen.forward import generate_forward
 from engine.mask.analysis import BlockClasses
 from engine.plan.config import KernelConfig, check_config
 from engine.plan.defaults import default_forward_config
-from engine.plan.shape import KERNEL_DTYPES, KernelShape
+from engine.plan.shape import KernelShape
 from engine.runtime.compile import compile_source
 from engine.runtime.mask_tables import MaskTables
 from engine.runtime.reference_backend import GRAD_ANCHOR, reference_backward
@@ -61,19 +61,11 @@ def _select_config(mod) -> KernelConfig:
         return check_config(mod.config, p.head_dim, p.head_dim_v)
     # The tune file named by the user, else the default one for this GPU
     # (results/tune/<gpu>/attention_fwd.json); a missing or unreadable file means defaults.
-    from engine.tuning.tune_file import lookup
+    from engine.tuning.select import tuned_config
 
-    shape = dict(batch=p.batch, heads_q=p.heads_q, heads_kv=p.heads_kv, seqlen_q=p.seqlen_q,
-                 seqlen_kv=p.seqlen_kv, head_dim=p.head_dim, head_dim_v=p.head_dim_v)
-    hit = lookup(mod.tune_file, template="attention_fwd", spec_hash=mod.spec_hash,
-                 dtype=KERNEL_DTYPES.get(mod.dtype, str(mod.dtype)), mode="fwd", gpu=_gpu_name(), shape=shape)
-    if hit is not None:
-        return hit[0]
-    return default_forward_config(p.head_dim, p.head_dim_v)
-
-
-def _gpu_name() -> str:
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+    return tuned_config(mod, "attention_fwd", "fwd") or default_forward_config(
+        p.head_dim, p.head_dim_v
+    )
 
 
 def kernels_for(mod) -> Kernels:

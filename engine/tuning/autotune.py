@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from engine.plan.shape import KERNEL_DTYPES
 from engine.tuning import tune_file
+from engine.tuning.select import dtype_tag, problem_shape, tuned_entry
 
 log = logging.getLogger("engine")
 
@@ -41,19 +41,8 @@ class TuneBudget:
 DEFAULT_BUDGET = TuneBudget()
 
 
-def problem_shape(mod) -> dict[str, int]:
-    p = mod.problem
-    return dict(batch=p.batch, heads_q=p.heads_q, heads_kv=p.heads_kv, seqlen_q=p.seqlen_q,
-                seqlen_kv=p.seqlen_kv, head_dim=p.head_dim, head_dim_v=p.head_dim_v)
-
-
-def dtype_tag(mod) -> str:
-    return tune_file.normalize_dtype(KERNEL_DTYPES.get(mod.dtype, str(mod.dtype)))
-
-
 def has_exact_entry(mod, gpu: str) -> bool:
-    hit = tune_file.lookup(mod.tune_file, template=TEMPLATE, spec_hash=mod.spec_hash,
-                           dtype=dtype_tag(mod), mode="fwd", gpu=gpu, shape=problem_shape(mod))
+    hit = tuned_entry(mod, TEMPLATE, "fwd", gpu)
     return hit is not None and bool(hit[1].get("exact"))
 
 

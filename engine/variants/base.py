@@ -108,6 +108,7 @@ class Variant:
         config: Any = None,
         tune: bool = False,
         tune_file: str | None = None,
+        backward_config: Any = None,
     ):
         from engine.api import AttentionEngine
 
@@ -138,6 +139,7 @@ class Variant:
             tune_file=tune_file,
             backend=backend,
             config=config,
+            backward_config=backward_config,
         )
 
     def make_inputs(
