@@ -34,7 +34,7 @@ from optuna.trial import FrozenTrial, Trial, TrialState, create_trial
 
 from attnbench.tune.objective import Objective
 from attnbench.tune.space import SearchSpace
-from attnbench.tune.storage import OWNER_ATTR, Heartbeat, owner_tag
+from attnbench.tune.storage import OWNER_ATTR, Heartbeat, ask_lock, owner_tag
 from attnbench.tune.workers import BenchWorker, CompilePool
 from engine.plan.config import KernelConfig
 
@@ -227,7 +227,8 @@ class StudyWorker:
         while len(cands) < want and idle < self.settings.max_idle_asks and not self._should_stop():
             if self.settings.exhaustive and idle and not study_state(self.study).waiting:
                 break
-            trial = self.study.ask()
+            with ask_lock(self.study._storage):
+                trial = self.study.ask()
             trial.set_user_attr(OWNER_ATTR, self.owner)
             trial.set_user_attr("run", self.settings.run_id)
             params = {n: trial.suggest_categorical(n, list(c)) for n, c in self.space.params}

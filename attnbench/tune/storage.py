@@ -9,12 +9,15 @@ enqueued again, so nothing is skipped; finished trials are committed rows and ne
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import random
 import socket
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import optuna
@@ -63,6 +66,38 @@ def make_storage(url: str | None, *, heartbeat_s: int = 30) -> RDBStorage:
                 raise
             time.sleep(0.2 + random.random() * (attempt + 1))
     raise AssertionError("unreachable")
+
+
+_ASK_LOCKS: dict[str, threading.Lock] = {}
+_ASK_LOCKS_GUARD = threading.Lock()
+
+
+def _storage_url(storage) -> str:
+    backend = getattr(storage, "_backend", storage)  # Optuna wraps RDBStorage in a cache
+    return str(getattr(backend, "url", ""))
+
+
+@contextlib.contextmanager
+def ask_lock(storage) -> Iterator[None]:
+    """Serialise `study.ask()` on one storage. Asking pops a WAITING (enqueued) trial by a
+    read-then-write that PostgreSQL and MySQL lock (SELECT ... FOR UPDATE) but SQLite does
+    not: two askers can both get the same trial, and the second to finish it fails with
+    UpdateFinishedTrialError. So threads of one process share a lock, and processes on one
+    SQLite file take an advisory file lock beside it."""
+    url = _storage_url(storage)
+    with _ASK_LOCKS_GUARD:
+        lock = _ASK_LOCKS.setdefault(url, threading.Lock())
+    with lock:
+        path = url.split(":///", 1)[-1] if url.startswith("sqlite") else ""
+        if not path or path == ":memory:":
+            yield
+            return
+        with open(f"{path}.ask.lock", "a") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _rdb_storage(url: str, engine_kwargs: dict, heartbeat_s: int) -> RDBStorage:
