@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
 # Everything GPU-side in one call (the device tool runs it in the repo root with $OUT set):
 # GPU tests, then the benchmark suites; results under $OUT, a short table last.
-# Usage: scripts/gpu.sh [tests] [SUITE[:impl,impl]] ...   (default: tests llama3 variants)
+# Usage: scripts/gpu.sh [tests] [SUITE[:impl,impl]] [compare-grid] [tune] ...
+#   (default: tests llama3 variants). compare-grid: the grid-vs-Optuna record (llama3-8b, 8k,
+#   bf16); tune: the llama3 suite's shapes, written to the repo's tune file (commit it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 mkdir -p "$OUT/runs"
 if [ -f .gpu/install.sh ]; then source .gpu/install.sh >/dev/null; fi
+# Wheels the shared bundle lacks (pebble, for the tuner's workers), if carried in .gpu/whl.
+if ls .gpu/whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/gpu-whl .gpu/whl/*.whl 2>/dev/null
+  export PYTHONPATH="/tmp/gpu-whl${PYTHONPATH:+:$PYTHONPATH}"
+fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export ATTNBENCH_KERNEL_DIR=/tmp/attnbench-kernels TILELANG_CACHE_DIR=/tmp/tilelang-cache
 # The generated backward kernels (off by default until verified here; see tilelang_backend).
@@ -17,6 +24,18 @@ for step in "${steps[@]}"; do
   start=$(date +%s)
   if [ "$step" = tests ]; then
     python -m pytest -m gpu tests/gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
+  elif [ "$step" = compare-grid ]; then
+    mkdir -p "$OUT/tune"
+    python -m attnbench tune --shape llama3-8b --seqlens 8k --dtype bf16 --compare-grid \
+      --no-progress --timeout 420 --storage "sqlite:///$OUT/tune/studies.db" \
+      --tune-file "$OUT/tune/attention_fwd.json" 2>&1 | grep -v "^\[I " | tail -20
+    cp results/tune/*/compare-*.json "$OUT/tune/" 2>/dev/null
+  elif [ "$step" = tune ]; then
+    mkdir -p "$OUT/tune"
+    python -m attnbench tune --shape llama3-8b --seqlens 1k,2k,4k,8k,16k --dtype bf16 \
+      --trials 24 --no-progress --timeout 540 --storage "sqlite:///$OUT/tune/studies.db" \
+      2>&1 | grep -v "^\[I " | tail -20
+    cp results/tune/*/attention_fwd.json "$OUT/tune/" 2>/dev/null
   else
     suite=${step%%:*}; impls=""
     [ "$suite" != "$step" ] && impls="--impl ${step#*:}"

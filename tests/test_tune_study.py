@@ -43,7 +43,8 @@ def _study(tmp_path, name) -> optuna.Study:
 
 
 def _evaluated(study):
-    return [t for t in study.get_trials() if t.user_attrs.get("evaluated")]
+    return [t for t in study.get_trials()
+            if t.state.is_finished() and t.user_attrs.get("evaluated")]
 
 
 def test_forward_space_is_data_and_big_enough():
@@ -281,3 +282,31 @@ def test_backward_space_tunes_the_backward_kernel_the_engine_then_uses(tmp_path)
                                               tune_file=str(tmp_path / "tune.json"),
                                               backward_config=other)
     assert backward_kernels_for(pinned).config == other
+
+
+def test_reaper_uncounts_a_trial_killed_between_its_attributes_and_tell(tmp_path):
+    """SIGKILL can land after a trial's measurement attributes are written and before the
+    study is told: the trial is still RUNNING. Resuming fails it, marks it not evaluated and
+    queues its config again."""
+    import socket
+    import subprocess
+    import sys
+
+    from attnbench.tune.storage import OWNER_ATTR, make_storage, reap_dead_trials
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    storage = make_storage(f"sqlite:///{tmp_path / 's.db'}")
+    study = optuna.create_study(study_name="s", storage=storage)
+    trial = study.ask()
+    trial.suggest_categorical("block_M", [64, 128])
+    trial.set_user_attr(OWNER_ATTR, f"{socket.gethostname()}:{dead.stdout.strip()}")
+    trial.set_user_attr("candidate", True)
+    trial.set_user_attr("evaluated", True)
+    trial.set_user_attr("latency_ms", 1.0)
+    assert reap_dead_trials(study) == 1
+    t = study.get_trials()[0]
+    assert t.state == TrialState.FAIL and t.user_attrs["evaluated"] is False
+    assert "died" in t.user_attrs["fail_reason"]
+    queued = study.get_trials(states=(TrialState.WAITING,))
+    assert len(queued) == 1 and queued[0].user_attrs["retry_of"] == t.number

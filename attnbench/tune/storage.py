@@ -133,6 +133,10 @@ def reap_dead_trials(study: optuna.Study) -> int:
         storage = study._storage
         try:
             storage.set_trial_user_attr(t._trial_id, "fail_reason", f"owner {owner} died")
+            # Killed after writing its measurement's attributes but before telling the study:
+            # nothing was recorded, so the trial must not count as evaluated.
+            if t.user_attrs.get("evaluated"):
+                storage.set_trial_user_attr(t._trial_id, "evaluated", False)
             if not storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL):
                 continue
         except optuna.exceptions.UpdateFinishedTrialError:

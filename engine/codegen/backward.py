@@ -131,6 +131,21 @@ class _TileExprs:
             text = f"({text} * {em.float_(self.dsm_ds)})"
         return text
 
+    def tile_text(self, bind, dims: tuple[int, int], mask: str | None, p: str, ds: str,
+                  p_cast: str | None = None) -> str:
+        """One elementwise loop over a [dims] tile: P into fragment `p` (and its 16-bit copy
+        `p_cast`), dS into `ds`; with `mask`, masked entries give 0 for both."""
+        em = Emitter(bind)
+        p_text, ds_text = em.float_(self.p), self.ds_text(em)
+        if mask is not None:
+            p_text = f"T.if_then_else({mask}, {p_text}, T.float32(0.0))"
+            ds_text = f"T.if_then_else({mask}, {ds_text}, T.float32(0.0))"
+        lines = [f"for i, j in T.Parallel({dims[0]}, {dims[1]}):", f"    {p}[i, j] = {p_text}"]
+        if p_cast is not None:
+            lines.append(f"    {p_cast}[i, j] = {p}[i, j]")
+        lines.append(f"    {ds}[i, j] = {ds_text}")
+        return "\n".join(lines)
+
 
 def _binder(shape: KernelShape, q_idx: str, kv_idx: str, tiles: dict[str, str]):
     """Emitter binding for one frame: `q_idx`/`kv_idx` the index texts of the fragment element
@@ -185,12 +200,32 @@ def _input_args(spec: TracedSpec, shape: KernelShape, dt: str) -> list[str]:
     return args
 
 
+def _table_args(suffix: str, shape: KernelShape, n_outer: int, n_inner: int) -> list[str]:
+    """Block tables: per outer block (a thread block's), the range [Lo, Hi) of non-empty inner
+    blocks and the class of each (outer, inner) pair."""
+    lead = f"{shape.mask_batch}, {shape.mask_heads}"
+    return [
+        f'Lo{suffix}: T.Tensor(({lead}, {n_outer}), "int32")',
+        f'Hi{suffix}: T.Tensor(({lead}, {n_outer}), "int32")',
+        f'Cls{suffix}: T.Tensor(({lead}, {n_outer}, {n_inner}), "int8")',
+    ]
+
+
 def _row_args(spec: TracedSpec, shape: KernelShape) -> list[str]:
     rows = f"({shape.batch}, {shape.heads_q}, {shape.seqlen_q})"
     args = [f'F_{name}: T.Tensor({rows}, "float32")' for name in spec.final_names]
     if spec.uses_doosum:
         args.append(f'Delta: T.Tensor({rows}, "float32")')
     return args
+
+
+def _dims(shape: KernelShape, cfg: KernelConfig) -> tuple:
+    """(bM, bN, D, Dv, Sq, Skv, G, query blocks, key blocks, TileLang dtype, mask-table batch
+    and head index texts) of a kernel at `shape` with `cfg`."""
+    bM, bN, Sq, Skv = cfg.block_M, cfg.block_N, shape.seqlen_q, shape.seqlen_kv
+    return (bM, bN, shape.head_dim, shape.head_dim_v, Sq, Skv, shape.heads_q // shape.heads_kv,
+            -(-Sq // bM), -(-Skv // bN), _TL_DTYPE[shape.dtype],
+            "bz" if shape.mask_batch > 1 else "0", "by" if shape.mask_heads > 1 else "0")
 
 
 def _header(lines: list[str], title: str, args: list[str]) -> None:
@@ -222,14 +257,8 @@ def generate_backward(
     row; dQ comes from generate_backward_dq. Each output element has one writer, so runs are
     bitwise identical."""
     ex = _TileExprs(spec, custom_grads)
-    bM, bN, D, Dv = cfg.block_M, cfg.block_N, shape.head_dim, shape.head_dim_v
-    Sq, Skv = shape.seqlen_q, shape.seqlen_kv
-    G = shape.heads_q // shape.heads_kv
-    nqb, nkb = -(-Sq // bM), -(-Skv // bN)
-    dt = _TL_DTYPE[shape.dtype]
+    bM, bN, D, Dv, Sq, Skv, G, nqb, nkb, dt, mb, mh = _dims(shape, cfg)
     policy = f"T.GemmWarpPolicy.{cfg.gemm_policy}"
-    mb = "bz" if shape.mask_batch > 1 else "0"
-    mh = "by" if shape.mask_heads > 1 else "0"
 
     # Transposed frame: i runs over keys (fragment rows), j over queries (fragment columns).
     q_idx, kv_idx = f"(qb * {bM} + j)", f"(bx * {bN} + i)"
@@ -237,26 +266,11 @@ def generate_backward(
     mask_text = _mask_text(spec, bind, q_idx, kv_idx, shape)
 
     def tile_body(mask: str | None) -> str:
-        em = Emitter(bind)
-        p_text = em.float_(ex.p)
-        ds_text = ex.ds_text(em)
-        if mask is not None:
-            p_text = f"T.if_then_else({mask}, {p_text}, T.float32(0.0))"
-            ds_text = f"T.if_then_else({mask}, {ds_text}, T.float32(0.0))"
-        return (
-            f"for i, j in T.Parallel({bN}, {bM}):\n"
-            f"    pT[i, j] = {p_text}\n"
-            f"    pT_cast[i, j] = pT[i, j]\n"
-            f"    dsT_cast[i, j] = {ds_text}"
-        )
+        return ex.tile_text(bind, (bN, bM), mask, "pT", "dsT_cast", p_cast="pT_cast")
 
     # ------------------------------------------------------------- signature
     args = _input_args(spec, shape, dt)
-    args += [
-        f'LoT: T.Tensor(({shape.mask_batch}, {shape.mask_heads}, {nkb}), "int32")',
-        f'HiT: T.Tensor(({shape.mask_batch}, {shape.mask_heads}, {nkb}), "int32")',
-        f'ClsT: T.Tensor(({shape.mask_batch}, {shape.mask_heads}, {nkb}, {nqb}), "int8")',
-    ]
+    args += _table_args("T", shape, nkb, nqb)
     args += _row_args(spec, shape)
     kv_heads = shape.heads_q if deterministic else shape.heads_kv
     if not deterministic:
@@ -362,34 +376,16 @@ def generate_backward_dq(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig
     query block walks its non-empty key blocks (the forward's tables at this config's block
     sizes), recomputes S, P, dP and dS, and accumulates dQ = dS K in registers; one store."""
     ex = _TileExprs(spec, ())
-    bM, bN, D, Dv = cfg.block_M, cfg.block_N, shape.head_dim, shape.head_dim_v
-    Sq, Skv = shape.seqlen_q, shape.seqlen_kv
-    G = shape.heads_q // shape.heads_kv
-    nqb, nkb = -(-Sq // bM), -(-Skv // bN)
-    dt = _TL_DTYPE[shape.dtype]
-    mb = "bz" if shape.mask_batch > 1 else "0"
-    mh = "by" if shape.mask_heads > 1 else "0"
+    bM, bN, D, Dv, Sq, Skv, G, nqb, nkb, dt, mb, mh = _dims(shape, cfg)
     q_idx, kv_idx = f"(bx * {bM} + i)", f"(kb * {bN} + j)"
     bind, _ = _binder(shape, q_idx, kv_idx, {"rawscore": "s", "dp": "dp", "p": "p"})
     mask_text = _mask_text(spec, bind, q_idx, kv_idx, shape)
 
     def tile_body(mask: str | None) -> str:
-        em = Emitter(bind)
-        p_text = em.float_(ex.p)
-        ds_text = ex.ds_text(em)
-        if mask is not None:
-            p_text = f"T.if_then_else({mask}, {p_text}, T.float32(0.0))"
-            ds_text = f"T.if_then_else({mask}, {ds_text}, T.float32(0.0))"
-        return (f"for i, j in T.Parallel({bM}, {bN}):\n"
-                f"    p[i, j] = {p_text}\n"
-                f"    ds_cast[i, j] = {ds_text}")
+        return ex.tile_text(bind, (bM, bN), mask, "p", "ds_cast")
 
     args = _input_args(spec, shape, dt)
-    args += [
-        f'Lo: T.Tensor(({shape.mask_batch}, {shape.mask_heads}, {nqb}), "int32")',
-        f'Hi: T.Tensor(({shape.mask_batch}, {shape.mask_heads}, {nqb}), "int32")',
-        f'Cls: T.Tensor(({shape.mask_batch}, {shape.mask_heads}, {nqb}, {nkb}), "int8")',
-    ]
+    args += _table_args("", shape, nqb, nkb)
     args += _row_args(spec, shape)
     args.append(f'dQ: T.Tensor(({shape.batch}, {Sq}, {shape.heads_q}, {D}), "float32")')
     lines: list[str] = []

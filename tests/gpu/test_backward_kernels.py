@@ -58,43 +58,54 @@ def _precompiled():
     assert not errors, "\n".join(errors.values())
 
 
+def _inputs(case, seed: int) -> dict:
+    """Fresh inputs of `case`, the reference forward's o (in the case's dtype) and final row
+    scales, an output gradient, and the names of the learnable CustomIO tensors."""
+    name, dt = case[0], case[1]
+    mod, sizes = _build(case)
+    inp = VARIANTS[name].make_inputs(**sizes, dtype=dt, device="cuda", seed=seed)
+    names = list(mod.custom_io.names())
+    customs = {n: inp[n] for n in names}
+    o32, fin = executor.forward(mod.spec, inp["q"], inp["k"], inp["v"], customs,
+                                dtype=torch.float32)
+    o = o32.to(dt)
+    return dict(mod=mod, q=inp["q"], k=inp["k"], v=inp["v"], customs=customs, o=o,
+                do=torch.randn_like(o), finals=[fin[n].float().contiguous()
+                                                for n in mod.spec.final_names],
+                learn=tuple(VARIANTS[name].learnable))
+
+
+def _kernel(x: dict) -> list[torch.Tensor]:
+    """dq, dk, dv and the learnable tensors' gradients from the backward kernels."""
+    mod = x["mod"]
+    dq, dk, dv, dc = backward_kernel_call(
+        mod, x["q"], x["k"], x["v"], x["o"], x["finals"], x["do"],
+        [x["customs"][n] for n in mod.custom_io.names()], custom_grads=x["learn"],
+    )
+    return [dq, dk, dv, *(dc[n] for n in x["learn"])]
+
+
+def _reference(x: dict) -> list[torch.Tensor]:
+    mod = x["mod"]
+    rq, rk, rv, rc = executor.backward(
+        mod.spec, x["q"], x["k"], x["v"], x["customs"], x["o"],
+        dict(zip(mod.spec.final_names, x["finals"], strict=True)), x["do"],
+        dtype=torch.float32, custom_grads=x["learn"],
+    )
+    return [rq, rk, rv, *(rc[n] for n in x["learn"])]
+
+
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_backward_matches_reference(case):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    name, dt = case[0], case[1]
-    mod, sizes = _build(case)
-    seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
-    inp = VARIANTS[name].make_inputs(**sizes, dtype=dt, device="cuda", seed=seed)
-    q, k, v = inp["q"], inp["k"], inp["v"]
-    names = list(mod.custom_io.names())
-    customs = {n: inp[n] for n in names}
-    o32, fin = executor.forward(mod.spec, q, k, v, customs, dtype=torch.float32)
-    o = o32.to(dt)
-    do = torch.randn_like(o)
-    finals = [fin[n].float().contiguous() for n in mod.spec.final_names]
+    x = _inputs(case, int(torch.randint(0, 2**31 - 1, (1,)).item()))
     # Learnable CustomIO tensors (ALiBi slopes, sigmoid bias, RetNet decay) get gradients too.
-    learn = tuple(VARIANTS[name].learnable)
-    dq, dk, dv, dc = backward_kernel_call(
-        mod, q, k, v, o, finals, do, [customs[n] for n in names], custom_grads=learn
-    )
-    rq, rk, rv, rc = executor.backward(
-        mod.spec,
-        q,
-        k,
-        v,
-        customs,
-        o,
-        dict(zip(mod.spec.final_names, finals, strict=True)),
-        do,
-        dtype=torch.float32,
-        custom_grads=learn,
-    )
-    pairs = [("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv)]
-    pairs += [(f"d{n}", dc[n], rc[n]) for n in learn]
-    for what, got, ref in pairs:
+    whats = ["dq", "dk", "dv", *x["learn"]]
+    for what, got, ref in zip(whats, _kernel(x), _reference(x), strict=True):
         assert got.shape == ref.shape, what
-        assert got.dtype == (dt if what in ("dq", "dk", "dv") else customs[what[1:]].dtype), what
+        want_dt = case[1] if what in ("dq", "dk", "dv") else x["customs"][what].dtype
+        assert got.dtype == want_dt, what
         assert not torch.isnan(got).any(), f"{what} has NaN"
         err = rel_err(got, ref)
         assert not math.isnan(err) and err < 2e-2, f"{what}: relative error {err:.3e}"
@@ -160,29 +171,10 @@ def test_deterministic_backward(name):
     a separate dQ kernel) match the reference and give bitwise identical gradients twice."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    case = (name, BF16, 2, 8, 2, 1000, 1000, 128, 128)
-    mod, sizes = _build(case)
-    mod.deterministic = True
-    inp = VARIANTS[name].make_inputs(**sizes, dtype=BF16, device="cuda", seed=21)
-    q, k, v = inp["q"], inp["k"], inp["v"]
-    names = list(mod.custom_io.names())
-    customs = {n: inp[n] for n in names}
-    o32, fin = executor.forward(mod.spec, q, k, v, customs, dtype=torch.float32)
-    o = o32.to(BF16)
-    do = torch.randn_like(o)
-    finals = [fin[n].float().contiguous() for n in mod.spec.final_names]
-    learn = tuple(VARIANTS[name].learnable)
-    args = (mod, q, k, v, o, finals, do, [customs[n] for n in names])
-    first = backward_kernel_call(*args, custom_grads=learn)
-    second = backward_kernel_call(*args, custom_grads=learn)
-    _, _, _, rc = ref = executor.backward(
-        mod.spec, q, k, v, customs, o, dict(zip(mod.spec.final_names, finals, strict=True)), do,
-        dtype=torch.float32, custom_grads=learn,
-    )
-    got = [*first[:3], *(first[3][n] for n in learn)]
-    again = [*second[:3], *(second[3][n] for n in learn)]
-    want = [*ref[:3], *(rc[n] for n in learn)]
-    for what, a, b, w in zip(["dq", "dk", "dv", *learn], got, again, want, strict=True):
+    x = _inputs((name, BF16, 2, 8, 2, 1000, 1000, 128, 128), seed=21)
+    x["mod"].deterministic = True
+    first, again, want = _kernel(x), _kernel(x), _reference(x)
+    for what, a, b, w in zip(["dq", "dk", "dv", *x["learn"]], first, again, want, strict=True):
         assert torch.equal(a, b), f"{what}: two deterministic runs differ"
         assert not torch.isnan(a).any(), f"{what} has NaN"
         assert rel_err(a, w) < 2e-2, f"{what}: relative error {rel_err(a, w):.3e}"
