@@ -124,6 +124,9 @@ class AttentionEngine(torch.nn.Module):
         self.tune = tune
         self.tune_file = tune_file
         self.deterministic = deterministic
+        from engine.plan.defaults import DYNAMIC_SHAPES
+
+        self.dynamic_shapes = DYNAMIC_SHAPES  # see engine.plan.defaults
         self._kernels: Any = None
         self._tune_checked = False
 

@@ -19,7 +19,8 @@ def main(names: list[str]) -> int:
     srcs = []
     for name in names:
         for c in load_suite(name).cases:
-            if "engine" not in c.impls or c.kind != "attention":
+            engines = [i for i in ("engine", "engine-dynamic") if i in c.impls]
+            if not engines or c.kind != "attention":
                 continue
             v = get_variant(c.variant)
             if v.supports(
@@ -31,21 +32,17 @@ def main(names: list[str]) -> int:
                 seqlen_kv=c.seqlen_kv,
             ):
                 continue
-            mod = v.build(
-                batch=c.batch,
-                heads_q=c.heads_q,
-                heads_kv=c.heads_kv,
-                seqlen_q=c.seqlen_q,
-                seqlen_kv=c.seqlen_kv,
-                head_dim=c.head_dim,
-                head_dim_v=c.head_dim_v,
-                dtype=TORCH_DTYPES[c.dtype],
-                backend="tilelang",
-            )
+            sizes = dict(batch=c.batch, heads_q=c.heads_q, heads_kv=c.heads_kv,
+                         seqlen_q=c.seqlen_q, seqlen_kv=c.seqlen_kv, head_dim=c.head_dim,
+                         head_dim_v=c.head_dim_v, dtype=TORCH_DTYPES[c.dtype])
+            mod = v.build(**sizes, backend="tilelang")
             srcs.append(kernels_for(mod).forward_source)
+            if "engine-dynamic" in engines:
+                dyn = v.build(**sizes, backend="tilelang")
+                dyn.dynamic_shapes = True
+                srcs.append(kernels_for(dyn).forward_source)
             if set(c.modes) - {"fwd"} and kernel_backward_problem(mod) is None:
-                bk = backward_kernels_for(mod)
-                srcs += [bk.source] + ([bk.preprocess_source] if bk.preprocess_source else [])
+                srcs += backward_kernels_for(mod).sources()
     t = time.time()
     errors = precompile(srcs)
     print(f"precompiled {len(set(srcs))} kernels in {time.time() - t:.0f}s, {len(errors)} failed")

@@ -77,3 +77,35 @@ def test_tilelang_backend_without_a_hopper_gpu_says_why():
     inp = VARIANTS["softmax"].make_inputs(**SHAPE, head_dim=128, head_dim_v=128, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="backend='tilelang' cannot run here: tensors are on cpu"):
         mod(**inp)
+
+
+def _dynamic(name: str, batch: int, seqlen: int):
+    mod = VARIANTS[name].build(batch=batch, heads_q=8, heads_kv=2, seqlen_q=seqlen,
+                               seqlen_kv=seqlen, head_dim=128, head_dim_v=128,
+                               dtype=torch.bfloat16, backend="tilelang")
+    mod.dynamic_shapes = True
+    return mod
+
+
+@pytest.mark.parametrize("name", ["softmax_causal", "document"])
+def test_dynamic_shapes_give_one_kernel_for_every_length(name, tmp_path, monkeypatch):
+    """With dynamic shapes the source names B, Sq, Skv (and the block tables' NQB, NKB)
+    instead of constants, so every batch and length shares one compile; it still lowers to
+    wgmma with TMA loads."""
+    from engine.runtime.compile import compile_source
+
+    monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
+    sources = {kernels_for(_dynamic(name, b, s)).forward_source
+               for b, s in ((2, 1000), (1, 4096), (3, 77))}
+    assert len(sources) == 1
+    (src,) = sources
+    assert 'T.dynamic("B, Sq, Skv, NQB, NKB")' in src and "1000" not in src
+    assert "T.Kernel(T.ceildiv(Sq, " in src
+    statics = {kernels_for(_module(name)).forward_source,
+               kernels_for(VARIANTS[name].build(batch=1, heads_q=8, heads_kv=2, seqlen_q=4096,
+                                                seqlen_kv=4096, head_dim=128, head_dim_v=128,
+                                                dtype=torch.bfloat16,
+                                                backend="tilelang")).forward_source}
+    assert len(statics) == 2 and src not in statics
+    cuda = compile_source(src).get_kernel_source()
+    assert "wgmma" in cuda and "tma_load" in cuda

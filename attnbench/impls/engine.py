@@ -21,6 +21,7 @@ from attnbench.suites import Case
 
 class _EngineBase(Impl):
     backend = ""
+    dynamic_shapes: bool | None = None  # None: the engine's default (engine.plan.defaults)
 
     def check(self, case: Case, variant, device: DeviceInfo) -> str | None:
         reason = super().check(case, variant, device)
@@ -41,6 +42,8 @@ class _EngineBase(Impl):
             )
         except NotImplementedError as exc:  # kernels for this variant have not landed yet
             raise Unsupported(f"engine backend {self.backend!r} not implemented: {exc}") from exc
+        if self.dynamic_shapes is not None:
+            mod.dynamic_shapes = self.dynamic_shapes
         if needs_grad and self.backend == "tilelang":
             from engine.runtime.tilelang_backend import kernel_backward_problem
 
@@ -88,3 +91,12 @@ class ReferenceImpl(_EngineBase):
             devices=frozenset({"cpu", "cuda"}), dtypes=ALL_DTYPES,
             kinds=frozenset({"attention", "linear"}), max_score_elems=2**31,
         )
+
+
+class EngineDynamicImpl(EngineImpl):
+    """The engine's forward with batch and sequence lengths as runtime symbols, timed beside
+    `engine` (static shapes) to decide whether dynamic shapes cost speed."""
+
+    name = "engine-dynamic"
+    description = "the engine's kernels compiled once for every batch and sequence length"
+    dynamic_shapes = True

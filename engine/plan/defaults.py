@@ -3,7 +3,15 @@ validity model, from a preference order measured on the H100 (see results/)."""
 
 from __future__ import annotations
 
+import os
+
 from engine.plan.config import KernelConfig, config_problems
+
+# Forward kernels with batch and sequence lengths as runtime symbols (one compile serves every
+# length; engine.plan.shape.KernelShape.dynamic). Off until the H100 shows it costs no speed
+# (the `engine-dynamic` implementation measures it beside `engine` in the same run);
+# ATTNBENCH_DYNAMIC_SHAPES=1 turns it on, as does setting a module's `dynamic_shapes`.
+DYNAMIC_SHAPES = os.environ.get("ATTNBENCH_DYNAMIC_SHAPES", "0") == "1"
 
 # Preference order: large tiles first (they amortise the softmax per wgmma best), then
 # smaller tiles / fewer stages as head dims grow and shared memory runs out.

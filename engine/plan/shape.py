@@ -24,6 +24,10 @@ class KernelShape:
     dtype: str  # "float16" | "bfloat16"
     mask_batch: int  # leading dims of the block tables (1 when the mask ignores b / h)
     mask_heads: int
+    # Batch and sequence lengths as runtime symbols (B, Sq, Skv) rather than constants: one
+    # compiled kernel then serves every length (the sizes above still drive the mask tables).
+    dynamic: bool = False
+    mask_by_batch: bool = False  # the mask reads b: its tables have a batch dim (B when dynamic)
 
     @classmethod
     def of(cls, mod: Any) -> KernelShape:
@@ -32,5 +36,58 @@ class KernelShape:
         if mod.dtype not in KERNEL_DTYPES:
             raise ValueError(f"dtype {mod.dtype}: kernels support float16 and bfloat16")
         mb, mh = table_dims(mod.spec.mask, p.batch, p.heads_q)
+        by_batch = table_dims(mod.spec.mask, 2, 1)[0] > 1
         return cls(p.batch, p.heads_q, p.heads_kv, p.seqlen_q, p.seqlen_kv, p.head_dim,
-                   p.head_dim_v, KERNEL_DTYPES[mod.dtype], mb, mh)
+                   p.head_dim_v, KERNEL_DTYPES[mod.dtype], mb, mh,
+                   bool(getattr(mod, "dynamic_shapes", False)), by_batch)
+
+    # Texts of the sizes in generated source: symbols when dynamic, else constants.
+    @property
+    def b_text(self) -> str:
+        return "B" if self.dynamic else str(self.batch)
+
+    @property
+    def sq_text(self) -> str:
+        return "Sq" if self.dynamic else str(self.seqlen_q)
+
+    @property
+    def skv_text(self) -> str:
+        return "Skv" if self.dynamic else str(self.seqlen_kv)
+
+    @property
+    def mask_batch_text(self) -> str:
+        """The block tables' batch dim (B, whatever B is, when dynamic and per batch)."""
+        return "B" if self.dynamic and self.mask_by_batch else str(self.mask_batch)
+
+    @property
+    def mask_batch_index(self) -> str:
+        """How a thread block indexes the tables' batch dim: its batch, or 0 if shared."""
+        return "bz" if self.mask_batch > 1 or (self.dynamic and self.mask_by_batch) else "0"
+
+    def last_text(self, axis: str) -> str:
+        """The last valid query ("q") or key ("kv") position, as source text."""
+        if self.dynamic:
+            return f"{self.sq_text if axis == 'q' else self.skv_text} - 1"
+        return str((self.seqlen_q if axis == "q" else self.seqlen_kv) - 1)
+
+    def blocks_text(self, length_text: str, length: int, block: int) -> str:
+        """The number of `block`-sized blocks covering a length, as source text (a grid
+        extent; block tables take their own symbols, see table_blocks_text)."""
+        if self.dynamic:
+            return f"T.ceildiv({length_text}, {block})"
+        return str(-(-length // block))
+
+    def table_blocks_text(self, axis: str, length: int, block: int) -> str:
+        """A block table's dim: its own symbol when dynamic (NQB/NKB for the query/key axis),
+        so that every tensor dim binds to a plain symbol at launch."""
+        if self.dynamic:
+            return "NQB" if axis == "q" else "NKB"
+        return str(-(-length // block))
+
+    @property
+    def preamble(self) -> str:
+        """Module-level source lines that declare the symbols (empty when static)."""
+        if not self.dynamic:
+            return ""
+        return 'B, Sq, Skv, NQB, NKB = T.dynamic("B, Sq, Skv, NQB, NKB")\n\n'
+
