@@ -18,8 +18,17 @@ from engine.variants import VARIANTS
 pytestmark = pytest.mark.gpu
 
 BF16, FP16 = torch.bfloat16, torch.float16
-# (variant, dtype, B, Hq, Hkv, Sq, Skv, D, Dv)
-CASES = [(name, BF16, 2, 8, 2, 1000, 1000, 128, 128) for name in VARIANTS]
+HEAD_DIMS = [(64, 64), (128, 128), (256, 256), (192, 128), (128, 256)]
+# (variant, dtype, B, Hq, Hkv, Sq, Skv, D, Dv): every variant x dtype x head dims x GQA ratio
+# (1 and 4) at a length that is not a multiple of any block size, then special shapes.
+CASES = [
+    (name, dt, 1, 8, hkv, 600, 600, D, Dv)
+    for name in VARIANTS
+    for dt in (BF16, FP16)
+    for D, Dv in HEAD_DIMS
+    for hkv in (8, 2)
+]
+CASES += [(name, BF16, 2, 8, 2, 1000, 1000, 128, 128) for name in VARIANTS]
 CASES += [
     ("softmax_causal", FP16, 2, 8, 2, 1000, 1000, 128, 128),
     ("softmax", FP16, 1, 4, 4, 777, 777, 128, 128),  # MHA, lengths not multiples of blocks
