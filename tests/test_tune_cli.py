@@ -163,3 +163,14 @@ def pg_url():
 
 def test_two_tuners_share_one_postgresql_study(tmp_path, pg_url):
     _two_tuners_share_one_study(pg_url, tmp_path)
+
+
+def test_bad_tune_arguments_are_clear_errors(capsys, monkeypatch):
+    from attnbench import cli
+    from engine.runtime import tilelang_backend
+
+    assert cli.main(["tune", "--seqlens", "2k"]) == 2
+    assert "--shape" in capsys.readouterr().err  # no head geometry
+    monkeypatch.setattr(tilelang_backend, "KERNEL_BACKWARD", False)
+    assert cli.main(["tune", "--shape", "llama3-8b", "--mode", "bwd", "--seqlens", "1k"]) == 2
+    assert "ATTNBENCH_KERNEL_BACKWARD=1" in capsys.readouterr().err

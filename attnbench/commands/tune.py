@@ -141,6 +141,13 @@ def run(args) -> int:
         print(f"attnbench tune: {exc}", file=sys.stderr)
         return 2
     modes = ["fwd", "bwd"] if args.mode == "both" else [args.mode]
+    if "bwd" in modes and args.objective == "engine":
+        from engine.runtime.tilelang_backend import KERNEL_BACKWARD
+
+        if not KERNEL_BACKWARD:
+            print("attnbench tune: --mode bwd tunes the backward kernels, which are off; set "
+                  "ATTNBENCH_KERNEL_BACKWARD=1", file=sys.stderr)
+            return 2
     deadline = time.monotonic() + args.timeout if args.timeout else None
     summaries = []
     for mode in modes:
