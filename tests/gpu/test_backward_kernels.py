@@ -65,7 +65,10 @@ def _precompiled():
         learn = tuple(VARIANTS[name].learnable)
         srcs += backward_kernels_for(mod, custom_grads=learn, deterministic=True).sources()
     errors = precompile(list(dict.fromkeys(srcs)))
-    assert not errors, "\n".join(errors.values())
+    # A kernel that fails to compile fails its own tests (compiling again there, with the
+    # error); the rest of the module still runs.
+    for err in errors.values():
+        print("precompile failed:", err[:300])
 
 
 def _inputs(case, seed: int) -> dict:

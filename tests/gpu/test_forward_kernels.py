@@ -78,7 +78,10 @@ def _precompiled():
             mod.dynamic_shapes, mod._kernels = True, None
             srcs.append(tilelang_backend.kernels_for(mod).forward_source)
     errors = precompile(srcs)
-    assert not errors, "\n".join(errors.values())
+    # A kernel that fails to compile fails its own tests (compiling again there, with the
+    # error); the rest of the module still runs.
+    for err in errors.values():
+        print("precompile failed:", err[:300])
     tilelang_backend.POISON_OUTPUTS = True
     yield
     tilelang_backend.POISON_OUTPUTS = False
