@@ -3,7 +3,7 @@
 # GPU tests, then the benchmark suites; results under $OUT, a short table last.
 # Usage: scripts/gpu.sh [tests] [SUITE[:impl,impl]] [compare-grid] [tune] ...
 #   (default: tests llama3 variants). compare-grid: the grid-vs-Optuna record (llama3-8b, 8k,
-#   bf16); tune: the llama3 suite's shapes, written to the repo's tune file (commit it).
+#   bf16); tune: the llama3 suite's llama3-8b cases, written to the repo's tune file (commit it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -32,9 +32,8 @@ for step in "${steps[@]}"; do
     cp results/tune/*/compare-*.json "$OUT/tune/" 2>/dev/null
   elif [ "$step" = tune ]; then
     mkdir -p "$OUT/tune"
-    python -m attnbench tune --shape llama3-8b --seqlens 1k,2k,4k,8k,16k --dtype bf16 \
-      --trials 24 --no-progress --timeout 540 --storage "sqlite:///$OUT/tune/studies.db" \
-      2>&1 | grep -v "^\[I " | tail -20
+    python -m attnbench tune --suite llama3 --filter llama3-8b --trials 16 --no-progress \
+      --timeout 540 --storage "sqlite:///$OUT/tune/studies.db" 2>&1 | grep -v "^\[I " | tail -20
     cp results/tune/*/attention_fwd.json "$OUT/tune/" 2>/dev/null
   else
     suite=${step%%:*}; impls=""

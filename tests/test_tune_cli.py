@@ -174,3 +174,25 @@ def test_bad_tune_arguments_are_clear_errors(capsys, monkeypatch):
     monkeypatch.setattr(tilelang_backend, "KERNEL_BACKWARD", False)
     assert cli.main(["tune", "--shape", "llama3-8b", "--mode", "bwd", "--seqlens", "1k"]) == 2
     assert "ATTNBENCH_KERNEL_BACKWARD=1" in capsys.readouterr().err
+
+
+def test_tune_a_suites_engine_cases(tmp_path, capsys):
+    """--suite: one study per half-precision engine case of the suite (here smoke's bf16
+    cases; its float32 ones are not kernel dtypes), each written to the tune file."""
+    from attnbench import cli
+
+    rc = cli.main(["tune", "--suite", "smoke", "--filter", "s128", "--objective", "fake",
+                   "--trials", "2", "--no-progress", "--compile-jobs", "1",
+                   "--storage", f"sqlite:///{tmp_path / 's.db'}",
+                   "--tune-file", str(tmp_path / "tune.json"),
+                   "--json-out", str(tmp_path / "out.json")])
+    assert rc == 0, capsys.readouterr().err
+    studies = json.loads((tmp_path / "out.json").read_text())
+    names = [s["study_name"] for s in studies]
+    assert len(names) == len(set(names)) == 2  # softmax and softmax_causal at smoke-gqa, bf16
+    assert all(":b2_hq4_hkv2_sq128_skv128_d32_dv32:bf16:fwd:" in n for n in names)
+    assert len(optuna.get_all_study_summaries(f"sqlite:///{tmp_path / 's.db'}")) == 2
+    assert cli.main(["tune", "--suite", "smoke", "--shape", "llama3-8b"]) == 2
+    assert "drop --shape" in capsys.readouterr().err
+    assert cli.main(["tune", "--shape", "llama3-8b", "--filter", "s128"]) == 2
+    assert "--filter selects cases of --suite" in capsys.readouterr().err

@@ -58,16 +58,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "the best to results/tune/<gpu>/<template>.json, which the engine loads.",
     )
     p.add_argument("--shape", help="shape preset (attnbench/data/shapes.toml), e.g. llama3-8b")
+    p.add_argument("--suite", help="tune the engine's cases of a suite (name or path): each "
+                   "half-precision case's variant, shape, length and dtype, one study each")
+    p.add_argument("--filter", action="append", default=[], metavar="PATTERN",
+                   help="with --suite: only cases whose name matches (substring or glob)")
     p.add_argument("--heads-q", type=_positive(int), help="query heads (overrides the preset)")
     p.add_argument("--heads-kv", type=_positive(int), help="key/value heads")
     p.add_argument("--head-dim", type=_positive(int), help="head dim of q and k")
     p.add_argument("--head-dim-v", type=_positive(int), help="head dim of v (default: head dim)")
-    p.add_argument("--variant", default="softmax", help="attention variant (default softmax)")
-    p.add_argument("--seqlens", type=parse_seqlens, default=parse_seqlens("2k,4k,8k,16k"),
+    p.add_argument("--variant", help="attention variant (default softmax)")
+    p.add_argument("--seqlens", type=parse_seqlens,
                    help="sequence lengths, one study each (default 2k,4k,8k,16k)")
     p.add_argument("--batch", type=_positive(int),
                    help="batch size (default: 16k tokens per batch, i.e. 16384 // seqlen)")
-    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+    p.add_argument("--dtype", choices=("bf16", "fp16"), help="default bf16")
     p.add_argument("--mode", default="fwd", choices=MODES,
                    help="fwd times the forward; bwd times forward+backward")
     p.add_argument("--trials", type=_positive(int), default=64,
@@ -129,17 +133,51 @@ def _geometry(args) -> dict[str, int]:
     return geo  # type: ignore[return-value]
 
 
+# Arguments that choose problems by hand, which --suite replaces.
+_BY_HAND = ("shape", "heads_q", "heads_kv", "head_dim", "head_dim_v", "variant", "seqlens",
+            "batch", "dtype")
+
+
+def _problems(args, mode: str) -> list:
+    """The problems to tune in `mode`: from --suite, or from the shape arguments."""
+    from attnbench.tune.problem import Problem
+
+    if args.suite:
+        given = [f"--{a.replace('_', '-')}" for a in _BY_HAND if getattr(args, a) is not None]
+        if given:
+            raise ValueError(f"--suite takes variants, shapes, lengths and dtypes from the suite; "
+                             f"drop {', '.join(given)}")
+        from attnbench.suites import load_suite
+
+        out = []
+        for c in load_suite(args.suite).filtered(args.filter).cases:
+            dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(c.dtype)
+            engine = any(i in c.impls for i in ("engine", "engine-dynamic"))
+            if not engine or c.kind != "attention" or dtype is None:
+                continue
+            prob = Problem(variant=c.variant, batch=c.batch, heads_q=c.heads_q,
+                           heads_kv=c.heads_kv, seqlen_q=c.seqlen_q, seqlen_kv=c.seqlen_kv,
+                           head_dim=c.head_dim, head_dim_v=c.head_dim_v, dtype=dtype, mode=mode)
+            if prob not in out:
+                out.append(prob)
+        if not out:
+            raise ValueError(f"--suite {args.suite}: no half-precision engine case to tune")
+        return out
+    if args.filter:
+        raise ValueError("--filter selects cases of --suite")
+    geo = _geometry(args)
+    return [
+        Problem(variant=args.variant or "softmax", batch=args.batch or max(1, 16384 // seqlen),
+                seqlen_q=seqlen, seqlen_kv=seqlen, dtype=args.dtype or "bf16", mode=mode, **geo)
+        for seqlen in (args.seqlens or parse_seqlens("2k,4k,8k,16k"))
+    ]
+
+
 def run(args) -> int:
     from attnbench.tune.compare import compare_grid, format_record
-    from attnbench.tune.problem import Problem
     from attnbench.tune.runner import TuneOptions, run_study
     from attnbench.tune.space import load_space
 
-    try:
-        geo = _geometry(args)
-    except ValueError as exc:
-        print(f"attnbench tune: {exc}", file=sys.stderr)
-        return 2
     modes = ["fwd", "bwd"] if args.mode == "both" else [args.mode]
     if "bwd" in modes and args.objective == "engine":
         from engine.runtime.tilelang_backend import KERNEL_BACKWARD
@@ -148,50 +186,45 @@ def run(args) -> int:
             print("attnbench tune: --mode bwd tunes the backward kernels, which are off; set "
                   "ATTNBENCH_KERNEL_BACKWARD=1", file=sys.stderr)
             return 2
+    try:
+        work = [(p, load_space(p.template)) for mode in modes for p in _problems(args, mode)]
+    except ValueError as exc:
+        print(f"attnbench tune: {exc}", file=sys.stderr)
+        return 2
     deadline = time.monotonic() + args.timeout if args.timeout else None
     summaries = []
-    for mode in modes:
-        for seqlen in args.seqlens:
-            try:
-                problem = Problem(
-                    variant=args.variant, batch=args.batch or max(1, 16384 // seqlen),
-                    seqlen_q=seqlen, seqlen_kv=seqlen, dtype=args.dtype, mode=mode, **geo,
-                )
-                space = load_space(problem.template)
-            except ValueError as exc:
-                print(f"attnbench tune: {exc}", file=sys.stderr)
-                return 2
-            left = None
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    print("attnbench tune: --timeout reached", file=sys.stderr)
-                    break
-            objective = _objective(args, problem)
-            opts = TuneOptions(
-                trials=args.trials, timeout_s=left, storage=args.storage,
-                devices=tuple(args.gpus), compile_jobs=args.compile_jobs,
-                compile_timeout_s=args.compile_timeout, bench_timeout_s=args.bench_timeout,
-                seed=args.seed, search="grid" if args.grid else "auto",
-                tune_file=args.tune_file, write_tune_file=not args.no_tune_file,
-                progress=not args.no_progress,
-            )
-            if args.compare_grid:
-                rec = compare_grid(objective, space, opts)
-                print(format_record(rec))
-                print(f"comparison written to {rec['path']}")
-                summaries.append(rec)
-                continue
-            res = run_study(objective, space, opts)
-            summaries.append(dataclasses.asdict(res))
-            best = (f"{res.best_latency_ms:.4g} ms, {res.best_tflops:.0f} TFLOP/s, "
-                    f"{res.best_config}" if res.best_latency_ms is not None else "none")
-            print(f"{res.study_name}: {res.evaluated}/{res.target} trials "
-                  f"({res.failed} failed{', exhaustive' if res.exhaustive else ''}); best {best}"
-                  + (f"; default {res.baseline_latency_ms:.4g} ms"
-                     if res.baseline_latency_ms is not None else ""))
-            if res.tune_file_note:
-                print(f"  {res.tune_file_note}")
+    for problem, space in work:
+        left = None
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                print("attnbench tune: --timeout reached", file=sys.stderr)
+                break
+        objective = _objective(args, problem)
+        opts = TuneOptions(
+            trials=args.trials, timeout_s=left, storage=args.storage,
+            devices=tuple(args.gpus), compile_jobs=args.compile_jobs,
+            compile_timeout_s=args.compile_timeout, bench_timeout_s=args.bench_timeout,
+            seed=args.seed, search="grid" if args.grid else "auto",
+            tune_file=args.tune_file, write_tune_file=not args.no_tune_file,
+            progress=not args.no_progress,
+        )
+        if args.compare_grid:
+            rec = compare_grid(objective, space, opts)
+            print(format_record(rec))
+            print(f"comparison written to {rec['path']}")
+            summaries.append(rec)
+            continue
+        res = run_study(objective, space, opts)
+        summaries.append(dataclasses.asdict(res))
+        best = (f"{res.best_latency_ms:.4g} ms, {res.best_tflops:.0f} TFLOP/s, "
+                f"{res.best_config}" if res.best_latency_ms is not None else "none")
+        print(f"{res.study_name}: {res.evaluated}/{res.target} trials "
+              f"({res.failed} failed{', exhaustive' if res.exhaustive else ''}); best {best}"
+              + (f"; default {res.baseline_latency_ms:.4g} ms"
+                 if res.baseline_latency_ms is not None else ""))
+        if res.tune_file_note:
+            print(f"  {res.tune_file_note}")
     if args.json_out:
         from engine.tuning.tune_file import atomic_write_json
 
