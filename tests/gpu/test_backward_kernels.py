@@ -15,22 +15,16 @@ from engine.reference import executor
 from engine.reference.executor import rel_err
 from engine.runtime.backward_kernels import backward_kernel_call, backward_kernels_for
 from engine.variants import VARIANTS
+from tests.gpu.cases import BF16, FP16, case_id, cross_product
 
 pytestmark = pytest.mark.gpu
 
-BF16, FP16 = torch.bfloat16, torch.float16
 # D = 256 has no backward kernel config (its dK and dV accumulators do not fit in registers):
 # the module runs the reference rules there (tests/test_backward_choice.py).
 HEAD_DIMS = [(64, 64), (128, 128), (192, 128), (128, 256)]
-# (variant, dtype, B, Hq, Hkv, Sq, Skv, D, Dv): every variant x dtype x head dims x GQA ratio
-# (1 and 4) at a length that is not a multiple of any block size, then special shapes.
-CASES = [
-    (n, dt, 1, 8, hkv, 600, 600, D, Dv)
-    for n in VARIANTS
-    for dt in (BF16, FP16)
-    for D, Dv in HEAD_DIMS
-    for hkv in (8, 2)
-]
+# The grid of every variant x dtype x head dims x GQA ratio (tests/gpu/cases.py), then special
+# shapes as (variant, dtype, B, Hq, Hkv, Sq, Skv, D, Dv).
+CASES = cross_product(HEAD_DIMS)
 CASES += [
     ("softmax", BF16, 1, 4, 4, 777, 777, 128, 128),  # MHA, lengths not multiples of blocks
     ("softmax_causal", FP16, 2, 4, 2, 300, 1000, 128, 128),  # Sq < Skv
@@ -39,9 +33,6 @@ CASES += [
 ]
 
 
-def _id(c):
-    name, dt, B, Hq, Hkv, Sq, Skv, D, Dv = c
-    return f"{name}-{'bf16' if dt is BF16 else 'fp16'}-B{B}-H{Hq}x{Hkv}-S{Sq}x{Skv}-D{D}x{Dv}"
 
 
 def _build(case):
@@ -108,7 +99,7 @@ def _reference(x: dict) -> list[torch.Tensor]:
     return [rq, rk, rv, *(rc[n] for n in x["learn"])]
 
 
-@pytest.mark.parametrize("case", CASES, ids=_id)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_backward_matches_reference(case):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")

@@ -14,20 +14,14 @@ from engine import AttentionEngine, CustomIO, OnlineSoftmax, meta_tensor
 from engine.reference import executor
 from engine.reference.executor import rel_err
 from engine.variants import VARIANTS
+from tests.gpu.cases import BF16, FP16, case_id, cross_product
 
 pytestmark = pytest.mark.gpu
 
-BF16, FP16 = torch.bfloat16, torch.float16
 HEAD_DIMS = [(64, 64), (128, 128), (256, 256), (192, 128), (128, 256)]
-# (variant, dtype, B, Hq, Hkv, Sq, Skv, D, Dv): every variant x dtype x head dims x GQA ratio
-# (1 and 4) at a length that is not a multiple of any block size, then special shapes.
-CASES = [
-    (name, dt, 1, 8, hkv, 600, 600, D, Dv)
-    for name in VARIANTS
-    for dt in (BF16, FP16)
-    for D, Dv in HEAD_DIMS
-    for hkv in (8, 2)
-]
+# The grid of every variant x dtype x head dims x GQA ratio (tests/gpu/cases.py), then special
+# shapes as (variant, dtype, B, Hq, Hkv, Sq, Skv, D, Dv).
+CASES = cross_product(HEAD_DIMS)
 CASES += [(name, BF16, 2, 8, 2, 1000, 1000, 128, 128) for name in VARIANTS]
 CASES += [
     ("softmax_causal", FP16, 2, 8, 2, 1000, 1000, 128, 128),
@@ -49,9 +43,6 @@ CASES += [
 DYNAMIC_PRECOMPILE = {("softmax_causal", 2, 1000), ("document", 2, 1000), ("alibi", 2, 1000)}
 
 
-def _id(c):
-    name, dt, B, Hq, Hkv, Sq, Skv, D, Dv = c
-    return f"{name}-{'bf16' if dt is BF16 else 'fp16'}-B{B}-H{Hq}x{Hkv}-S{Sq}x{Skv}-D{D}x{Dv}"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -87,7 +78,7 @@ def _precompiled():
     tilelang_backend.POISON_OUTPUTS = False
 
 
-@pytest.mark.parametrize("case", CASES, ids=_id)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_forward_matches_reference(case):
     name, dt, B, Hq, Hkv, Sq, Skv, D, Dv = case
     v = VARIANTS[name]
