@@ -15,7 +15,8 @@ from engine.reference import executor
 from engine.reference.executor import rel_err
 from engine.runtime.backward_kernels import backward_kernel_call, backward_kernels_for
 from engine.variants import VARIANTS
-from tests.gpu.cases import BF16, FP16, case_id, cross_product
+
+from .cases import BF16, FP16, case_id, cross_product
 
 pytestmark = pytest.mark.gpu
 

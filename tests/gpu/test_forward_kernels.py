@@ -14,7 +14,8 @@ from engine import AttentionEngine, CustomIO, OnlineSoftmax, meta_tensor
 from engine.reference import executor
 from engine.reference.executor import rel_err
 from engine.variants import VARIANTS
-from tests.gpu.cases import BF16, FP16, case_id, cross_product
+
+from .cases import BF16, FP16, case_id, cross_product
 
 pytestmark = pytest.mark.gpu
 
