@@ -77,6 +77,10 @@ class AttentionEngine(torch.nn.Module):
     deterministic: True runs the atomic-free backward kernels (bitwise identical gradients
     run to run): dK/dV stored per query head and summed per group, custom gradients per key
     row, and dQ from a second kernel that recomputes the scores per query block.
+    Attribute `dynamic_shapes` (default engine.plan.defaults.DYNAMIC_SHAPES): compile the
+    forward with batch and lengths as runtime symbols, one kernel for every length. tune=True
+    tunes the forward kernel; the backward's config comes from its tune file (attnbench tune
+    --mode bwd) or backward_config=.
     """
 
     def __init__(
