@@ -310,3 +310,21 @@ def test_reaper_uncounts_a_trial_killed_between_its_attributes_and_tell(tmp_path
     assert "died" in t.user_attrs["fail_reason"]
     queued = study.get_trials(states=(TrialState.WAITING,))
     assert len(queued) == 1 and queued[0].user_attrs["retry_of"] == t.number
+
+
+def test_reaper_fails_a_trial_whose_asker_died_before_writing_its_owner(tmp_path):
+    """SIGKILL between study.ask() (which popped a queued seed) and writing the owner: the
+    trial is RUNNING with no owner. Under the ask lock no live asker can be in that window,
+    so resuming on SQLite fails it and queues the seed's config again."""
+    from attnbench.tune.storage import make_storage, reap_dead_trials
+
+    storage = make_storage(f"sqlite:///{tmp_path / 's.db'}")
+    study = optuna.create_study(study_name="s", storage=storage)
+    study.enqueue_trial({"block_M": 128})
+    orphan = study.ask()  # pops the seed; its asker "dies" here
+    assert orphan.number == 0 and study.get_trials()[0].state == TrialState.RUNNING
+    assert reap_dead_trials(study) == 1
+    t = study.get_trials()[0]
+    assert t.state == TrialState.FAIL and "killed while asking" in t.user_attrs["fail_reason"]
+    (queued,) = study.get_trials(states=(TrialState.WAITING,))
+    assert queued.system_attrs["fixed_params"] == {"block_M": 128}

@@ -227,9 +227,11 @@ class StudyWorker:
         while len(cands) < want and idle < self.settings.max_idle_asks and not self._should_stop():
             if self.settings.exhaustive and idle and not study_state(self.study).waiting:
                 break
+            # Owner written under the ask lock: the reaper, holding it, can tell an ownerless
+            # RUNNING trial for an orphan (its asker died between ask and this line).
             with ask_lock(self.study._storage):
                 trial = self.study.ask()
-            trial.set_user_attr(OWNER_ATTR, self.owner)
+                trial.set_user_attr(OWNER_ATTR, self.owner)
             trial.set_user_attr("run", self.settings.run_id)
             params = {n: trial.suggest_categorical(n, list(c)) for n, c in self.space.params}
             cfg = self.space.config(params)

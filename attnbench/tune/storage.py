@@ -120,30 +120,49 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+# An ownerless RUNNING trial on a shared database server may be mid-ask on another host (the
+# owner is written right after ask); older than this, its asker is taken for dead.
+ORPHAN_AGE_S = 600.0
+
+
+def _is_orphan(t, host: str, local: bool) -> bool:
+    owner = t.user_attrs.get(OWNER_ATTR, "")
+    if not owner:
+        # Killed between ask() and writing its owner (both under the ask lock, which we hold).
+        age = (time.time() - t.datetime_start.timestamp()) if t.datetime_start else 0.0
+        return local or age > ORPHAN_AGE_S
+    h, _, pid = owner.rpartition(":")
+    return h == host and pid.isdigit() and not _pid_alive(int(pid))
+
+
 def reap_dead_trials(study: optuna.Study) -> int:
-    """Fail RUNNING trials whose owner process on this host is dead and enqueue their configs
-    again; then let the heartbeat fail stale trials of other hosts. Returns how many."""
+    """Fail RUNNING trials whose owner process on this host is dead (or that never got an
+    owner) and enqueue their configs again; then let the heartbeat fail stale trials of other
+    hosts. Returns how many."""
     host = socket.gethostname()
+    storage = study._storage
+    local = _storage_url(storage).startswith("sqlite")
     reaped = 0
-    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        owner = t.user_attrs.get(OWNER_ATTR, "")
-        h, _, pid = owner.rpartition(":")
-        if h != host or not pid.isdigit() or _pid_alive(int(pid)):
-            continue  # alive, or on another host (the heartbeat covers those)
-        storage = study._storage
-        try:
-            storage.set_trial_user_attr(t._trial_id, "fail_reason", f"owner {owner} died")
-            # Killed after writing its measurement's attributes but before telling the study:
-            # nothing was recorded, so the trial must not count as evaluated.
-            if t.user_attrs.get("evaluated"):
-                storage.set_trial_user_attr(t._trial_id, "evaluated", False)
-            if not storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL):
-                continue
-        except optuna.exceptions.UpdateFinishedTrialError:
-            continue  # another process reaped it first
-        reaped += 1
-        if t.user_attrs.get("candidate") and t.params:
-            study.enqueue_trial(t.params, user_attrs={"retry_of": t.number})
+    with ask_lock(storage):
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            if not _is_orphan(t, host, local):
+                continue  # alive, or on another host (the heartbeat covers those)
+            owner = t.user_attrs.get(OWNER_ATTR, "") or "unknown (killed while asking)"
+            try:
+                storage.set_trial_user_attr(t._trial_id, "fail_reason", f"owner {owner} died")
+                # Killed after writing its measurement's attributes but before telling the
+                # study: nothing was recorded, so the trial must not count as evaluated.
+                if t.user_attrs.get("evaluated"):
+                    storage.set_trial_user_attr(t._trial_id, "evaluated", False)
+                if not storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL):
+                    continue
+            except optuna.exceptions.UpdateFinishedTrialError:
+                continue  # another process reaped it first
+            reaped += 1
+            # A seed popped from the queue has its config only as fixed params.
+            params = t.params or t.system_attrs.get("fixed_params") or {}
+            if params and (t.user_attrs.get("candidate") or not t.params):
+                study.enqueue_trial(params, user_attrs={"retry_of": t.number})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         optuna.storages.fail_stale_trials(study)
