@@ -2,8 +2,9 @@
 # Everything GPU-side in one call (the device tool runs it in the repo root with $OUT set):
 # GPU tests, then the benchmark suites; results under $OUT, a short table last.
 # Usage: scripts/gpu.sh [tests] [SUITE[:impl,impl]] [compare-grid] [tune] ...
-#   (default: tests llama3 variants). compare-grid: the grid-vs-Optuna record (llama3-8b, 8k,
-#   bf16); tune: the llama3 suite's llama3-8b cases, written to the repo's tune file (commit it).
+#   default: tests softmax-d128 softmax-d128-bwd variants
+#   compare-grid: the grid-vs-Optuna record (llama3-8b, 8k, bf16)
+#   tune: the llama3 suite's llama3-8b cases, into the repo's tune file (copied to $OUT/tune)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -19,7 +20,7 @@ export ATTNBENCH_KERNEL_DIR=/tmp/attnbench-kernels TILELANG_CACHE_DIR=/tmp/tilel
 # The generated backward kernels (off by default until verified here; see tilelang_backend).
 export ATTNBENCH_KERNEL_BACKWARD=${ATTNBENCH_KERNEL_BACKWARD:-1}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
-steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests llama3 variants)
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests softmax-d128 softmax-d128-bwd variants)
 for step in "${steps[@]}"; do
   start=$(date +%s)
   if [ "$step" = tests ]; then
