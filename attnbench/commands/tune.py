@@ -148,12 +148,13 @@ def _problems(args, mode: str) -> list:
             raise ValueError(f"--suite takes variants, shapes, lengths and dtypes from the suite; "
                              f"drop {', '.join(given)}")
         from attnbench.suites import load_suite
+        from engine.tuning.tune_file import normalize_dtype
 
         out = []
         for c in load_suite(args.suite).filtered(args.filter).cases:
-            dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(c.dtype)
+            dtype = normalize_dtype(c.dtype)
             engine = any(i in c.impls for i in ("engine", "engine-dynamic"))
-            if not engine or c.kind != "attention" or dtype is None:
+            if not engine or c.kind != "attention" or dtype not in ("bf16", "fp16"):
                 continue
             prob = Problem(variant=c.variant, batch=c.batch, heads_q=c.heads_q,
                            heads_kv=c.heads_kv, seqlen_q=c.seqlen_q, seqlen_kv=c.seqlen_kv,

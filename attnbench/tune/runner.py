@@ -126,14 +126,13 @@ def _enqueue(study: optuna.Study, configs, space: SearchSpace) -> int:
 
 def default_config(problem, space: SearchSpace) -> KernelConfig | None:
     """The engine's default config for this problem if the space can express it, else None."""
-    from engine.plan.backward import default_backward_config
-    from engine.plan.defaults import default_forward_config
+    from engine.plan.templates import TEMPLATES
 
-    default = {"attention_fwd": default_forward_config, "attention_bwd": default_backward_config}
-    if problem.template not in default:
+    if problem.template not in TEMPLATES:
         return None
     try:
-        cfg = default[problem.template](problem.head_dim, problem.head_dim_v, problem.elem_bytes)
+        cfg = TEMPLATES[problem.template].default(problem.head_dim, problem.head_dim_v,
+                                                  problem.elem_bytes)
     except ValueError:
         return None
     if not space.contains(cfg):

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.plan.config import KernelConfig
-from engine.plan.templates import template_problems
+from engine.plan.templates import get_template
 
 SPACES_DIR = Path(__file__).resolve().parents[2] / "search_spaces"
 _CONFIG_FIELDS = {f.name: f for f in fields(KernelConfig)}
@@ -59,7 +59,7 @@ class SearchSpace:
         self, cfg: KernelConfig, head_dim: int, head_dim_v: int, elem_bytes: int = 2
     ) -> list[str]:
         """Why the template's validity model rejects `cfg` (empty list: valid)."""
-        return template_problems(self.template)(cfg, head_dim, head_dim_v, elem_bytes)
+        return get_template(self.template).problems(cfg, head_dim, head_dim_v, elem_bytes)
 
     def valid_configs(
         self, head_dim: int, head_dim_v: int, elem_bytes: int = 2

@@ -47,8 +47,8 @@ def make_storage(url: str | None, *, heartbeat_s: int = 30) -> RDBStorage:
         )
     engine_kwargs: dict = {}
     if url.startswith("sqlite"):
-        path = url.split(":///", 1)[-1]
-        if path and path != ":memory:":
+        path = _sqlite_file(url)
+        if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
         # Several processes share one file: wait for the write lock instead of failing.
         engine_kwargs = {"connect_args": {"timeout": 120}}
@@ -72,6 +72,12 @@ _ASK_LOCKS: dict[str, threading.Lock] = {}
 _ASK_LOCKS_GUARD = threading.Lock()
 
 
+def _sqlite_file(url: str) -> str:
+    """The database file of a SQLite URL ("" for other URLs and in-memory databases)."""
+    path = url.split(":///", 1)[-1] if url.startswith("sqlite") else ""
+    return "" if path == ":memory:" else path
+
+
 def _storage_url(storage) -> str:
     backend = getattr(storage, "_backend", storage)  # Optuna wraps RDBStorage in a cache
     return str(getattr(backend, "url", ""))
@@ -88,8 +94,8 @@ def ask_lock(storage) -> Iterator[None]:
     with _ASK_LOCKS_GUARD:
         lock = _ASK_LOCKS.setdefault(url, threading.Lock())
     with lock:
-        path = url.split(":///", 1)[-1] if url.startswith("sqlite") else ""
-        if not path or path == ":memory:":
+        path = _sqlite_file(url)
+        if not path:
             yield
             return
         with open(f"{path}.ask.lock", "a") as fh:

@@ -60,16 +60,18 @@ def reads_data(mask: Expr | None) -> bool:
     return mask is not None and any(n.op == "custom" for n in topo([mask]))
 
 
-def table_dims(mask: Expr | None, batch: int, heads: int) -> tuple[int, int]:
-    """Leading dims of a mask's block tables: B and H only when the mask reads b / h
-    (directly or through a CustomIO tensor indexed by them); 1 otherwise."""
+def mask_reads(mask: Expr | None, sym: str) -> bool:
+    """Whether the mask reads index `sym` ("b", "h", ...), directly or through a CustomIO
+    tensor indexed by it."""
     nodes = topo([mask]) if mask is not None else []
+    return any((n.op == "idx" and n.attr == sym) or (n.op == "custom" and sym in n.attr[2])
+               for n in nodes)
 
-    def reads(sym: str) -> bool:
-        return any((n.op == "idx" and n.attr == sym) or (n.op == "custom" and sym in n.attr[2])
-                   for n in nodes)
 
-    return (batch if reads("b") else 1), (heads if reads("h") else 1)
+def table_dims(mask: Expr | None, batch: int, heads: int) -> tuple[int, int]:
+    """Leading dims of a mask's block tables: B and H only when the mask reads b / h; 1
+    otherwise."""
+    return (batch if mask_reads(mask, "b") else 1), (heads if mask_reads(mask, "h") else 1)
 
 
 def _block_interval(n: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from engine.mask.analysis import table_dims
+from engine.mask.analysis import mask_reads, table_dims
 
 KERNEL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -36,7 +36,7 @@ class KernelShape:
         if mod.dtype not in KERNEL_DTYPES:
             raise ValueError(f"dtype {mod.dtype}: kernels support float16 and bfloat16")
         mb, mh = table_dims(mod.spec.mask, p.batch, p.heads_q)
-        by_batch = table_dims(mod.spec.mask, 2, 1)[0] > 1
+        by_batch = mask_reads(mod.spec.mask, "b")
         return cls(p.batch, p.heads_q, p.heads_kv, p.seqlen_q, p.seqlen_kv, p.head_dim,
                    p.head_dim_v, KERNEL_DTYPES[mod.dtype], mb, mh,
                    bool(getattr(mod, "dynamic_shapes", False)), by_batch)
@@ -90,4 +90,3 @@ class KernelShape:
         if not self.dynamic:
             return ""
         return 'B, Sq, Skv, NQB, NKB = T.dynamic("B, Sq, Skv, NQB, NKB")\n\n'
-

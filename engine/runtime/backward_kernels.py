@@ -33,6 +33,9 @@ class BackwardKernels:
     preprocess_source: str | None
     tables: MaskTables
     custom_grads: tuple[str, ...] = ()
+    # (name, index) of each custom read whose gradient the main kernel produces, in the order
+    # of its outputs (derived once: it takes a symbolic derivative of score_mod).
+    custom_reads: tuple[tuple[str, tuple], ...] = ()
     # Deterministic mode: the dQ kernel, its config and its (forward-layout) tables.
     dq_source: str | None = None
     dq_config: KernelConfig | None = None
@@ -93,6 +96,7 @@ def backward_kernels_for(
         generate_preprocess(shape) if spec.uses_doosum else None,
         tables,
         custom_grads,
+        tuple(dc_reads(spec, custom_grads)),
     )
     if det:
         from engine.runtime.tilelang_backend import forward_layout
@@ -161,12 +165,12 @@ def backward_kernel_call(
     c32 = [t.detach().float().contiguous() for t in custom]
     f32 = [*f32, *extra]
     z = lambda *shape: torch.zeros(shape, dtype=torch.float32, device=dev)  # noqa: E731
+    dq = z(p.batch, p.seqlen_q, p.heads_q, p.head_dim)
+    dc = {n: z(*cdict[n].shape) for n in bk.custom_grads}
     if bk.deterministic:
-        dq = z(p.batch, p.seqlen_q, p.heads_q, p.head_dim)
         dkh = z(p.batch, p.seqlen_kv, p.heads_q, p.head_dim)
         dvh = z(p.batch, p.seqlen_kv, p.heads_q, p.head_dim_v)
-        reads = dc_reads(spec, bk.custom_grads)
-        rows = [z(p.batch, p.heads_q, p.seqlen_kv) for _ in reads]
+        rows = [z(p.batch, p.heads_q, p.seqlen_kv) for _ in bk.custom_reads]
         main(q, k, v, do, *c32, lo, hi, clsT, *f32, dkh, dvh, *rows)
         lo2, hi2, cls2 = bk.dq_tables.get(cdict, dev)
         bk._dq(q, k, v, do, *c32, lo2, hi2, cls2, *f32, dq)
@@ -174,16 +178,11 @@ def backward_kernel_call(
         G = p.heads_q // p.heads_kv
         dk = dkh.view(p.batch, p.seqlen_kv, p.heads_kv, G, p.head_dim).sum(3)
         dv = dvh.view(p.batch, p.seqlen_kv, p.heads_kv, G, p.head_dim_v).sum(3)
-        dc = {n: torch.zeros(cdict[n].shape, dtype=torch.float32, device=dev)
-              for n in bk.custom_grads}
-        for (name, index), row in zip(reads, rows, strict=True):
+        for (name, index), row in zip(bk.custom_reads, rows, strict=True):
             dc[name] += fold_rows(row, index, tuple(cdict[name].shape))
     else:
-        dq = z(p.batch, p.seqlen_q, p.heads_q, p.head_dim)
         dk = z(p.batch, p.seqlen_kv, p.heads_kv, p.head_dim)
         dv = z(p.batch, p.seqlen_kv, p.heads_kv, p.head_dim_v)
-        dc = {n: torch.zeros(cdict[n].shape, dtype=torch.float32, device=dev)
-              for n in bk.custom_grads}
         main(q, k, v, do, *c32, lo, hi, clsT, *f32, dq, dk, dv, *dc.values())
     cg = {n: g.to(cdict[n].dtype) for n, g in dc.items()}
     return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), cg
