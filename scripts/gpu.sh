@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Everything GPU-side in one call (the device tool runs it in the repo root with $OUT set):
 # GPU tests, then the benchmark suites; results under $OUT, a short table last.
-# Usage: scripts/gpu.sh [tests] [SUITE[:impl,impl]] [compare-grid] [tune] ...
+# Usage: scripts/gpu.sh [tests[:forward|:backward]] [SUITE[:impl,impl]] [compare-grid] [tune]
+#        [tune-bwd] ...
 #   default: tests softmax-d128 softmax-d128-bwd variants
 #   compare-grid: the grid-vs-Optuna record (llama3-8b, 8k, bf16)
 #   tune: the llama3 suite's llama3-8b cases, into the repo's tune file (copied to $OUT/tune)
+#   tune-bwd: the same cases' backward kernel (attention_bwd tune file)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -17,20 +19,27 @@ if ls .gpu/whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export ATTNBENCH_KERNEL_DIR=/tmp/attnbench-kernels TILELANG_CACHE_DIR=/tmp/tilelang-cache
-# The generated backward kernels (off by default until verified here; see tilelang_backend).
-export ATTNBENCH_KERNEL_BACKWARD=${ATTNBENCH_KERNEL_BACKWARD:-1}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests softmax-d128 softmax-d128-bwd variants)
 for step in "${steps[@]}"; do
   start=$(date +%s)
-  if [ "$step" = tests ]; then
-    python -m pytest -m gpu tests/gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
+  if [ "${step%%:*}" = tests ]; then
+    # tests:forward or tests:backward runs one of the two GPU test modules.
+    what=tests/gpu; [ "$step" != tests ] && what="tests/gpu/test_${step#*:}_kernels.py"
+    timeout 560 python -m pytest -m gpu "$what" -q -p no:cacheprovider -rf 2>&1 \
+      | tee "$OUT/gpu-${step/:/-}.log" | grep -v "^FAILED" | tail -40
   elif [ "$step" = compare-grid ]; then
     mkdir -p "$OUT/tune"
     python -m attnbench tune --shape llama3-8b --seqlens 8k --dtype bf16 --compare-grid \
       --no-progress --timeout 420 --storage "sqlite:///$OUT/tune/studies.db" \
       --tune-file "$OUT/tune/attention_fwd.json" 2>&1 | grep -v "^\[I " | tail -20
     cp results/tune/*/compare-*.json "$OUT/tune/" 2>/dev/null
+  elif [ "$step" = tune-bwd ]; then
+    mkdir -p "$OUT/tune"
+    python -m attnbench tune --suite llama3 --filter llama3-8b --mode bwd --trials 10 \
+      --no-progress --timeout 300 --storage "sqlite:///$OUT/tune/studies-bwd.db" 2>&1 \
+      | grep -v "^\[I \|INFO\|Warning" | tail -20
+    cp results/tune/*/attention_bwd.json "$OUT/tune/" 2>/dev/null
   elif [ "$step" = tune ]; then
     mkdir -p "$OUT/tune"
     python -m attnbench tune --suite llama3 --filter llama3-8b --trials 16 --no-progress \

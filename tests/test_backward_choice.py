@@ -19,7 +19,7 @@ def _mod(name="softmax", D=128, Dv=128, **kw):
 
 def test_off_by_default_until_verified(monkeypatch):
     monkeypatch.setattr(tilelang_backend, "KERNEL_BACKWARD", False)
-    assert "ATTNBENCH_KERNEL_BACKWARD=1" in kernel_backward_problem(_mod())
+    assert "ATTNBENCH_KERNEL_BACKWARD=0" in kernel_backward_problem(_mod())
 
 
 @pytest.mark.parametrize("name", ["softmax", "softmax_causal", "alibi", "sigmoid", "retnet"])

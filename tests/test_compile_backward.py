@@ -77,8 +77,10 @@ def test_transposed_tables_cover_the_causal_triangle_and_the_query_tail():
 def test_backward_config_model():
     cfg = default_backward_config(128, 128)
     assert not backward_config_problems(cfg, 128, 128)
-    # dK and dV [128 x 128] plus [128 x 64] score tiles do not fit 240 registers.
-    assert any("registers" in p for p in backward_config_problems(KernelConfig(64, 128), 128, 128))
+    # ptxas: 64 x 128 on 256 threads fits 240 registers without spills, 128 x 128 spills.
+    assert not backward_config_problems(KernelConfig(64, 128, 2, 256), 128, 128)
+    too_big = KernelConfig(128, 128, 2, 256)
+    assert any("registers" in p for p in backward_config_problems(too_big, 128, 128))
     # 64 keys cannot be split over 8 warps along the keys only.
     assert backward_config_problems(KernelConfig(32, 64, 2, 256), 128, 128)
 

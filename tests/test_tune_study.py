@@ -160,6 +160,40 @@ def test_grid_vs_optuna_record(tmp_path):
     assert rec["optuna_gap_vs_grid_best"] >= 0
     on_disk = json.loads(open(rec["path"]).read())
     assert on_disk["pass"] == rec["pass"] and on_disk["grid"] == rec["grid"]
+    # The fake objective is deterministic: both studies time a config alike.
+    assert rec["remeasure_spread"] == 0
+    assert rec["optuna_measured_gap_vs_grid_best"] == pytest.approx(rec["optuna_gap_vs_grid_best"])
+
+
+def _result(name: str, timings: list[tuple[str, float]], n_valid: int = 10):
+    from attnbench.tune.runner import TuneResult
+
+    best = min(timings, key=lambda kv: kv[1])
+    return TuneResult(study_name=name, storage="", gpu="gpu", n_valid=n_valid, exhaustive=False,
+                      target=len(timings), evaluated=len(timings), failed=0,
+                      best_latency_ms=best[1], best_tflops=None, best_config=None,
+                      best_trial=None, history=[t for _, t in timings],
+                      history_keys=[k for k, _ in timings])
+
+
+def test_comparison_scores_optunas_picks_by_the_grids_timings():
+    from attnbench.tune.compare import comparison_record
+
+    grid = _result("grid", [(f"c{i}", 1.0 + 0.1 * i) for i in range(10)])
+    # Optuna finds the grid's best config c0 at its third trial but times it 4% slower.
+    tpe = _result("tpe", [("c5", 1.52), ("c3", 1.31), ("c0", 1.04)])
+    rec = comparison_record(grid, tpe)
+    assert rec["optuna_gap_vs_grid_best"] == pytest.approx(0.0)
+    assert rec["optuna_measured_gap_vs_grid_best"] == pytest.approx(0.04)
+    assert rec["optuna_trials_to_within_3pct"] == 3
+    assert rec["remeasure_spread"] == pytest.approx(1.52 / 1.5 - 1)  # median of 1.3%, 0.8%, 4%
+    assert rec["pass"]
+    # A search that never tries a config within 3% of the grid's best fails however lucky its
+    # own timings were.
+    lucky = _result("tpe", [("c5", 0.9), ("c3", 1.3), ("c4", 1.4)])
+    rec = comparison_record(grid, lucky)
+    assert rec["optuna_gap_vs_grid_best"] == pytest.approx(0.3)
+    assert rec["optuna_trials_to_within_3pct"] is None and not rec["pass"]
 
 
 def _trace(path):

@@ -184,8 +184,8 @@ def run(args) -> int:
         from engine.runtime.tilelang_backend import KERNEL_BACKWARD
 
         if not KERNEL_BACKWARD:
-            print("attnbench tune: --mode bwd tunes the backward kernels, which are off; set "
-                  "ATTNBENCH_KERNEL_BACKWARD=1", file=sys.stderr)
+            print("attnbench tune: --mode bwd tunes the backward kernels, which are off; unset "
+                  "ATTNBENCH_KERNEL_BACKWARD=0", file=sys.stderr)
             return 2
     try:
         work = [(p, load_space(p.template)) for mode in modes for p in _problems(args, mode)]

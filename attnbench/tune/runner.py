@@ -84,6 +84,7 @@ class TuneResult:
     best_config: dict | None
     best_trial: int | None
     history: list[float] = field(default_factory=list)  # latency per evaluated trial, in order
+    history_keys: list[str] = field(default_factory=list)  # config key per evaluated trial
     tune_file: str | None = None
     run_id: str = ""
     baseline_config: dict | None = None  # the engine's default config, measured in this run
@@ -299,6 +300,7 @@ def summarize(
         best_config=KernelConfig(**best.params).to_dict() if best else None,
         best_trial=best.number if best else None,
         history=[t.value if t.state == TrialState.COMPLETE else math.inf for t in evaluated],
+        history_keys=[KernelConfig(**t.params).key() for t in evaluated],
         run_id=run_id,
     )
     if run_id:

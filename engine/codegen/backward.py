@@ -10,7 +10,7 @@ Three kernels, mirroring the reference executor's `backward()`:
   dV += P^T dO and dK += dS^T Q wgmmas directly:
       S^T = K Q^T (recomputed), P^T = fwd_recompute(score_mod(S^T), finals)
       dP^T = V dO^T, dS'^T = bwd(dP^T, P^T, finals, doosum), dS^T = dS'^T * d score_mod/d score
-      dQ += dS K (fp32 atomics, one partial product per kv block)
+      dQ += dS K (one TMA bulk reduce-add of fp32 per step into a [B, Hq, Sq, D] buffer)
   Only partial blocks (mask analysis, plus the key and query tails) evaluate the mask; there
   masked entries give P = 0 and dS = 0.
 - postprocess: dQ, dK, dV are accumulated in fp32 and cast to the input dtype by the caller
@@ -274,7 +274,8 @@ def generate_backward(
     args += _row_args(spec, shape)
     kv_heads = shape.heads_q if deterministic else shape.heads_kv
     if not deterministic:
-        args.append(f'dQ: T.Tensor(({shape.batch}, {Sq}, {shape.heads_q}, {D}), "float32")')
+        # [B, Hq, Sq, D]: a query block's dQ rows are one box for the TMA reduce-add.
+        args.append(f'dQ: T.Tensor(({shape.batch}, {shape.heads_q}, {Sq}, {D}), "float32")')
     args += [
         f'dK: T.Tensor(({shape.batch}, {Skv}, {kv_heads}, {D}), "float32")',
         f'dV: T.Tensor(({shape.batch}, {Skv}, {kv_heads}, {Dv}), "float32")',
@@ -301,6 +302,7 @@ def generate_backward(
     w(b, f'dO_shared = T.alloc_shared(({bM}, {Dv}), "{dt}")')
     if not deterministic:
         w(b, f'dsT_shared = T.alloc_shared(({bN}, {bM}), "{dt}")')
+        w(b, f'dq_shared = T.alloc_shared(({bM}, {D}), "float32")')
     w(b, f'sT = T.alloc_fragment(({bN}, {bM}), "float32")')
     w(b, f'dpT = T.alloc_fragment(({bN}, {bM}), "float32")')
     w(b, f'pT = T.alloc_fragment(({bN}, {bM}), "float32")')
@@ -350,9 +352,10 @@ def generate_backward(
         w(lb, "T.copy(dsT_cast, dsT_shared)")
         w(lb, "T.clear(dq)")
         w(lb, "T.gemm(dsT_shared, K_shared, dq, transpose_A=True)")
-        w(lb, f"for i, j in T.Parallel({bM}, {D}):")
-        w(lb + 1, f"if qb * {bM} + i < {Sq}:")
-        w(lb + 2, f"T.atomic_add(dQ[bz, qb * {bM} + i, by, j], dq[i, j])")
+        # One bulk reduce-add per step (TMA cp.reduce; rows past Sq fall outside the tensor
+        # and are dropped by the copy engine) instead of bM x D scalar atomics.
+        w(lb, "T.copy(dq, dq_shared)")
+        w(lb, f"T.atomic_add(dQ[bz, by, qb * {bM}:(qb + 1) * {bM}, :], dq_shared, use_tma=True)")
     for r, (name, index, _) in enumerate(ex.dc_reads):
         w(b, f"for i in T.Parallel({bN}):")
         w(b + 1, f"if bx * {bN} + i < {Skv}:")

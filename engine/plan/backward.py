@@ -16,7 +16,7 @@ from engine.plan.config import (
 # Preference order for the main kernel. block_N = keys per thread block (rows of every
 # fragment), block_M = queries per inner step. The kernel holds dK and dV [block_N x D]
 # accumulators for the whole loop, so block_M stays small: at D = 128 and 256 threads,
-# 128 x 32 needs about 208 fp32 registers per thread, 128 x 64 about 288 (over the cap).
+# 64 x 128 fits the 240 registers of a consumer (ptxas: no spills), 128 x 128 spills.
 PREFERENCE: tuple[KernelConfig, ...] = (
     KernelConfig(block_M=64, block_N=128, num_stages=2, threads=256),
     KernelConfig(block_M=32, block_N=128, num_stages=2, threads=256),
@@ -41,11 +41,14 @@ def backward_resources(
         + 4 * bM * n_rows
     )
     per = lambda n: -(-n // cfg.threads)  # noqa: E731 - ceil division
-    regs = (
-        per(bN * (head_dim + head_dim_v))  # dK, dV accumulators
-        + 3 * per(bN * bM)  # S^T, dP^T, P^T (fp32)
-        + per(bN * bM)  # P^T and dS^T in 16 bits (two halves per register)
-        + per(bM * head_dim)  # dQ partial product
+    # Peak live registers: dK and dV throughout, plus the larger of two phases (ptxas reuses
+    # the tiles' registers): the elementwise phase (two live fp32 tiles, S^T/P^T and dP^T,
+    # and the 16-bit P^T and dS^T) and the dQ product (with dS^T's 16-bit copy).
+    # Checked with ptxas --resource-usage at D = 128: 64x128/256 threads and 64x64/128 threads
+    # (model 224) compile without spills; 128x128/256 threads (model 320) spills.
+    regs = per(bN * (head_dim + head_dim_v)) + max(
+        3 * per(bN * bM),
+        per(bM * head_dim) + per(bN * bM) // 2,
     )
     return {"smem_bytes": smem, "regs_per_thread": regs}
 

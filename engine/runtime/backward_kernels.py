@@ -2,7 +2,8 @@
 
 backward_kernel_call(mod, q, k, v, o, finals, do, custom, custom_grads) -> (dq, dk, dv, dC) runs
   preprocess (Delta = rowsum(dO * O), only when the spec's bwd reads doosum),
-  main (one thread block per kv block x query head x batch; fp32 atomics into dQ, dK, dV),
+  main (one thread block per kv block x query head x batch; dQ by TMA reduce-adds into an
+    fp32 [B, Hq, Sq, D] buffer, dK and dV by fp32 atomics),
   postprocess (fp32 -> input dtype; a torch cast, it is a plain elementwise copy).
 The block tables are the forward's mask classification transposed: for each kv block the range
 of non-empty query blocks, and a query block's tail (rows past Sq) counts as partial.
@@ -165,7 +166,6 @@ def backward_kernel_call(
     c32 = [t.detach().float().contiguous() for t in custom]
     f32 = [*f32, *extra]
     z = lambda *shape: torch.zeros(shape, dtype=torch.float32, device=dev)  # noqa: E731
-    dq = z(p.batch, p.seqlen_q, p.heads_q, p.head_dim)
     dc = {n: z(*cdict[n].shape) for n in bk.custom_grads}
     if bk.deterministic:
         dkh = z(p.batch, p.seqlen_kv, p.heads_q, p.head_dim)
@@ -173,6 +173,7 @@ def backward_kernel_call(
         rows = [z(p.batch, p.heads_q, p.seqlen_kv) for _ in bk.custom_reads]
         main(q, k, v, do, *c32, lo, hi, clsT, *f32, dkh, dvh, *rows)
         lo2, hi2, cls2 = bk.dq_tables.get(cdict, dev)
+        dq = z(p.batch, p.seqlen_q, p.heads_q, p.head_dim)
         bk._dq(q, k, v, do, *c32, lo2, hi2, cls2, *f32, dq)
         # Fixed-order sums: the query heads of each group, and the rows of each custom read.
         G = p.heads_q // p.heads_kv
@@ -183,9 +184,12 @@ def backward_kernel_call(
     else:
         dk = z(p.batch, p.seqlen_kv, p.heads_kv, p.head_dim)
         dv = z(p.batch, p.seqlen_kv, p.heads_kv, p.head_dim_v)
-        main(q, k, v, do, *c32, lo, hi, clsT, *f32, dq, dk, dv, *dc.values())
+        dq_bhsd = z(p.batch, p.heads_q, p.seqlen_q, p.head_dim)  # the main kernel's layout
+        main(q, k, v, do, *c32, lo, hi, clsT, *f32, dq_bhsd, dk, dv, *dc.values())
+        dq = dq_bhsd.transpose(1, 2)
     cg = {n: g.to(cdict[n].dtype) for n, g in dc.items()}
-    return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), cg
+    dq = torch.empty_like(q).copy_(dq)  # cast (and, fast mode, transpose) in one pass
+    return dq, dk.to(q.dtype), dv.to(q.dtype), cg
 
 
 def dc_reads(spec, custom_grads: tuple[str, ...]) -> list[tuple[str, tuple]]:

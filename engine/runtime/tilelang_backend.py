@@ -2,9 +2,8 @@
 
 The backward runs the generated backward kernels (engine.runtime.backward_kernels) when
 KERNEL_BACKWARD is on and the spec allows it; otherwise the reference executor's rules on the
-GPU (materialised in row chunks), with a log line saying why. KERNEL_BACKWARD stays off by
-default until the backward kernels have passed tests/gpu on the H100; the environment variable
-ATTNBENCH_KERNEL_BACKWARD=1 turns it on (the GPU tests and benchmark runs do).
+GPU (materialised in row chunks), with a log line saying why. KERNEL_BACKWARD is on by default
+(the backward kernels pass tests/gpu on the H100); ATTNBENCH_KERNEL_BACKWARD=0 turns it off.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from engine.runtime.reference_backend import GRAD_ANCHOR, reference_backward
 log = logging.getLogger("engine")
 # Tests set this to fill outputs with NaN before each launch, to prove every element is written.
 POISON_OUTPUTS = False
-KERNEL_BACKWARD = os.environ.get("ATTNBENCH_KERNEL_BACKWARD", "0") == "1"
+KERNEL_BACKWARD = os.environ.get("ATTNBENCH_KERNEL_BACKWARD", "1") != "0"
 _logged: set[str] = set()
 
 
@@ -150,7 +149,7 @@ def _wanted_custom_grads(mod, custom_needs_grad) -> tuple[str, ...]:
 def kernel_backward_problem(mod, custom_needs_grad=()) -> str | None:
     """Why `mod`'s backward cannot run as generated kernels (None: it can)."""
     if not KERNEL_BACKWARD:
-        return "kernel backward is off (ATTNBENCH_KERNEL_BACKWARD=1 turns it on)"
+        return "kernel backward is off (ATTNBENCH_KERNEL_BACKWARD=0 is set)"
     from engine.plan.config import ConfigError
     from engine.runtime.backward_kernels import backward_kernels_for
 
