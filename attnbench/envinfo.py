@@ -5,6 +5,7 @@ git sha. Versions come from package metadata (no heavy imports); missing pieces 
 from __future__ import annotations
 
 import functools
+import os
 import subprocess
 from importlib import metadata
 from pathlib import Path
@@ -28,7 +29,11 @@ def _run(cmd: list[str]) -> str:
 
 
 def git_sha() -> str:
-    """HEAD's sha, with "-dirty" when tracked files changed; "" outside git or with no commit."""
+    """HEAD's sha, with "-dirty" when tracked files changed; "" outside git or with no commit.
+    ATTNBENCH_GIT_SHA overrides it: a copy of the tree on another machine (scripts/gpu.sh on the
+    device) may carry a stale .git, so the sender states the commit it sent."""
+    if os.environ.get("ATTNBENCH_GIT_SHA"):
+        return os.environ["ATTNBENCH_GIT_SHA"]
     sha = _run(["git", "rev-parse", "HEAD"])
     if sha and _run(["git", "status", "--porcelain", "--untracked-files=no"]):
         sha += "-dirty"

@@ -19,6 +19,9 @@ if ls .gpu/whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export ATTNBENCH_KERNEL_DIR=/tmp/attnbench-kernels TILELANG_CACHE_DIR=/tmp/tilelang-cache
+# The commit the sender sent (its .git may not travel intact): write it before each call with
+#   (git rev-parse HEAD; git diff --quiet HEAD || echo -dirty) | tr -d '\n' > .gpu/HEAD
+if [ -s .gpu/HEAD ]; then export ATTNBENCH_GIT_SHA=$(cat .gpu/HEAD); fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests softmax-d128 softmax-d128-bwd variants)
 for step in "${steps[@]}"; do

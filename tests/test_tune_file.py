@@ -80,7 +80,10 @@ def test_store_failure_leaves_previous_file_intact(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(tune_file.json, "dump", boom)
+    # The disk fills while the temp file is flushed: the old file stays, the temp file goes.
+    import engine.fsutil
+
+    monkeypatch.setattr(engine.fsutil.os, "fsync", boom)
     with pytest.raises(OSError, match="disk full"):
         store(path, _entry(_shape(4096), KernelConfig(), 1.0))
     assert path.read_bytes() == before

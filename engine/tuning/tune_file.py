@@ -23,13 +23,13 @@ import logging
 import math
 import os
 import re
-import tempfile
 import warnings
 from collections.abc import Iterator, Mapping
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from engine.fsutil import atomic_write_text
 from engine.plan.config import ConfigError, KernelConfig
 
 log = logging.getLogger(__name__)
@@ -261,25 +261,7 @@ def _locked(path: Path) -> Iterator[None]:
 
 def atomic_write_json(path: Path, data: Any) -> None:
     """Write JSON to `path` so that a reader sees the old or the new file, never a partial one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=2, sort_keys=True)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    with contextlib.suppress(OSError):  # make the rename itself durable
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def store(path: str | os.PathLike, entry: Mapping[str, Any]) -> str:
