@@ -22,6 +22,11 @@ Accuracy. Each dtype has a tolerance on `rel_err` (bf16 1e-2, fp16 5e-3, fp32 1e
 tolerance in the base and exceeds it now. A row already beyond tolerance (or NaN) in the base is
 reported as out-of-tolerance, not gated: the gate is about what a change made worse.
 
+Scope. Only rows whose implementation matches `GateRule.impls` (default: this project's
+`engine*`) can fail the gate. The reference implementations (FlashAttention-3, cuDNN, flex...)
+are measured for comparison; their changes are reported as drift, since no commit here can cause
+or fix them (FA3's causal S = 1k row once doubled in latency between two runs of one day).
+
 Status. ok -> failed|error is a regression (the case no longer runs correctly); ok -> skipped
 and rows that appeared or vanished are reported; `strict` gates the last two as well.
 """
@@ -31,6 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 
 import pandas as pd
 
@@ -63,12 +69,15 @@ class GateRule:
     noise_k: float = 1.0  # multiple of the combined IQR a change must also exceed
     metric: str = "latency_ms"  # latency_ms (lower is better) or tflops (higher is better)
     strict: bool = False  # also gate vanished rows and ok -> skipped
+    impls: tuple[str, ...] = ("engine*",)  # implementations (glob patterns) the gate judges
 
     def __post_init__(self) -> None:
         if not (0 <= self.threshold < 10) or math.isnan(self.threshold):
             raise ValueError(f"threshold: expected a fraction in [0, 10), got {self.threshold!r}")
         if not self.noise_k >= 0:
             raise ValueError(f"noise_k: expected a number >= 0, got {self.noise_k!r}")
+        if not self.impls or not all(isinstance(p, str) and p for p in self.impls):
+            raise ValueError(f"impls: expected non-empty glob patterns, got {self.impls!r}")
         if self.metric not in METRICS:
             raise ValueError(f"metric: expected one of {', '.join(METRICS)}, got {self.metric!r}")
 
@@ -94,8 +103,8 @@ class RowChange:
     tolerance: float = math.nan
     accuracy: str = "n/a"  # ok | regressed | out-of-tolerance | n/a
     status_change: str = ""  # e.g. "ok -> failed"
-    regression: bool = False
-    reasons: tuple[str, ...] = ()
+    regression: bool = False  # worse, in a gated implementation
+    reasons: tuple[str, ...] = ()  # why it is worse (set for ungated implementations too)
 
 
 @dataclass(frozen=True)
@@ -109,6 +118,11 @@ class Comparison:
     @property
     def regressions(self) -> list[RowChange]:
         return [r for r in self.rows if r.regression]
+
+    @property
+    def drift(self) -> list[RowChange]:
+        """Rows that got worse in implementations the gate does not judge."""
+        return [r for r in self.rows if r.reasons and not r.regression]
 
     @property
     def faster(self) -> list[RowChange]:
@@ -214,7 +228,7 @@ def _classify(key, b: pd.Series, n: pd.Series, rule: GateRule) -> RowChange:
         base_status=b_status,
         new_status=n_status,
         status_change=status_change,
-        regression=bool(reasons),
+        regression=bool(reasons) and any(fnmatchcase(str(key[2]), p) for p in rule.impls),
         reasons=tuple(reasons),
         **fields,
     )
@@ -272,6 +286,15 @@ def comparison_markdown(cmp: Comparison, base_label: str, new_label: str, limit:
             )
         if len(regs) > limit:
             lines.append(f"| ... {len(regs) - limit} more | | | | |")
+    drift = cmp.drift
+    if drift:
+        lines += ["", "| drift, not gated (reference implementations) | base | new | change | why |",
+                  "|---|---:|---:|---:|---|"]
+        for r in drift[:limit]:
+            lines.append(
+                f"| {_key_text(r.key)} | {_num(r.base)} | {_num(r.new)} | {_pct(r.change)} | "
+                f"{'; '.join(r.reasons)} |"
+            )
     best = sorted(cmp.faster, key=lambda r: -r.speedup)[:limit]
     if best:
         lines += ["", "| faster | base | new | speedup |", "|---|---:|---:|---:|"]

@@ -15,6 +15,8 @@ from attnbench.compare import GateRule, compare, comparison_markdown, dtype_tole
 from attnbench.report.sample import SampleSpec, sample_rows, write_csv
 from attnbench.results.read import KEY, read_results
 
+# These tests exercise the gate's rules on rows of any implementation.
+EVERY_IMPL = ("*",)
 SPEC = SampleSpec(seqlens=(2048, 8192), variants=("causal",), dtypes=("bf16", "fp16"))
 
 
@@ -70,19 +72,19 @@ def test_slowdown_inside_the_spread_is_noise(base, rng):
     new.loc[i, "latency_spread_ms"] = lat * 0.07
     wide = base.copy()
     wide.loc[i, "latency_spread_ms"] = lat * 0.07
-    cmp = compare(wide, new)
+    cmp = compare(wide, new, GateRule(impls=EVERY_IMPL))
     row = _by_key(cmp, base.loc[i])
     assert row.perf == "noise" and not row.regression and not cmp.failed
     assert row.noise == pytest.approx(math.hypot(lat * 0.07, lat * 0.07))
     # k = 0.5 halves the noise bound: now it is a regression
-    assert compare(wide, new, GateRule(noise_k=0.5)).failed
+    assert compare(wide, new, GateRule(noise_k=0.5, impls=EVERY_IMPL)).failed
 
 
 def test_speedup_is_reported_not_gated(base, rng):
     i = _ok_index(base, rng)
     new = base.copy()
     new.loc[i, "latency_ms"] *= 0.8
-    cmp = compare(base, new)
+    cmp = compare(base, new, GateRule(impls=EVERY_IMPL))
     assert not cmp.failed
     row = _by_key(cmp, base.loc[i])
     assert row.perf == "faster" and row.speedup == pytest.approx(1.25)
@@ -95,14 +97,14 @@ def test_accuracy_past_tolerance_or_nan_is_a_regression(base, rng):
     tol = dtype_tolerance(base.loc[i, "dtype"])
     new.loc[i, "rel_err"] = tol * rng.uniform(1.5, 4)
     new.loc[j, "rel_err"] = math.nan
-    cmp = compare(base, new)
+    cmp = compare(base, new, GateRule(impls=EVERY_IMPL))
     assert {r.key for r in cmp.regressions} == {
         tuple(base.loc[i, list(KEY)]), tuple(base.loc[j, list(KEY)])}
     assert all(r.accuracy == "regressed" for r in cmp.regressions)
     # a row already beyond tolerance in the base is reported but not gated
     old_bad = base.copy()
     old_bad.loc[i, "rel_err"] = tol * 5
-    again = compare(old_bad, new.assign(rel_err=new["rel_err"].fillna(1e-4)))
+    again = compare(old_bad, new.assign(rel_err=new["rel_err"].fillna(1e-4)), GateRule(impls=EVERY_IMPL))
     assert _by_key(again, base.loc[i]).accuracy == "out-of-tolerance" and not again.failed
 
 
@@ -115,12 +117,12 @@ def test_status_changes_and_appeared_vanished(base, rng):
     gone = new.index[-1]
     extra = new.iloc[[0]].assign(impl="sdpa-flash")
     new = pd.concat([new.drop(index=gone), extra], ignore_index=True)
-    cmp = compare(base, new)
+    cmp = compare(base, new, GateRule(impls=EVERY_IMPL))
     assert [r.key for r in cmp.regressions] == [tuple(base.loc[i, list(KEY)])]
     assert cmp.regressions[0].status_change == "ok -> failed"
     assert cmp.appeared == (tuple(extra.iloc[0][list(KEY)]),)
     assert cmp.vanished == (tuple(base.loc[gone, list(KEY)]),)
-    strict = compare(base, new, GateRule(strict=True))
+    strict = compare(base, new, GateRule(strict=True, impls=EVERY_IMPL))
     assert len(strict.regressions) == 2 and strict.failed
     md = comparison_markdown(cmp, "base.csv", "new.csv")
     assert "FAIL" in md and "ok -> failed" in md and "Vanished" in md and "Appeared" in md
@@ -130,7 +132,7 @@ def test_latest_of_repeated_rows_is_used(base, rng):
     i = _ok_index(base, rng)
     retry = base.loc[[i]].assign(timestamp="2026-11-23T00:00:00Z")
     new = pd.concat([base.assign(latency_ms=base["latency_ms"] * 1.5), retry])
-    cmp = compare(base, new)
+    cmp = compare(base, new, GateRule(impls=EVERY_IMPL))
     assert not _by_key(cmp, base.loc[i]).regression
     assert len(cmp.regressions) == (base["status"] == "ok").sum() - 1
     assert any("repeated" in n for n in cmp.notes)
@@ -209,3 +211,19 @@ def test_cli_two_files_threshold_and_bad_input(tmp_path, base, capsys):
     assert main(["compare", str(a), str(broken)]) == 2
     err = capsys.readouterr().err
     assert str(broken) in err and "latency_spread_ms" in err
+
+
+def test_reference_implementations_drift_without_failing_the_gate(base, rng):
+    """A slower FA3/cuDNN row is reported as drift; only engine rows (or --gate-impl) gate."""
+    ref = base[(base["status"] == "ok") & ~base["impl"].str.startswith("engine")]
+    i = int(rng.choice(ref.index))
+    new = base.copy()
+    new.loc[i, "latency_ms"] *= 2.0
+    new.loc[i, "tflops"] /= 2.0
+    cmp = compare(base, new)
+    assert not cmp.failed and [r.key for r in cmp.drift] == [tuple(base.loc[i, list(KEY)])]
+    assert "drift, not gated" in comparison_markdown(cmp, "base", "new")
+    everything = compare(base, new, GateRule(impls=("*",)))
+    assert everything.failed and not everything.drift
+    with pytest.raises(ValueError, match="impls"):
+        GateRule(impls=())

@@ -53,6 +53,9 @@ def add_parser(subparsers) -> None:
                    help="also fail on vanished rows and on ok -> skipped")
     p.add_argument("--all", action="store_true", help="list unchanged rows too")
     p.add_argument("--markdown", type=Path, help="also write a markdown summary here")
+    p.add_argument("--gate-impl", action="append", metavar="PATTERN",
+                   help="implementations the gate judges (glob, repeatable; default engine*); "
+                   "'*' gates the reference implementations too")
     p.add_argument("--missing-ok", action="store_true",
                    help="with --against-baseline: pass, saying so, when there is no run or "
                    "no baseline yet (used by CI)")
@@ -61,7 +64,8 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        rule = GateRule(args.threshold, args.noise_k, args.metric, args.strict)
+        impls = tuple(args.gate_impl) if args.gate_impl else GateRule.impls
+        rule = GateRule(args.threshold, args.noise_k, args.metric, args.strict, impls)
         loaded = _load(args)
     except (ResultFileError, ValueError) as exc:
         print(f"attnbench compare: {exc}", file=sys.stderr)
@@ -170,7 +174,8 @@ def render(cmp: Comparison, base_label: str, new_label: str, show_all: bool = Fa
     summary = (f"{len(cmp.rows)} matched: {c['faster']} faster, {c['slower']} slower, "
                f"{c['noise']} inside the noise, {c['same']} unchanged, {c['n/a']} without "
                f"numbers; {c['accuracy regressions']} accuracy regression(s); "
-               f"{c['appeared']} appeared, {c['vanished']} vanished")
+               f"{c['appeared']} appeared, {c['vanished']} vanished; gated: "
+               f"{', '.join(rule.impls)} ({len(cmp.drift)} ungated row(s) worse)")
     console.print(summary)
     if cmp.failed:
         console.print(f"[bold red]gate: FAIL ({c['regressions']} regression(s))[/]")
@@ -182,6 +187,8 @@ def _verdict(r) -> str:
     tags = []
     if r.regression:
         tags.append("REGRESSION")
+    elif r.reasons:
+        tags.append("drift (not gated)")
     tags.append(r.perf if r.perf != "n/a" else "")
     if r.status_change:
         tags.append(r.status_change)
