@@ -20,7 +20,7 @@ Three kernels, mirroring the reference executor's `backward()`:
 
 from __future__ import annotations
 
-from engine.codegen.emit import Emitter
+from engine.codegen.emit import Emitter, custom_decl
 from engine.dsl.expr import Expr, leaf, leaves, topo
 from engine.ir.diff import diff, score_mod_derivatives
 from engine.ir.rewrite import substitute
@@ -193,11 +193,8 @@ def _input_args(spec: TracedSpec, shape: KernelShape, dt: str) -> list[str]:
         f'V: T.Tensor(({B}, {Skv}, {shape.heads_kv}, {shape.head_dim_v}), "{dt}")',
         f'dO: T.Tensor(({B}, {Sq}, {shape.heads_q}, {shape.head_dim_v}), "{dt}")',
     ]
-    sizes = {"batch": B, "heads": shape.heads_q, "seq_len": Sq, "seq_len_kv": Skv}
-    for name, dims in spec.customs:
-        dshape = ", ".join(str(sizes[d]) if isinstance(d, str) else "1" for d in dims)
-        args.append(f'C_{name}: T.Tensor(({dshape},), "float32")')
-    return args
+    return args + [custom_decl(f"C_{name}", dims, B, shape.heads_q, Sq, Skv)
+                   for name, dims in spec.customs]
 
 
 def _table_args(suffix: str, shape: KernelShape, n_outer: int, n_inner: int) -> list[str]:
@@ -284,11 +281,9 @@ def generate_backward(
         for r in range(len(ex.dc_reads)):
             args.append(f'dCrow{r}: T.Tensor(({shape.batch}, {shape.heads_q}, {Skv}), "float32")')
     else:
-        sizes = {"batch": shape.batch, "heads": shape.heads_q, "seq_len": Sq, "seq_len_kv": Skv}
         decls = dict(spec.customs)
-        for name in custom_grads:
-            dshape = ", ".join(str(sizes[d]) if isinstance(d, str) else "1" for d in decls[name])
-            args.append(f'dC_{name}: T.Tensor(({dshape},), "float32")')
+        args += [custom_decl(f"dC_{name}", decls[name], shape.batch, shape.heads_q, Sq, Skv)
+                 for name in custom_grads]
 
     lines: list[str] = []
     w = lambda ind, text: _writer_lines(lines, ind, text)  # noqa: E731

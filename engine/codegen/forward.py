@@ -11,7 +11,7 @@ normalises O and writes O and the final row scales (e.g. lse) for the backward.
 
 from __future__ import annotations
 
-from engine.codegen.emit import Emitter, const_text
+from engine.codegen.emit import Emitter, const_text, custom_decl
 from engine.dsl.expr import Expr, leaf, topo
 from engine.ir.rewrite import pull_out_of_max, substitute
 from engine.ir.spec import TracedSpec
@@ -116,15 +116,8 @@ def generate_forward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig) ->
         f'K: T.Tensor(({Bt}, {Skv}, {shape.heads_kv}, {D}), "{dt}")',
         f'V: T.Tensor(({Bt}, {Skv}, {shape.heads_kv}, {Dv}), "{dt}")',
     ]
-    sizes = {
-        "batch": Bt,
-        "heads": shape.heads_q,
-        "seq_len": Sq,
-        "seq_len_kv": Skv,
-    }
-    for name, dims in spec.customs:
-        dshape = ", ".join(str(sizes[d]) if isinstance(d, str) else "1" for d in dims)
-        args.append(f'C_{name}: T.Tensor(({dshape},), "float32")')
+    args += [custom_decl(f"C_{name}", dims, Bt, shape.heads_q, Sq, Skv)
+             for name, dims in spec.customs]
     args += [
         f'Lo: T.Tensor(({shape.mask_batch_text}, {shape.mask_heads}, {nqb}), "int32")',
         f'Hi: T.Tensor(({shape.mask_batch_text}, {shape.mask_heads}, {nqb}), "int32")',
