@@ -19,7 +19,8 @@ def main(names: list[str]) -> int:
     srcs = []
     for name in names:
         for c in load_suite(name).cases:
-            engines = [i for i in ("engine", "engine-dynamic") if i in c.impls]
+            engines = [i for i in ("engine", "engine-dynamic", "engine-deterministic")
+                       if i in c.impls]
             if not engines or c.kind != "attention":
                 continue
             v = get_variant(c.variant)
@@ -43,6 +44,8 @@ def main(names: list[str]) -> int:
                 srcs.append(kernels_for(dyn).forward_source)
             if set(c.modes) - {"fwd"} and kernel_backward_problem(mod) is None:
                 srcs += backward_kernels_for(mod).sources()
+                if "engine-deterministic" in engines:
+                    srcs += backward_kernels_for(mod, deterministic=True).sources()
     t = time.time()
     errors = precompile(srcs)
     print(f"precompiled {len(set(srcs))} kernels in {time.time() - t:.0f}s, {len(errors)} failed")

@@ -56,6 +56,22 @@ def test_supported_cases_pass():
     assert get_impl("fla").caps.check(c, H100) is None
 
 
+def test_engine_deterministic_times_only_the_backward():
+    det = get_impl("engine-deterministic")
+    assert "mode fwd not supported" in det.caps.check_mode("fwd")
+    assert det.caps.check_mode("bwd") is None and det.caps.check_mode("fwd+bwd") is None
+    assert det.caps.check(case(dtype="bfloat16"), H100) is None
+
+
+def test_engine_impls_build_their_modules_settings():
+    from engine.variants import get_variant
+
+    c, softmax = case(dtype="bfloat16"), get_variant("softmax")
+    assert get_impl("engine").build(c, softmax).deterministic is False
+    assert get_impl("engine-deterministic").build(c, softmax).deterministic is True
+    assert get_impl("engine-dynamic").build(c, softmax).dynamic_shapes is True
+
+
 def test_fa3_capabilities_follow_installed_package(monkeypatch):
     from attnbench.impls import fa3
 

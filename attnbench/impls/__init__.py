@@ -20,8 +20,8 @@ from attnbench.impls.base import (
 )
 
 IMPL_NAMES: tuple[str, ...] = (
-    "engine", "engine-dynamic", "flash-attention-3", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient",
-    "sdpa-math",
+    "engine", "engine-dynamic", "engine-deterministic", "flash-attention-3", "sdpa-cudnn",
+    "sdpa-flash", "sdpa-efficient", "sdpa-math",
     "flex", "reference", "fla",
 )
 
@@ -31,14 +31,19 @@ __all__ = ["IMPL_NAMES", "Capabilities", "DeviceInfo", "Impl", "Prepared", "Unsu
 
 @functools.cache
 def registry() -> dict[str, Impl]:
-    from attnbench.impls.engine import EngineDynamicImpl, EngineImpl, ReferenceImpl
+    from attnbench.impls.engine import (
+        EngineDeterministicImpl,
+        EngineDynamicImpl,
+        EngineImpl,
+        ReferenceImpl,
+    )
     from attnbench.impls.fa3 import FA3Impl
     from attnbench.impls.fla import FlaImpl
     from attnbench.impls.flex import FlexImpl
     from attnbench.impls.sdpa import sdpa_impls
 
-    impls: list[Impl] = [EngineImpl(), EngineDynamicImpl(), FA3Impl(), *sdpa_impls(), FlexImpl(),
-                         ReferenceImpl(), FlaImpl()]
+    impls: list[Impl] = [EngineImpl(), EngineDynamicImpl(), EngineDeterministicImpl(), FA3Impl(),
+                         *sdpa_impls(), FlexImpl(), ReferenceImpl(), FlaImpl()]
     reg = {i.name: i for i in impls}
     assert tuple(reg) == IMPL_NAMES, "IMPL_NAMES out of sync with the registry"
     return reg

@@ -3,6 +3,7 @@ executor, plain torch on any device)."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 from attnbench.impls.base import (
@@ -22,6 +23,7 @@ from attnbench.suites import Case
 class _EngineBase(Impl):
     backend = ""
     dynamic_shapes: bool | None = None  # None: the engine's default (engine.plan.defaults)
+    deterministic = False
 
     def check(self, case: Case, variant, device: DeviceInfo) -> str | None:
         reason = super().check(case, variant, device)
@@ -33,17 +35,23 @@ class _EngineBase(Impl):
             reason = variant.supports(**dims)
         return reason
 
-    def prepare(self, case: Case, variant, inputs: dict, needs_grad: bool) -> Prepared:
-        try:
-            mod = variant.build(
-                batch=case.batch, heads_q=case.heads_q, heads_kv=case.heads_kv,
-                seqlen_q=case.seqlen_q, seqlen_kv=case.seqlen_kv, head_dim=case.head_dim,
-                head_dim_v=case.head_dim_v, dtype=TORCH_DTYPES[case.dtype], backend=self.backend,
-            )
-        except NotImplementedError as exc:  # kernels for this variant have not landed yet
-            raise Unsupported(f"engine backend {self.backend!r} not implemented: {exc}") from exc
+    def build(self, case: Case, variant):
+        """The engine module for `case`, with this implementation's settings."""
+        mod = variant.build(
+            batch=case.batch, heads_q=case.heads_q, heads_kv=case.heads_kv,
+            seqlen_q=case.seqlen_q, seqlen_kv=case.seqlen_kv, head_dim=case.head_dim,
+            head_dim_v=case.head_dim_v, dtype=TORCH_DTYPES[case.dtype], backend=self.backend,
+        )
         if self.dynamic_shapes is not None:
             mod.dynamic_shapes = self.dynamic_shapes
+        mod.deterministic = self.deterministic
+        return mod
+
+    def prepare(self, case: Case, variant, inputs: dict, needs_grad: bool) -> Prepared:
+        try:
+            mod = self.build(case, variant)
+        except NotImplementedError as exc:  # kernels for this variant have not landed yet
+            raise Unsupported(f"engine backend {self.backend!r} not implemented: {exc}") from exc
         if needs_grad and self.backend == "tilelang":
             from engine.runtime.tilelang_backend import kernel_backward_problem
 
@@ -100,3 +108,17 @@ class EngineDynamicImpl(EngineImpl):
     name = "engine-dynamic"
     description = "the engine's kernels compiled once for every batch and sequence length"
     dynamic_shapes = True
+
+
+class EngineDeterministicImpl(EngineImpl):
+    """The engine's atomic-free backward (bitwise repeatable gradients), timed beside `engine`
+    to measure what determinism costs. Its forward is `engine`'s, so only backward modes."""
+
+    name = "engine-deterministic"
+    description = "the engine's kernels with deterministic=True (atomic-free backward)"
+    deterministic = True
+
+    @property
+    def caps(self) -> Capabilities:
+        base = super().caps
+        return dataclasses.replace(base, modes=base.modes - {"fwd"})

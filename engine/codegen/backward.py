@@ -131,25 +131,39 @@ class _TileExprs:
             text = f"({text} * {em.float_(self.dsm_ds)})"
         return text
 
-    def tile_text(self, bind, dims: tuple[int, int], mask: str | None, p: str, ds: str,
-                  p_cast: str | None = None) -> str:
-        """One elementwise loop over a [dims] tile: P into fragment `p` (and its 16-bit copy
-        `p_cast`), dS into `ds`; with `mask`, masked entries give 0 for both."""
+    def _loop(self, dims: tuple[int, int], assigns: list[str]) -> str:
+        return "\n".join([f"for i, j in T.Parallel({dims[0]}, {dims[1]}):"]
+                         + [f"    {a}" for a in assigns])
+
+    def p_loop(self, bind, dims: tuple[int, int], mask: str | None, p: str, p_cast: str) -> str:
+        """P over a [dims] tile into fragment `p` and its 16-bit copy `p_cast`; with `mask`,
+        masked entries give 0."""
+        text = Emitter(bind).float_(self.p)
+        if mask is not None:
+            text = f"T.if_then_else({mask}, {text}, T.float32(0.0))"
+        return self._loop(dims, [f"{p}[i, j] = {text}", f"{p_cast}[i, j] = {p}[i, j]"])
+
+    def ds_loop(self, bind, dims: tuple[int, int], mask: str | None, ds: str) -> str:
+        """dS over a [dims] tile into `ds` (P already computed); masked entries give 0."""
+        text = self.ds_text(Emitter(bind))
+        if mask is not None:
+            text = f"T.if_then_else({mask}, {text}, T.float32(0.0))"
+        return self._loop(dims, [f"{ds}[i, j] = {text}"])
+
+    def tile_text(self, bind, dims: tuple[int, int], mask: str | None, p: str, ds: str) -> str:
+        """P into `p` and dS into `ds` in one loop over a [dims] tile."""
         em = Emitter(bind)
         p_text, ds_text = em.float_(self.p), self.ds_text(em)
         if mask is not None:
             p_text = f"T.if_then_else({mask}, {p_text}, T.float32(0.0))"
             ds_text = f"T.if_then_else({mask}, {ds_text}, T.float32(0.0))"
-        lines = [f"for i, j in T.Parallel({dims[0]}, {dims[1]}):", f"    {p}[i, j] = {p_text}"]
-        if p_cast is not None:
-            lines.append(f"    {p_cast}[i, j] = {p}[i, j]")
-        lines.append(f"    {ds}[i, j] = {ds_text}")
-        return "\n".join(lines)
+        return self._loop(dims, [f"{p}[i, j] = {p_text}", f"{ds}[i, j] = {ds_text}"])
 
 
-def _binder(shape: KernelShape, q_idx: str, kv_idx: str, tiles: dict[str, str]):
+def _binder(shape: KernelShape, q_idx: str, kv_idx: str, tiles: dict[str, str], q_var: str):
     """Emitter binding for one frame: `q_idx`/`kv_idx` the index texts of the fragment element
-    [i, j], `tiles` the fragments holding rawscore, dp and p."""
+    [i, j], `tiles` the fragments holding rawscore, dp and p, `q_var` the loop variable (i or
+    j) that indexes the per-query register vectors (see _row_vectors)."""
     Sq, Skv = shape.seqlen_q, shape.seqlen_kv
     index_text = {"b": "bz", "h": "by", "q": q_idx, "kv": kv_idx}
     clamp = {"q": f"T.min({q_idx}, {Sq - 1})", "kv": f"T.min({kv_idx}, {Skv - 1})"}
@@ -163,16 +177,35 @@ def _binder(shape: KernelShape, q_idx: str, kv_idx: str, tiles: dict[str, str]):
             name, _, index = node.attr
             parts = [clamp.get(s, index_text.get(s, "0")) if isinstance(s, str) else "0" for s in index]
             return f"C_{name}[{', '.join(parts)}]"
-        # Per-query vectors are read from global memory in the elementwise loop (L1-cached):
-        # staging them in shared memory made TileLang's warp specialisation give the copy to a
-        # 256-thread cp.async producer, capping every thread at 128 registers (spills).
         if node.op == "final":
-            return f"F_{node.attr}[bz, by, {clamp['q']}]"
+            return f"Fr_{node.attr}[{q_var}]"
         if node.op == "doosum":
-            return f"Delta[bz, by, {clamp['q']}]"
+            return f"Dr[{q_var}]"
         return None
 
     return bind, index_text
+
+
+def _row_vectors(spec: TracedSpec, shape: KernelShape, n: int, q0: str) -> tuple[list[str], str, str]:
+    """(allocations, load of the finals, load of Delta) for the per-query fp32 vectors of the `n`
+    queries from `q0`, held as register fragments. TileLang replicates them over the threads
+    that hold a query's column (or row), so each thread loads its own few values once per query
+    block, and the loads can be issued ahead of the gemms whose results they meet. Read per
+    element from global memory instead, they were issued only after each gemm's wait (its asm
+    has a memory clobber), and that latency cost about a third of the backward's time on the
+    H100. (Shared memory is no way out: TileLang's warp specialisation hands such a copy to a
+    256-thread cp.async producer, which caps every thread at 128 registers.)"""
+    def load(pairs: list[tuple[str, str]]) -> str:
+        if not pairs:
+            return ""
+        return "\n".join([f"for t in T.Parallel({n}):"] + [
+            f"    {reg}[t] = {src}[bz, by, T.min({q0} + t, {shape.seqlen_q - 1})]"
+            for reg, src in pairs])
+
+    finals = [(f"Fr_{name}", f"F_{name}") for name in spec.final_names]
+    delta = [("Dr", "Delta")] if spec.uses_doosum else []
+    allocs = [f'{reg} = T.alloc_fragment(({n},), "float32")' for reg, _ in finals + delta]
+    return allocs, load(finals), load(delta)
 
 
 def _mask_text(spec: TracedSpec, bind, q_idx: str, kv_idx: str, shape: KernelShape) -> str:
@@ -256,26 +289,36 @@ def generate_backward(
     ex = _TileExprs(spec, custom_grads)
     bM, bN, D, Dv, Sq, Skv, G, nqb, nkb, dt, mb, mh = _dims(shape, cfg)
     policy = f"T.GemmWarpPolicy.{cfg.gemm_policy}"
+    # fp32 registers per thread of a [bN, bM] accumulator and of dq (wgmma spreads them evenly).
+    tile_regs, dq_regs = bN * bM // cfg.threads, bM * D // cfg.threads
 
     # Transposed frame: i runs over keys (fragment rows), j over queries (fragment columns).
     q_idx, kv_idx = f"(qb * {bM} + j)", f"(bx * {bN} + i)"
-    bind, index_text = _binder(shape, q_idx, kv_idx, {"rawscore": "sT", "dp": "dpT", "p": "pT"})
+    bind, index_text = _binder(shape, q_idx, kv_idx, {"rawscore": "sT", "dp": "dpT", "p": "pT"}, "j")
+    row_allocs, finals_load, delta_load = _row_vectors(spec, shape, bM, f"qb * {bM}")
     mask_text = _mask_text(spec, bind, q_idx, kv_idx, shape)
 
-    def tile_body(mask: str | None) -> str:
-        return ex.tile_text(bind, (bN, bM), mask, "pT", "dsT_cast", p_cast="pT_cast")
+    def branch(lines_ind: int, loop) -> None:
+        # Full blocks skip the mask; partial ones (and the tails) evaluate it.
+        w(lines_ind, "if qcls == 2:")
+        w(lines_ind + 1, loop(None))
+        w(lines_ind, "else:")
+        w(lines_ind + 1, loop(mask_text))
 
     # ------------------------------------------------------------- signature
     args = _input_args(spec, shape, dt)
     args += _table_args("T", shape, nkb, nqb)
     args += _row_args(spec, shape)
     kv_heads = shape.heads_q if deterministic else shape.heads_kv
+    # Without GQA each dK/dV element has one writer: stored once in the input dtype (no fp32
+    # buffer to zero, no atomics, no cast pass). With GQA they are fp32 sums over the group.
+    kv_out = dt if G == 1 else "float32"
     if not deterministic:
         # [B, Hq, Sq, D]: a query block's dQ rows are one box for the TMA reduce-add.
         args.append(f'dQ: T.Tensor(({shape.batch}, {shape.heads_q}, {Sq}, {D}), "float32")')
     args += [
-        f'dK: T.Tensor(({shape.batch}, {Skv}, {kv_heads}, {D}), "float32")',
-        f'dV: T.Tensor(({shape.batch}, {Skv}, {kv_heads}, {Dv}), "float32")',
+        f'dK: T.Tensor(({shape.batch}, {Skv}, {kv_heads}, {D}), "{kv_out}")',
+        f'dV: T.Tensor(({shape.batch}, {Skv}, {kv_heads}, {Dv}), "{kv_out}")',
     ]
     if deterministic:
         for r in range(len(ex.dc_reads)):
@@ -298,6 +341,9 @@ def generate_backward(
     if not deterministic:
         w(b, f'dsT_shared = T.alloc_shared(({bN}, {bM}), "{dt}")')
         w(b, f'dq_shared = T.alloc_shared(({bM}, {D}), "float32")')
+    for a in row_allocs:
+        w(b, a)
+    w(b, f'dO_hold = T.alloc_local((1,), "{dt}")')
     w(b, f'sT = T.alloc_fragment(({bN}, {bM}), "float32")')
     w(b, f'dpT = T.alloc_fragment(({bN}, {bM}), "float32")')
     w(b, f'pT = T.alloc_fragment(({bN}, {bM}), "float32")')
@@ -323,16 +369,30 @@ def generate_backward(
     w(b, f"for k in T.Pipelined({hi} - {lo}, num_stages={cfg.num_stages}):")
     lb = b + 1
     w(lb, f"qb: T.int32 = {lo} + k")
+    # The block's class is read once, ahead of the gemms: a global load at each branch would
+    # sit behind a gemm's wait (its asm has a memory clobber) with its whole latency exposed.
+    w(lb, f'qcls: T.int32 = T.Cast("int32", ClsT[{mb}, {mh}, bx, qb])')
     w(lb, f"T.copy(Q[bz, qb * {bM}:(qb + 1) * {bM}, by, :], Q_shared)")
-    w(lb, "T.clear(sT)")
-    w(lb, f"T.gemm(K_shared, Q_shared, sT, transpose_B=True, policy={policy})")
     w(lb, f"T.copy(dO[bz, qb * {bM}:(qb + 1) * {bM}, by, :], dO_shared)")
-    w(lb, "T.clear(dpT)")
-    w(lb, f"T.gemm(V_shared, dO_shared, dpT, transpose_B=True, policy={policy})")
-    w(lb, f"if ClsT[{mb}, {mh}, bx, qb] == 2:")
-    w(lb + 1, tile_body(None))
-    w(lb, "else:")
-    w(lb + 1, tile_body(mask_text))
+    w(lb, finals_load)
+    # S^T and dP^T are issued together; P is computed while dP^T is still in flight.
+    w(lb, f"T.wgmma_gemm(K_shared, Q_shared, sT, transpose_B=True, policy={policy}, clear_accum=True)")
+    w(lb, f"T.wgmma_gemm(V_shared, dO_shared, dpT, transpose_B=True, policy={policy}, clear_accum=True)")
+    w(lb, "T.wait_wgmma(1)")
+    # Keep nvcc from reading an accumulator before the wait that completes it.
+    w(lb, f"T.warpgroup_fence_operand(sT, num_regs={tile_regs})")
+    branch(lb, lambda m: ex.p_loop(bind, (bN, bM), m, "pT", "pT_cast"))
+    # Delta is loaded here, not with the finals: the P loop then keeps 16 registers more (at
+    # D = 128 that is the difference from spilling), and dV runs while it arrives.
+    w(lb, delta_load)
+    # dV += P^T dO runs while dS is computed. TileLang frees a pipeline stage right after the
+    # last statement that reads it, and this wgmma is still reading the dO stage when it
+    # returns: the stage is held by a read of dO_shared after dK's gemm, which waits for every
+    # wgmma in flight (the last read of Q is that synchronous gemm itself).
+    w(lb, f"T.wgmma_gemm(pT_cast, dO_shared, dv, policy={policy})")
+    w(lb, "T.wait_wgmma(1)")
+    w(lb, f"T.warpgroup_fence_operand(dpT, num_regs={tile_regs})")
+    branch(lb, lambda m: ex.ds_loop(bind, (bN, bM), m, "dsT_cast"))
     for r, (_, _, d_read) in enumerate(ex.dc_reads):
         em = Emitter(bind)
         g_text = f"({em.float_(ex.ds_mod)} * {em.float_(d_read)})"
@@ -341,12 +401,20 @@ def generate_backward(
         w(lb, "T.reduce_sum(cg_tile, cg_row, dim=1)")
         w(lb, f"for i in T.Parallel({bN}):")
         w(lb + 1, f"cg_acc{r}[i] += cg_row[i]")
-    w(lb, f"T.gemm(pT_cast, dO_shared, dv, policy={policy})")
-    w(lb, f"T.gemm(dsT_cast, Q_shared, dk, policy={policy})")
+    # dQ = dS K reads only the kv block's own tiles, so it may run asynchronously beside dK;
+    # that needs wgmma, i.e. whole 64-row warpgroups over the bM queries.
+    dq_async = not deterministic and bM % 64 == 0
     if not deterministic:
         w(lb, "T.copy(dsT_cast, dsT_shared)")
-        w(lb, "T.clear(dq)")
-        w(lb, "T.gemm(dsT_shared, K_shared, dq, transpose_A=True)")
+        if dq_async:
+            w(lb, "T.wgmma_gemm(dsT_shared, K_shared, dq, transpose_A=True, clear_accum=True)")
+        else:
+            w(lb, "T.gemm(dsT_shared, K_shared, dq, transpose_A=True, clear_accum=True)")
+    w(lb, f"T.gemm(dsT_cast, Q_shared, dk, policy={policy})")
+    w(lb, "dO_hold[0] = dO_shared[0, 0]")
+    if dq_async:
+        w(lb, f"T.warpgroup_fence_operand(dq, num_regs={dq_regs})")
+    if not deterministic:
         # One bulk reduce-add per step (TMA cp.reduce; rows past Sq fall outside the tensor
         # and are dropped by the copy engine) instead of bM x D scalar atomics.
         w(lb, "T.copy(dq, dq_shared)")
@@ -362,7 +430,9 @@ def generate_backward(
     for buf, out, width in (("dv", "dV", Dv), ("dk", "dK", D)):
         w(b, f"for i, j in T.Parallel({bN}, {width}):")
         w(b + 1, f"if bx * {bN} + i < {Skv}:")
-        if deterministic:
+        if G == 1:
+            w(b + 2, f'{out}[bz, bx * {bN} + i, by, j] = T.Cast("{dt}", {buf}[i, j])')
+        elif deterministic:
             w(b + 2, f"{out}[bz, bx * {bN} + i, by, j] = {buf}[i, j]")
         else:
             w(b + 2, f"T.atomic_add({out}[bz, bx * {bN} + i, by // {G}, j], {buf}[i, j])")
@@ -376,7 +446,8 @@ def generate_backward_dq(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig
     ex = _TileExprs(spec, ())
     bM, bN, D, Dv, Sq, Skv, G, nqb, nkb, dt, mb, mh = _dims(shape, cfg)
     q_idx, kv_idx = f"(bx * {bM} + i)", f"(kb * {bN} + j)"
-    bind, _ = _binder(shape, q_idx, kv_idx, {"rawscore": "s", "dp": "dp", "p": "p"})
+    bind, _ = _binder(shape, q_idx, kv_idx, {"rawscore": "s", "dp": "dp", "p": "p"}, "i")
+    row_allocs, finals_load, delta_load = _row_vectors(spec, shape, bM, f"bx * {bM}")
     mask_text = _mask_text(spec, bind, q_idx, kv_idx, shape)
 
     def tile_body(mask: str | None) -> str:
@@ -395,6 +466,8 @@ def generate_backward_dq(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig
     w(b, f'dO_shared = T.alloc_shared(({bM}, {Dv}), "{dt}")')
     w(b, f'K_shared = T.alloc_shared(({bN}, {D}), "{dt}")')
     w(b, f'V_shared = T.alloc_shared(({bN}, {Dv}), "{dt}")')
+    for a in row_allocs:
+        w(b, a)
     w(b, f's = T.alloc_fragment(({bM}, {bN}), "float32")')
     w(b, f'dp = T.alloc_fragment(({bM}, {bN}), "float32")')
     w(b, f'p = T.alloc_fragment(({bM}, {bN}), "float32")')
@@ -402,19 +475,22 @@ def generate_backward_dq(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig
     w(b, f'dq = T.alloc_fragment(({bM}, {D}), "float32")')
     w(b, f"T.copy(Q[bz, bx * {bM}:(bx + 1) * {bM}, by, :], Q_shared)")
     w(b, f"T.copy(dO[bz, bx * {bM}:(bx + 1) * {bM}, by, :], dO_shared)")
+    w(b, finals_load)
+    w(b, delta_load)
     w(b, "T.clear(dq)")
     lo, hi = f"Lo[{mb}, {mh}, bx]", f"Hi[{mb}, {mh}, bx]"
     w(b, f"for k in T.Pipelined({hi} - {lo}, num_stages={cfg.num_stages}):")
     lb = b + 1
     policy = "T.GemmWarpPolicy.FullRow"
     w(lb, f"kb: T.int32 = {lo} + k")
+    w(lb, f'kcls: T.int32 = T.Cast("int32", Cls[{mb}, {mh}, bx, kb])')
     w(lb, f"T.copy(K[bz, kb * {bN}:(kb + 1) * {bN}, by // {G}, :], K_shared)")
     w(lb, "T.clear(s)")
     w(lb, f"T.gemm(Q_shared, K_shared, s, transpose_B=True, policy={policy})")
     w(lb, f"T.copy(V[bz, kb * {bN}:(kb + 1) * {bN}, by // {G}, :], V_shared)")
     w(lb, "T.clear(dp)")
     w(lb, f"T.gemm(dO_shared, V_shared, dp, transpose_B=True, policy={policy})")
-    w(lb, f"if Cls[{mb}, {mh}, bx, kb] == 2:")
+    w(lb, "if kcls == 2:")
     w(lb + 1, tile_body(None))
     w(lb, "else:")
     w(lb + 1, tile_body(mask_text))

@@ -167,29 +167,31 @@ def backward_kernel_call(
     f32 = [*f32, *extra]
     z = lambda *shape: torch.zeros(shape, dtype=torch.float32, device=dev)  # noqa: E731
     dc = {n: z(*cdict[n].shape) for n in bk.custom_grads}
+    G = p.heads_q // p.heads_kv
+    # Without GQA the kernel stores dK/dV once, in the input dtype (see generate_backward).
+    kv = (lambda *shape: torch.empty(shape, dtype=q.dtype, device=dev)) if G == 1 else z
     if bk.deterministic:
-        dkh = z(p.batch, p.seqlen_kv, p.heads_q, p.head_dim)
-        dvh = z(p.batch, p.seqlen_kv, p.heads_q, p.head_dim_v)
+        dkh = kv(p.batch, p.seqlen_kv, p.heads_q, p.head_dim)
+        dvh = kv(p.batch, p.seqlen_kv, p.heads_q, p.head_dim_v)
         rows = [z(p.batch, p.heads_q, p.seqlen_kv) for _ in bk.custom_reads]
         main(q, k, v, do, *c32, lo, hi, clsT, *f32, dkh, dvh, *rows)
         lo2, hi2, cls2 = bk.dq_tables.get(cdict, dev)
         dq = z(p.batch, p.seqlen_q, p.heads_q, p.head_dim)
         bk._dq(q, k, v, do, *c32, lo2, hi2, cls2, *f32, dq)
         # Fixed-order sums: the query heads of each group, and the rows of each custom read.
-        G = p.heads_q // p.heads_kv
         dk = dkh.view(p.batch, p.seqlen_kv, p.heads_kv, G, p.head_dim).sum(3)
         dv = dvh.view(p.batch, p.seqlen_kv, p.heads_kv, G, p.head_dim_v).sum(3)
         for (name, index), row in zip(bk.custom_reads, rows, strict=True):
             dc[name] += fold_rows(row, index, tuple(cdict[name].shape))
     else:
-        dk = z(p.batch, p.seqlen_kv, p.heads_kv, p.head_dim)
-        dv = z(p.batch, p.seqlen_kv, p.heads_kv, p.head_dim_v)
+        dk = kv(p.batch, p.seqlen_kv, p.heads_kv, p.head_dim)
+        dv = kv(p.batch, p.seqlen_kv, p.heads_kv, p.head_dim_v)
         dq_bhsd = z(p.batch, p.heads_q, p.seqlen_q, p.head_dim)  # the main kernel's layout
         main(q, k, v, do, *c32, lo, hi, clsT, *f32, dq_bhsd, dk, dv, *dc.values())
         dq = dq_bhsd.transpose(1, 2)
     cg = {n: g.to(cdict[n].dtype) for n, g in dc.items()}
     dq = torch.empty_like(q).copy_(dq)  # cast (and, fast mode, transpose) in one pass
-    return dq, dk.to(q.dtype), dv.to(q.dtype), cg
+    return dq, dk.to(q.dtype), dv.to(q.dtype), cg  # .to: no copy when G = 1
 
 
 def dc_reads(spec, custom_grads: tuple[str, ...]) -> list[tuple[str, tuple]]:
