@@ -49,8 +49,11 @@ def test_backward_compiles_for_sm90a(name, tmp_path, monkeypatch):
 
 
 def _check_do_stage_outlives_its_wgmmas(cuda: str) -> None:
-    """dV += P^T dO is an asynchronous wgmma reading the pipelined dO stage: the consumer's
-    release of that stage must come after a wait for every wgmma issued before it."""
+    """In the split schedule dV += P^T dO is an asynchronous wgmma reading the pipelined dO
+    stage: the consumer's release of that stage must come after a wait for every wgmma issued
+    before it. (The fused schedule reads dO only in synchronous gemms.)"""
+    if "dO_hold" not in cuda:
+        return
     lines = cuda.splitlines()
     hold = next(i for i, ln in enumerate(lines) if "dO_hold[0] =" in ln)
     release = lines[hold + 1].strip()
@@ -171,3 +174,19 @@ def test_fold_rows_matches_broadcast_sums():
     torch.testing.assert_close(fold_rows(rows, ("kv", "b"), (100, 2)), rows.sum(1).T)
     torch.testing.assert_close(fold_rows(rows, (0,), (1,)), rows.sum().reshape(1))
     torch.testing.assert_close(fold_rows(rows, ("b", "h", "kv"), (2, 8, 100)), rows)
+
+
+def test_schedule_follows_the_register_model():
+    """Split schedule (dV asynchronous beside dS, the dO stage held until dK's wait) where the
+    model says it fits; soft-capping's dS reads the raw score beside two row vectors and gets
+    the fused loop (split spilled 588 bytes there)."""
+    from engine.plan.backward import split_schedule_fits
+
+    cfg = KernelConfig(block_M=64, block_N=128, num_stages=2, threads=256)
+    assert split_schedule_fits(cfg, 128, 128, n_rows=2, ds_reads_score=False)
+    assert split_schedule_fits(cfg, 128, 128, n_rows=0, ds_reads_score=True)
+    assert not split_schedule_fits(cfg, 128, 128, n_rows=2, ds_reads_score=True)
+    split = backward_kernels_for(_module("softmax")).source
+    assert "dO_hold[0] = dO_shared[0, 0]" in split and "T.wait_wgmma(1)" in split
+    fused = backward_kernels_for(_module("softcap")).source
+    assert "dO_hold" not in fused and "T.wait_wgmma(0)" in fused

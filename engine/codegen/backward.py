@@ -25,6 +25,7 @@ from engine.dsl.expr import Expr, leaf, leaves, topo
 from engine.ir.diff import diff, score_mod_derivatives
 from engine.ir.rewrite import substitute
 from engine.ir.spec import TracedSpec
+from engine.plan.backward import split_schedule_fits
 from engine.plan.config import KernelConfig
 from engine.plan.shape import KernelShape
 
@@ -125,6 +126,12 @@ class _TileExprs:
             if read.attr[0] in custom_grads
         ]
 
+    @property
+    def ds_reads_score(self) -> bool:
+        """Whether dS (or a custom gradient) reads the raw score, keeping S^T live after P."""
+        roots = [self.ds_mod, self.dsm_ds, *(d for _, _, d in self.dc_reads)]
+        return any(n.op == "rawscore" for n in leaves(roots))
+
     def ds_text(self, em: Emitter) -> str:
         text = em.float_(self.ds_mod)
         if not (self.dsm_ds.op == "const" and float(self.dsm_ds.attr) == 1.0):
@@ -150,14 +157,17 @@ class _TileExprs:
             text = f"T.if_then_else({mask}, {text}, T.float32(0.0))"
         return self._loop(dims, [f"{ds}[i, j] = {text}"])
 
-    def tile_text(self, bind, dims: tuple[int, int], mask: str | None, p: str, ds: str) -> str:
-        """P into `p` and dS into `ds` in one loop over a [dims] tile."""
+    def tile_text(self, bind, dims: tuple[int, int], mask: str | None, p: str, ds: str,
+                  p_cast: str | None = None) -> str:
+        """P into `p` (and its 16-bit copy `p_cast`) and dS into `ds` in one loop over a
+        [dims] tile."""
         em = Emitter(bind)
         p_text, ds_text = em.float_(self.p), self.ds_text(em)
         if mask is not None:
             p_text = f"T.if_then_else({mask}, {p_text}, T.float32(0.0))"
             ds_text = f"T.if_then_else({mask}, {ds_text}, T.float32(0.0))"
-        return self._loop(dims, [f"{p}[i, j] = {p_text}", f"{ds}[i, j] = {ds_text}"])
+        cast = [f"{p_cast}[i, j] = {p}[i, j]"] if p_cast else []
+        return self._loop(dims, [f"{p}[i, j] = {p_text}", *cast, f"{ds}[i, j] = {ds_text}"])
 
 
 def _binder(shape: KernelShape, q_idx: str, kv_idx: str, tiles: dict[str, str], q_var: str):
@@ -291,6 +301,12 @@ def generate_backward(
     policy = f"T.GemmWarpPolicy.{cfg.gemm_policy}"
     # fp32 registers per thread of a [bN, bM] accumulator and of dq (wgmma spreads them evenly).
     tile_regs, dq_regs = bN * bM // cfg.threads, bM * D // cfg.threads
+    # Two schedules. Split: P is computed while dP^T is in flight, and dS while dV += P^T dO
+    # is. Fused: P and dS in one loop after both gemms, which frees each S^T and P element at
+    # once; used where split would spill (soft-capping: S^T live until dS beside the row
+    # vectors spilled 588 bytes and ran 30% slower).
+    n_rows = len(spec.final_names) + int(spec.uses_doosum)
+    split = split_schedule_fits(cfg, D, Dv, n_rows, ex.ds_reads_score)
 
     # Transposed frame: i runs over keys (fragment rows), j over queries (fragment columns).
     q_idx, kv_idx = f"(qb * {bM} + j)", f"(bx * {bN} + i)"
@@ -343,7 +359,8 @@ def generate_backward(
         w(b, f'dq_shared = T.alloc_shared(({bM}, {D}), "float32")')
     for a in row_allocs:
         w(b, a)
-    w(b, f'dO_hold = T.alloc_local((1,), "{dt}")')
+    if split:
+        w(b, f'dO_hold = T.alloc_local((1,), "{dt}")')
     w(b, f'sT = T.alloc_fragment(({bN}, {bM}), "float32")')
     w(b, f'dpT = T.alloc_fragment(({bN}, {bM}), "float32")')
     w(b, f'pT = T.alloc_fragment(({bN}, {bM}), "float32")')
@@ -375,24 +392,30 @@ def generate_backward(
     w(lb, f"T.copy(Q[bz, qb * {bM}:(qb + 1) * {bM}, by, :], Q_shared)")
     w(lb, f"T.copy(dO[bz, qb * {bM}:(qb + 1) * {bM}, by, :], dO_shared)")
     w(lb, finals_load)
-    # S^T and dP^T are issued together; P is computed while dP^T is still in flight.
+    if not split:
+        w(lb, delta_load)
     w(lb, f"T.wgmma_gemm(K_shared, Q_shared, sT, transpose_B=True, policy={policy}, clear_accum=True)")
     w(lb, f"T.wgmma_gemm(V_shared, dO_shared, dpT, transpose_B=True, policy={policy}, clear_accum=True)")
-    w(lb, "T.wait_wgmma(1)")
+    w(lb, f"T.wait_wgmma({1 if split else 0})")
     # Keep nvcc from reading an accumulator before the wait that completes it.
     w(lb, f"T.warpgroup_fence_operand(sT, num_regs={tile_regs})")
-    branch(lb, lambda m: ex.p_loop(bind, (bN, bM), m, "pT", "pT_cast"))
-    # Delta is loaded here, not with the finals: the P loop then keeps 16 registers more (at
-    # D = 128 that is the difference from spilling), and dV runs while it arrives.
-    w(lb, delta_load)
-    # dV += P^T dO runs while dS is computed. TileLang frees a pipeline stage right after the
-    # last statement that reads it, and this wgmma is still reading the dO stage when it
-    # returns: the stage is held by a read of dO_shared after dK's gemm, which waits for every
-    # wgmma in flight (the last read of Q is that synchronous gemm itself).
-    w(lb, f"T.wgmma_gemm(pT_cast, dO_shared, dv, policy={policy})")
-    w(lb, "T.wait_wgmma(1)")
-    w(lb, f"T.warpgroup_fence_operand(dpT, num_regs={tile_regs})")
-    branch(lb, lambda m: ex.ds_loop(bind, (bN, bM), m, "dsT_cast"))
+    if split:
+        branch(lb, lambda m: ex.p_loop(bind, (bN, bM), m, "pT", "pT_cast"))
+        # Delta is loaded here, not with the finals: the P loop then keeps 16 registers more
+        # (at D = 128 that is the difference from spilling), and dV runs while it arrives.
+        w(lb, delta_load)
+        # TileLang frees a pipeline stage right after the last statement that reads it, and
+        # this wgmma is still reading the dO stage when it returns: the stage is held by a read
+        # of dO_shared after dK's gemm, which waits for every wgmma in flight (the last read of
+        # Q is that synchronous gemm itself).
+        w(lb, f"T.wgmma_gemm(pT_cast, dO_shared, dv, policy={policy})")
+        w(lb, "T.wait_wgmma(1)")
+        w(lb, f"T.warpgroup_fence_operand(dpT, num_regs={tile_regs})")
+        branch(lb, lambda m: ex.ds_loop(bind, (bN, bM), m, "dsT_cast"))
+    else:
+        w(lb, f"T.warpgroup_fence_operand(dpT, num_regs={tile_regs})")
+        branch(lb, lambda m: ex.tile_text(bind, (bN, bM), m, "pT", "dsT_cast", p_cast="pT_cast"))
+        w(lb, f"T.gemm(pT_cast, dO_shared, dv, policy={policy})")
     for r, (_, _, d_read) in enumerate(ex.dc_reads):
         em = Emitter(bind)
         g_text = f"({em.float_(ex.ds_mod)} * {em.float_(d_read)})"
@@ -411,7 +434,8 @@ def generate_backward(
         else:
             w(lb, "T.gemm(dsT_shared, K_shared, dq, transpose_A=True, clear_accum=True)")
     w(lb, f"T.gemm(dsT_cast, Q_shared, dk, policy={policy})")
-    w(lb, "dO_hold[0] = dO_shared[0, 0]")
+    if split:
+        w(lb, "dO_hold[0] = dO_shared[0, 0]")
     if dq_async:
         w(lb, f"T.warpgroup_fence_operand(dq, num_regs={dq_regs})")
     if not deterministic:

@@ -53,6 +53,22 @@ def backward_resources(
     return {"smem_bytes": smem, "regs_per_thread": regs}
 
 
+def split_schedule_fits(cfg: KernelConfig, head_dim: int, head_dim_v: int, n_rows: int,
+                        ds_reads_score: bool) -> bool:
+    """Whether the main kernel's split schedule (P while dP^T is in flight, dS while dV is) keeps
+    within a consumer's registers: in its dS phase dK, dV, P^T, dP^T, the 16-bit P^T still read
+    by the dV wgmma, the per-query vectors (finals, Delta: block_M / 4 each per thread) and, when
+    dS reads the raw score, S^T are live. Checked with ptxas at D = 128, 64 x 128, 256 threads:
+    softmax (two vectors) and sigmoid (S^T, no vectors) estimate 256 and do not spill;
+    soft-capping (S^T and two vectors) estimates 288 and spills 588 bytes."""
+    per = lambda n: -(-n // cfg.threads)  # noqa: E731 - ceil division
+    tile = per(cfg.block_N * cfg.block_M)
+    live = per(cfg.block_N * (head_dim + head_dim_v)) + 3 * tile + n_rows * (cfg.block_M // 4)
+    if ds_reads_score:
+        live += tile
+    return live <= 256
+
+
 def backward_config_problems(
     cfg: KernelConfig, head_dim: int, head_dim_v: int, elem_bytes: int = 2, n_rows: int = 2
 ) -> list[str]:
