@@ -195,17 +195,13 @@ def generate_forward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig) ->
     w.add(body, f"for k in T.Pipelined({hi} - {lo}, num_stages={cfg.num_stages}):")
     lb = body + 1
     w.add(lb, f"kb: T.int32 = {lo} + k")
-    if loop_part is not None:
-        # Read the block's class ahead of the gemm: a load at the branch would sit behind the
-        # gemm's wait (its asm has a memory clobber) with its latency exposed.
-        w.add(lb, f'kcls: T.int32 = T.Cast("int32", Cls[{mb}, {mh}, bx, kb])')
     w.add(lb, f"T.copy(K[bz, kb * {bN}:(kb + 1) * {bN}, by // {G}, :], K_shared)")
     w.add(lb, "T.clear(acc_s)")
     w.add(lb, f"T.gemm(Q_shared, K_shared, acc_s, transpose_B=True, policy={policy})")
     if loop_part is None:
         w.add(lb, loop_full)
     else:
-        w.add(lb, "if kcls == 2:")
+        w.add(lb, f"if Cls[{mb}, {mh}, bx, kb] == 2:")
         w.add(lb + 1, loop_full)
         w.add(lb, "else:")
         w.add(lb + 1, loop_part)
