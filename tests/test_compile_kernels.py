@@ -20,9 +20,10 @@ pytestmark = [
 SHAPE = dict(batch=2, heads_q=8, heads_kv=2, seqlen_q=1000, seqlen_kv=1000)
 
 
-def _module(name: str, dtype=torch.bfloat16, D: int = 128, Dv: int = 128, config=None):
+def _module(name: str, dtype=torch.bfloat16, D: int = 128, Dv: int = 128, config=None, **shape):
     return VARIANTS[name].build(
-        **SHAPE, head_dim=D, head_dim_v=Dv, dtype=dtype, backend="tilelang", config=config
+        **{**SHAPE, **shape}, head_dim=D, head_dim_v=Dv, dtype=dtype, backend="tilelang",
+        config=config,
     )
 
 
@@ -109,3 +110,42 @@ def test_dynamic_shapes_give_one_kernel_for_every_length(name, tmp_path, monkeyp
     assert len(statics) == 2 and src not in statics
     cuda = compile_source(src).get_kernel_source()
     assert "wgmma" in cuda and "tma_load" in cuda
+
+
+def _spill_store_bytes(cuda: str, tmp_path) -> int:
+    """ptxas's spill stores for a TileLang kernel's CUDA source (compiled as TileLang does)."""
+    import os
+    import re
+    import subprocess
+
+    import tilelang
+
+    tl = os.path.dirname(tilelang.__file__)
+    src = tmp_path / "k.cu"
+    src.write_text(cuda)
+    r = subprocess.run(
+        ["nvcc", "--cubin", "-O3", "-arch=sm_90a", "-std=c++20", f"-I{tl}/src",
+         f"-I{tl}/3rdparty/cutlass/include", "--use_fast_math", "--resource-usage",
+         "-o", str(tmp_path / "k.cubin"), str(src)],
+        capture_output=True, text=True, check=True,
+    )
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", r.stdout + r.stderr))
+
+
+def test_masked_tile_choice_follows_ptxas(tmp_path, monkeypatch):
+    """The register model's calibration point: sliding window's partial blocks spill at 192 x
+    128 on 384 threads (the tile it skips) and not at the tile it picks; at the variants suite's
+    length, where the window (1024) is shorter than the sequence."""
+    from engine.runtime.compile import compile_source
+
+    monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
+    picked = _module("sliding_window", seqlen_q=4096, seqlen_kv=4096)
+    assert kernels_for(picked).forward.config.block_M == 128
+    skipped = _module("sliding_window", config=KernelConfig(192, 128, 2, 384), seqlen_q=4096,
+                      seqlen_kv=4096)
+    spills = {
+        which: _spill_store_bytes(compile_source(kernels_for(m).forward_source).get_kernel_source(),
+                                  tmp_path)
+        for which, m in (("picked", picked), ("skipped", skipped))
+    }
+    assert spills["picked"] == 0 and spills["skipped"] > 256, spills

@@ -75,3 +75,27 @@ def test_space_keeps_enough_valid_configs():
     counts = {d: len(space.valid_configs(d, d)) for d in (64, 128, 256)}
     assert counts == {64: 198, 128: 130, 256: 36}  # the numbers quoted in the space file
     assert counts[128] >= 48
+
+
+def test_masked_blocks_pick_tiles_with_register_headroom():
+    """192 x 128 tiles on 384 threads fill a consumer's registers with accumulators: specs whose
+    partial blocks do more than a causal mask get 128 x 128 tiles (engine.plan.config)."""
+    import torch
+
+    from engine.plan.config import masked_body_fits
+    from engine.plan.defaults import default_forward_config
+    from engine.variants import VARIANTS
+
+    big, mid = KernelConfig(192, 128, 2, 384), KernelConfig(128, 128, 2, 256, "FullRow", 8)
+    assert masked_body_fits(big, 128, 128, 2) and not masked_body_fits(big, 128, 128, 3)
+    assert masked_body_fits(mid, 128, 128, 6)
+    expect = {"softmax": big, "sigmoid": big, "relu": big, "softmax_causal": big,
+              "sliding_window": mid, "document": mid, "prefix_lm": mid, "alibi": mid,
+              "softcap": mid, "retnet": mid}
+    for name, cfg in expect.items():
+        spec = VARIANTS[name].build(batch=1, heads_q=4, heads_kv=4, seqlen_q=256, seqlen_kv=256,
+                                    head_dim=128, head_dim_v=128, dtype=torch.bfloat16,
+                                    backend="reference").spec
+        assert default_forward_config(128, 128, spec=spec) == cfg, name
+    # Without a spec (or where no config has headroom) the preference order alone decides.
+    assert default_forward_config(128, 128) == big

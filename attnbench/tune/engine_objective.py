@@ -54,9 +54,11 @@ class EngineObjective:
         )
 
     @functools.cache  # noqa: B019 - one objective per study, cached per worker process
+    def traced_spec(self):
+        return self._build(self.problem, None, backend="reference").spec
+
     def spec_hash(self) -> str:
-        mod = self._build(self.problem, None, backend="reference")
-        return str(mod.spec_hash)
+        return str(self.traced_spec().hash)
 
     def gpu_name(self, device: int | None) -> str:
         return gpu_name(device)

@@ -44,6 +44,7 @@ class Objective(Protocol):
     problem: Problem
 
     def spec_hash(self) -> str: ...
+    def traced_spec(self) -> Any: ...  # its TracedSpec (None: unknown); picks the default config
     def gpu_name(self, device: int | None) -> str: ...
     def unmasked_fraction(self) -> float: ...
     def compile(self, cfg: KernelConfig) -> None: ...
@@ -73,6 +74,9 @@ class FakeObjective:
 
     def spec_hash(self) -> str:
         return self.spec
+
+    def traced_spec(self) -> None:
+        return None
 
     def gpu_name(self, device: int | None) -> str:
         return self.gpu

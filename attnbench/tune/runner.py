@@ -125,15 +125,16 @@ def _enqueue(study: optuna.Study, configs, space: SearchSpace) -> int:
     return n
 
 
-def default_config(problem, space: SearchSpace) -> KernelConfig | None:
-    """The engine's default config for this problem if the space can express it, else None."""
+def default_config(problem, space: SearchSpace, spec=None) -> KernelConfig | None:
+    """The engine's default config for this problem (and `spec`, its TracedSpec, when known)
+    if the space can express it, else None."""
     from engine.plan.templates import TEMPLATES
 
     if problem.template not in TEMPLATES:
         return None
     try:
         cfg = TEMPLATES[problem.template].default(problem.head_dim, problem.head_dim_v,
-                                                  problem.elem_bytes)
+                                                  problem.elem_bytes, spec=spec)
     except ValueError:
         return None
     if not space.contains(cfg):
@@ -197,7 +198,7 @@ def run_study(objective: Objective, space: SearchSpace, opts: TuneOptions) -> Tu
     if reaped:
         log.warning("study %s: %d trial(s) of a dead tuner failed and re-queued", name, reaped)
     seeds = valid if exhaustive else [c for c in space.seeds if c in set(valid)]
-    baseline = default_config(problem, space)
+    baseline = default_config(problem, space, objective.traced_spec())
     if baseline is not None and baseline not in set(valid):
         baseline = None
     if baseline is not None:  # measured by the baseline trial itself, not a queued one

@@ -44,6 +44,9 @@ class SpecObjective:
     def spec_hash(self) -> str:
         return str(self.spec.hash)
 
+    def traced_spec(self) -> TracedSpec:
+        return self.spec
+
     def gpu_name(self, device: int | None) -> str:
         return gpu_name(device)
 

@@ -70,6 +70,14 @@ class TracedSpec:
     def uses_doosum(self) -> bool:
         return any(n.op == "doosum" for n in topo([self.bwd]))
 
+    def masked_block_ops(self) -> int:
+        """Elementwise ops a partial (masked) block evaluates per score element beyond the
+        matmul: the mask's and score_mod's nodes that vary along the key axis (0 without a
+        mask). The forward's register model uses it to size tiles (engine.plan.config)."""
+        if self.mask is None:
+            return 0
+        return sum(1 for n in topo([self.mask, self.score_mod]) if n.args and "n" in n.axes)
+
     def roots(self) -> dict[str, Expr]:
         out = {
             "score_mod": self.score_mod,

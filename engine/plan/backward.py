@@ -124,7 +124,10 @@ def check_backward_config(
     return cfg
 
 
-def default_backward_config(head_dim: int, head_dim_v: int, elem_bytes: int = 2) -> KernelConfig:
+def default_backward_config(head_dim: int, head_dim_v: int, elem_bytes: int = 2,
+                            spec: object = None) -> KernelConfig:
+    """The first valid config of PREFERENCE (the same for every spec: the split/fused schedule,
+    not the tile, adapts to a spec's registers)."""
     for cfg in PREFERENCE:
         if not backward_config_problems(cfg, head_dim, head_dim_v, elem_bytes):
             return cfg

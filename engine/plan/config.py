@@ -181,6 +181,25 @@ def config_problems(
     return out
 
 
+# The masked-block register model. In a partial block the consumer evaluates the mask and the
+# score_mod per score element on top of its accumulators; where the accumulators already fill
+# the register cap (192 x 128 tiles on 384 threads at D = 128), ptxas spills once that work
+# exceeds a plain causal mask. Calibrated with ptxas --resource-usage at D = 128, 192 x 128 on
+# 384 threads (ops = TracedSpec.masked_block_ops): causal (2) spills 24 bytes; prefix-LM (4)
+# 180, document (4) 542, ALiBi and soft-capping (5) 100-112, sliding window (5) 544; RetNet
+# (6) 28, where the model is conservative. At 128 x 128 on 256 threads none spills.
+FREE_MASKED_OPS = 2
+REGS_PER_MASKED_OP = 8
+
+
+def masked_body_fits(cfg: KernelConfig, head_dim: int, head_dim_v: int, masked_ops: int,
+                     elem_bytes: int = 2) -> bool:
+    """Whether a partial block's `masked_ops` elementwise ops fit beside the accumulators."""
+    res = estimate_resources(cfg, head_dim, head_dim_v, elem_bytes)
+    headroom = consumer_register_cap(cfg.threads) - (res["regs_per_thread"] - REG_OVERHEAD)
+    return masked_ops <= FREE_MASKED_OPS + max(0, headroom) // REGS_PER_MASKED_OP
+
+
 def check_config(
     cfg: KernelConfig, head_dim: int, head_dim_v: int, elem_bytes: int = 2, extra_tiles: int = 0
 ) -> KernelConfig:

@@ -16,8 +16,9 @@ from engine.plan.defaults import default_forward_config
 class Template:
     # (cfg, head_dim, head_dim_v, elem_bytes) -> reasons the config is invalid
     problems: Callable[[KernelConfig, int, int, int], list[str]]
-    # (head_dim, head_dim_v, elem_bytes) -> the engine's default config (ValueError: none)
-    default: Callable[[int, int, int], KernelConfig]
+    # (head_dim, head_dim_v, elem_bytes, spec) -> the engine's default config for a TracedSpec
+    # (ValueError: none)
+    default: Callable[..., KernelConfig]
 
 
 TEMPLATES: dict[str, Template] = {

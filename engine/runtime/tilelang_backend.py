@@ -63,7 +63,7 @@ def _select_config(mod) -> KernelConfig:
     from engine.tuning.select import tuned_config
 
     return tuned_config(mod, "attention_fwd", "fwd") or default_forward_config(
-        p.head_dim, p.head_dim_v
+        p.head_dim, p.head_dim_v, spec=mod.spec
     )
 
 
