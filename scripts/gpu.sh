@@ -2,11 +2,13 @@
 # Everything GPU-side in one call (the device tool runs it in the repo root with $OUT set):
 # GPU tests, then the benchmark suites; results under $OUT, a short table last.
 # Usage: scripts/gpu.sh [tests[:forward|:backward]] [SUITE[:impl,impl]] [compare-grid] [tune]
-#        [tune-bwd] ...
+#        [tune-bwd] [tune-suite:SUITE] ...
 #   default: tests softmax-d128 softmax-d128-bwd variants
 #   compare-grid: the grid-vs-Optuna record (llama3-8b, 8k, bf16)
 #   tune: the llama3 suite's llama3-8b cases, into the repo's tune file (copied to $OUT/tune)
 #   tune-bwd: the same cases' backward kernel (attention_bwd tune file)
+#   tune-suite:SUITE: every engine case of SUITE, forward and backward kernels, 8 trials each
+#     (both tune files copied to $OUT/tune; a later step in the same call uses them)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -37,6 +39,12 @@ for step in "${steps[@]}"; do
       --no-progress --timeout 420 --storage "sqlite:///$OUT/tune/studies.db" \
       --tune-file "$OUT/tune/attention_fwd.json" 2>&1 | grep -v "^\[I " | tail -20
     cp results/tune/*/compare-*.json "$OUT/tune/" 2>/dev/null
+  elif [ "${step%%:*}" = tune-suite ]; then
+    mkdir -p "$OUT/tune"
+    python -m attnbench tune --suite "${step#*:}" --mode both --trials 8 --no-progress \
+      --timeout 380 --storage "sqlite:///$OUT/tune/studies-suite.db" 2>&1 \
+      | grep -v "^\[I \|INFO\|Warning" | tail -30
+    cp results/tune/*/attention_fwd.json results/tune/*/attention_bwd.json "$OUT/tune/" 2>/dev/null
   elif [ "$step" = tune-bwd ]; then
     mkdir -p "$OUT/tune"
     python -m attnbench tune --suite llama3 --filter llama3-8b --mode bwd --trials 10 \
