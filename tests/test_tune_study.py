@@ -270,6 +270,29 @@ def test_faster_existing_entry_is_kept_and_failed_default_writes_nothing(tmp_pat
     assert not (other / "tune.json").exists() and "not measured" in res.tune_file_note
 
 
+def test_baseline_is_the_nearest_tuned_entry_the_engine_would_use(tmp_path):
+    """A study of a shape without its own entry measures the nearest tuned shape's config first
+    (what the engine runs now), not the bare default, so what it writes is never slower."""
+    from engine.plan.defaults import default_forward_config
+    from engine.tuning.tune_file import store
+
+    space = load_space("attention_fwd")
+    near = KernelConfig(128, 64, 2, 256)
+    assert near != default_forward_config(128, 128) and space.contains(near)
+    store(tmp_path / "tune.json", {
+        "template": "attention_fwd", "spec_hash": "fake-spec", "dtype": "bf16", "mode": "fwd",
+        "gpu": "Fake GPU", "shape": {**PROBLEM.shape(), "seqlen_q": 8192, "seqlen_kv": 8192},
+        "config": near.to_dict(), "latency_ms": 1.0, "tflops": 1.0,
+        "date": "2026-11-22T00:00:00+00:00"})
+    trace = tmp_path / "trace.jsonl"
+    res = run_study(FakeObjective(PROBLEM, trace_path=str(trace)), space,
+                    _opts(tmp_path, trials=4, search="tpe"))
+    first = min((e for e in _trace(trace) if e["step"] == "bench"), key=lambda e: e["t0"])
+    assert first["key"] == near.key() and res.baseline_config == near.to_dict()
+    assert res.baseline_latency_ms == pytest.approx(fake_latency_ms(near, PROBLEM))
+    assert res.run_best_latency_ms <= res.baseline_latency_ms
+
+
 def test_interrupted_comparison_still_writes_a_partial_record(tmp_path):
     space = parse_space({**SMALL, "params": {**SMALL["params"], "num_stages": [1, 2, 3]}})
     # 1 s per benchmark and a 16 s budget: a few of the 14 grid trials finish even when
