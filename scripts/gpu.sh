@@ -5,10 +5,10 @@
 #        [tune-bwd] [tune-suite:SUITE] ...
 #   default: tests softmax-d128 softmax-d128-bwd variants
 #   compare-grid: the grid-vs-Optuna record (llama3-8b, 8k, bf16)
-#   tune: the llama3 suite's llama3-8b cases, into the repo's tune file (copied to $OUT/tune)
-#   tune-bwd: the same cases' backward kernel (attention_bwd tune file)
+#   tune: the llama3 suite's llama3-8b cases, forward kernel, 16 trials each (the repo's tune
+#     file, copied to $OUT/tune)
+#   tune-bwd: the same cases' backward kernel, 10 trials each (attention_bwd tune file)
 #   tune-suite:SUITE: every engine case of SUITE, forward and backward kernels, 8 trials each
-#     (both tune files copied to $OUT/tune; a later step in the same call uses them)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -25,6 +25,16 @@ export ATTNBENCH_KERNEL_DIR=/tmp/attnbench-kernels TILELANG_CACHE_DIR=/tmp/tilel
 #   (git rev-parse HEAD; git diff --quiet HEAD || echo -dirty) | tr -d '\n' > .gpu/HEAD
 if [ -s .gpu/HEAD ]; then export ATTNBENCH_GIT_SHA=$(cat .gpu/HEAD); fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
+# attnbench tune over a suite's engine cases: SUITE MODE TRIALS TIMEOUT [extra args]; the tune
+# files it writes are copied to $OUT/tune (a later step in the same call already uses them).
+tune_suite() {
+  local suite=$1 mode=$2 trials=$3 timeout=$4; shift 4
+  mkdir -p "$OUT/tune"
+  python -m attnbench tune --suite "$suite" --mode "$mode" --trials "$trials" "$@" --no-progress \
+    --timeout "$timeout" --storage "sqlite:///$OUT/tune/studies-$suite-$mode.db" 2>&1 \
+    | grep -v "^\[I \|INFO\|Warning" | tail -30
+  cp results/tune/*/attention_fwd.json results/tune/*/attention_bwd.json "$OUT/tune/" 2>/dev/null
+}
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests softmax-d128 softmax-d128-bwd variants)
 for step in "${steps[@]}"; do
   start=$(date +%s)
@@ -39,23 +49,12 @@ for step in "${steps[@]}"; do
       --no-progress --timeout 420 --storage "sqlite:///$OUT/tune/studies.db" \
       --tune-file "$OUT/tune/attention_fwd.json" 2>&1 | grep -v "^\[I " | tail -20
     cp results/tune/*/compare-*.json "$OUT/tune/" 2>/dev/null
-  elif [ "${step%%:*}" = tune-suite ]; then
-    mkdir -p "$OUT/tune"
-    python -m attnbench tune --suite "${step#*:}" --mode both --trials 8 --no-progress \
-      --timeout 380 --storage "sqlite:///$OUT/tune/studies-suite.db" 2>&1 \
-      | grep -v "^\[I \|INFO\|Warning" | tail -30
-    cp results/tune/*/attention_fwd.json results/tune/*/attention_bwd.json "$OUT/tune/" 2>/dev/null
-  elif [ "$step" = tune-bwd ]; then
-    mkdir -p "$OUT/tune"
-    python -m attnbench tune --suite llama3 --filter llama3-8b --mode bwd --trials 10 \
-      --no-progress --timeout 300 --storage "sqlite:///$OUT/tune/studies-bwd.db" 2>&1 \
-      | grep -v "^\[I \|INFO\|Warning" | tail -20
-    cp results/tune/*/attention_bwd.json "$OUT/tune/" 2>/dev/null
   elif [ "$step" = tune ]; then
-    mkdir -p "$OUT/tune"
-    python -m attnbench tune --suite llama3 --filter llama3-8b --trials 16 --no-progress \
-      --timeout 540 --storage "sqlite:///$OUT/tune/studies.db" 2>&1 | grep -v "^\[I " | tail -20
-    cp results/tune/*/attention_fwd.json "$OUT/tune/" 2>/dev/null
+    tune_suite llama3 fwd 16 540 --filter llama3-8b
+  elif [ "$step" = tune-bwd ]; then
+    tune_suite llama3 bwd 10 300 --filter llama3-8b
+  elif [ "${step%%:*}" = tune-suite ]; then
+    tune_suite "${step#*:}" both 8 380
   else
     suite=${step%%:*}; impls=""
     [ "$suite" != "$step" ] && impls="--impl ${step#*:}"

@@ -7,45 +7,35 @@ import time
 
 import torch
 
-from attnbench.impls.base import TORCH_DTYPES
+from attnbench.impls import registry
 from attnbench.suites import load_suite
 from engine.runtime.backward_kernels import backward_kernels_for
 from engine.runtime.precompile import precompile
 from engine.runtime.tilelang_backend import kernel_backward_problem, kernels_for
 from engine.variants import get_variant
 
+ENGINE_IMPLS = ("engine", "engine-dynamic", "engine-deterministic")
+
 
 def main(names: list[str]) -> int:
+    impls = registry()
     srcs = []
     for name in names:
         for c in load_suite(name).cases:
-            engines = [i for i in ("engine", "engine-dynamic", "engine-deterministic")
-                       if i in c.impls]
+            engines = [impls[i] for i in ENGINE_IMPLS if i in c.impls]
             if not engines or c.kind != "attention":
                 continue
             v = get_variant(c.variant)
-            if v.supports(
-                head_dim=c.head_dim,
-                head_dim_v=c.head_dim_v,
-                heads_q=c.heads_q,
-                heads_kv=c.heads_kv,
-                seqlen_q=c.seqlen_q,
-                seqlen_kv=c.seqlen_kv,
-            ):
+            if v.supports(head_dim=c.head_dim, head_dim_v=c.head_dim_v, heads_q=c.heads_q,
+                          heads_kv=c.heads_kv, seqlen_q=c.seqlen_q, seqlen_kv=c.seqlen_kv):
                 continue
-            sizes = dict(batch=c.batch, heads_q=c.heads_q, heads_kv=c.heads_kv,
-                         seqlen_q=c.seqlen_q, seqlen_kv=c.seqlen_kv, head_dim=c.head_dim,
-                         head_dim_v=c.head_dim_v, dtype=TORCH_DTYPES[c.dtype])
-            mod = v.build(**sizes, backend="tilelang")
-            srcs.append(kernels_for(mod).forward_source)
-            if "engine-dynamic" in engines:
-                dyn = v.build(**sizes, backend="tilelang")
-                dyn.dynamic_shapes = True
-                srcs.append(kernels_for(dyn).forward_source)
-            if set(c.modes) - {"fwd"} and kernel_backward_problem(mod) is None:
-                srcs += backward_kernels_for(mod).sources()
-                if "engine-deterministic" in engines:
-                    srcs += backward_kernels_for(mod, deterministic=True).sources()
+            for impl in engines:
+                # The module each implementation times (its dynamic-shape and deterministic
+                # settings included); sources shared between them are compiled once.
+                mod = impl.build(c, v)
+                srcs.append(kernels_for(mod).forward_source)
+                if set(c.modes) - {"fwd"} and kernel_backward_problem(mod) is None:
+                    srcs += backward_kernels_for(mod).sources()
     t = time.time()
     errors = precompile(srcs)
     print(f"precompiled {len(set(srcs))} kernels in {time.time() - t:.0f}s, {len(errors)} failed")

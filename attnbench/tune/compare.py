@@ -89,7 +89,7 @@ def comparison_record(
     grid_best = grid.best_latency_ms if grid else None
     reached_at, gap, measured_gap, used, spread = None, None, None, None, None
     if grid_best is not None and tpe is not None:
-        table = grid_latencies(grid)
+        table = latencies_by_key(grid)
         goal = grid_best * (1 + WITHIN)
         running = math.inf
         for i, key in enumerate(tpe.history_keys, start=1):
@@ -100,7 +100,7 @@ def comparison_record(
         if tpe.best_latency_ms:
             measured_gap = tpe.best_latency_ms / grid_best - 1
         used = tpe.evaluated / grid.n_valid if grid.n_valid else None
-        spread = remeasure_spread(table, grid_latencies(tpe))
+        spread = remeasure_spread(table, latencies_by_key(tpe))
     complete = not reasons
     return {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -125,7 +125,7 @@ def comparison_record(
     }
 
 
-def grid_latencies(r: TuneResult) -> dict[str, float]:
+def latencies_by_key(r: TuneResult) -> dict[str, float]:
     """Config key -> latency (ms) of every successfully measured trial of a study."""
     return {k: v for k, v in zip(r.history_keys, r.history, strict=True) if math.isfinite(v)}
 

@@ -218,6 +218,15 @@ def _row_vectors(spec: TracedSpec, shape: KernelShape, n: int, q0: str) -> tuple
     return allocs, load(finals), load(delta)
 
 
+def _by_class(cls: str, loop, mask: str) -> str:
+    """`loop(mask)` under the block class `cls`: full blocks (class 2) skip the mask; partial
+    ones (and the tails) evaluate it."""
+    def indented(m: str | None) -> str:
+        return "\n".join("    " + ln for ln in loop(m).splitlines())
+
+    return f"if {cls} == 2:\n{indented(None)}\nelse:\n{indented(mask)}"
+
+
 def _mask_text(spec: TracedSpec, bind, q_idx: str, kv_idx: str, shape: KernelShape) -> str:
     conds = [f"({kv_idx} < {shape.seqlen_kv})", f"({q_idx} < {shape.seqlen_q})"]
     if spec.mask is not None:
@@ -314,12 +323,8 @@ def generate_backward(
     row_allocs, finals_load, delta_load = _row_vectors(spec, shape, bM, f"qb * {bM}")
     mask_text = _mask_text(spec, bind, q_idx, kv_idx, shape)
 
-    def branch(lines_ind: int, loop) -> None:
-        # Full blocks skip the mask; partial ones (and the tails) evaluate it.
-        w(lines_ind, "if qcls == 2:")
-        w(lines_ind + 1, loop(None))
-        w(lines_ind, "else:")
-        w(lines_ind + 1, loop(mask_text))
+    def by_qcls(loop) -> str:
+        return _by_class("qcls", loop, mask_text)
 
     # ------------------------------------------------------------- signature
     args = _input_args(spec, shape, dt)
@@ -400,7 +405,7 @@ def generate_backward(
     # Keep nvcc from reading an accumulator before the wait that completes it.
     w(lb, f"T.warpgroup_fence_operand(sT, num_regs={tile_regs})")
     if split:
-        branch(lb, lambda m: ex.p_loop(bind, (bN, bM), m, "pT", "pT_cast"))
+        w(lb, by_qcls(lambda m: ex.p_loop(bind, (bN, bM), m, "pT", "pT_cast")))
         # Delta is loaded here, not with the finals: the P loop then keeps 16 registers more
         # (at D = 128 that is the difference from spilling), and dV runs while it arrives.
         w(lb, delta_load)
@@ -411,10 +416,10 @@ def generate_backward(
         w(lb, f"T.wgmma_gemm(pT_cast, dO_shared, dv, policy={policy})")
         w(lb, "T.wait_wgmma(1)")
         w(lb, f"T.warpgroup_fence_operand(dpT, num_regs={tile_regs})")
-        branch(lb, lambda m: ex.ds_loop(bind, (bN, bM), m, "dsT_cast"))
+        w(lb, by_qcls(lambda m: ex.ds_loop(bind, (bN, bM), m, "dsT_cast")))
     else:
         w(lb, f"T.warpgroup_fence_operand(dpT, num_regs={tile_regs})")
-        branch(lb, lambda m: ex.tile_text(bind, (bN, bM), m, "pT", "dsT_cast", p_cast="pT_cast"))
+        w(lb, by_qcls(lambda m: ex.tile_text(bind, (bN, bM), m, "pT", "dsT_cast", p_cast="pT_cast")))
         w(lb, f"T.gemm(pT_cast, dO_shared, dv, policy={policy})")
     for r, (_, _, d_read) in enumerate(ex.dc_reads):
         em = Emitter(bind)
@@ -514,10 +519,7 @@ def generate_backward_dq(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig
     w(lb, f"T.copy(V[bz, kb * {bN}:(kb + 1) * {bN}, by // {G}, :], V_shared)")
     w(lb, "T.clear(dp)")
     w(lb, f"T.gemm(dO_shared, V_shared, dp, transpose_B=True, policy={policy})")
-    w(lb, "if kcls == 2:")
-    w(lb + 1, tile_body(None))
-    w(lb, "else:")
-    w(lb + 1, tile_body(mask_text))
+    w(lb, _by_class("kcls", tile_body, mask_text))
     w(lb, f"T.gemm(ds_cast, K_shared, dq, policy={policy})")
     w(b, f"for i, j in T.Parallel({bM}, {D}):")
     w(b + 1, f"if bx * {bM} + i < {Sq}:")
