@@ -44,8 +44,22 @@ def test_backward_compiles_for_sm90a(name, tmp_path, monkeypatch):
     assert "wgmma" in cuda, "S^T, dP^T, dV and dK products must use Hopper wgmma"
     assert "tma_load" in cuda and "__global__" in cuda
     _check_do_stage_outlives_its_wgmmas(cuda)
+    _check_warp_specialised_protocol(cuda)
     if prep is not None:
         assert "__global__" in prep.get_kernel_source()
+
+
+@pytest.mark.compile
+@needs_nvcc
+def test_automatic_pipeline_backward_compiles(tmp_path, monkeypatch):
+    """The fast backward's other schedule (TileLang's automatic pipeline, taken where the
+    warp-specialised one does not apply) still compiles, with dQ by TMA reduce-add."""
+    from engine.runtime.compile import compile_source
+
+    monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
+    cuda = compile_source(_source("softmax_causal", warp_specialized=False)).get_kernel_source()
+    assert "tma_store_add" in cuda and "qdo_empty" not in cuda
+    _check_do_stage_outlives_its_wgmmas(cuda)
 
 
 def _check_do_stage_outlives_its_wgmmas(cuda: str) -> None:
@@ -62,6 +76,29 @@ def _check_do_stage_outlives_its_wgmmas(cuda: str) -> None:
     last_issue = max(i for i in range(hold) if "tl::wgmma_" in lines[i])
     last_wait = max(i for i in range(hold) if "warpgroup_wait<0>" in lines[i])
     assert last_issue < last_wait < hold
+
+
+def _check_warp_specialised_protocol(cuda: str) -> None:
+    """The warp-specialised schedule's hand-placed synchronisation, as compiled: the Q/dO
+    stage goes back to the producer only after a wait for every wgmma of the step; the dQ
+    tile's generic stores are fenced for the TMA engine before the writer warp is signalled;
+    the consumers meet at one named barrier per step, behind the fence that publishes dS^T to
+    the tensor cores; and no other barrier is left in the kernel's loops."""
+    if "qdo_empty" not in cuda:
+        return
+    lines = [ln.strip() for ln in cuda.splitlines()]
+    release = [i for i, ln in enumerate(lines) if ln.startswith("qdo_empty[") and ln.endswith(".arrive();")]
+    assert len(release) == 1, "the consumers release each Q/dO stage once"
+    r = release[0]
+    last_issue = max(i for i in range(r) if lines[i].startswith("tl::wgmma_"))
+    last_wait = max(i for i in range(r) if lines[i] == "tl::warpgroup_wait<0>();")
+    assert last_issue < last_wait < r
+    handover = next(i for i, ln in enumerate(lines) if ln.startswith("dq_full[") and "arrive" in ln)
+    assert lines[handover - 1] == "tl::fence_proxy_async();"
+    syncs = [i for i, ln in enumerate(lines) if "__sync_thread_partial" in ln or "__syncthreads" in ln]
+    assert len(syncs) == 2, "barrier init, then one consumer barrier per step"
+    assert lines[syncs[1] - 1] == "tl::fence_proxy_async();"
+    assert syncs[1] < last_issue, "dS^T is published before the dQ product reads it"
 
 
 def test_backward_source_follows_the_spec():
@@ -177,16 +214,66 @@ def test_fold_rows_matches_broadcast_sums():
 
 
 def test_schedule_follows_the_register_model():
-    """Split schedule (dV asynchronous beside dS, the dO stage held until dK's wait) where the
-    model says it fits; soft-capping's dS reads the raw score beside two row vectors and gets
-    the fused loop (split spilled 588 bytes there)."""
+    """Split schedule (dV asynchronous beside dS) where the model says it fits; soft-capping's
+    dS reads the raw score beside two row vectors and gets the fused loop (split spilled 588
+    bytes there). Both in the warp-specialised schedule and in the automatic pipeline (where
+    split holds the dO stage until dK's wait)."""
     from engine.plan.backward import split_schedule_fits
 
     cfg = KernelConfig(block_M=64, block_N=128, num_stages=2, threads=256)
     assert split_schedule_fits(cfg, 128, 128, n_rows=2, ds_reads_score=False)
     assert split_schedule_fits(cfg, 128, 128, n_rows=0, ds_reads_score=True)
     assert not split_schedule_fits(cfg, 128, 128, n_rows=2, ds_reads_score=True)
-    split = backward_kernels_for(_module("softmax")).source
-    assert "dO_hold[0] = dO_shared[0, 0]" in split and "T.wait_wgmma(1)" in split
-    fused = backward_kernels_for(_module("softcap")).source
-    assert "dO_hold" not in fused and "T.wait_wgmma(0)" in fused
+    for ws in (True, False):
+        split = _source("softmax", warp_specialized=ws)
+        assert split.count("T.wait_wgmma(1)") == 2 and "T.gemm(pT_cast" not in split
+        assert ("dO_hold[0] = dO_shared[0, 0]" in split) == (not ws)
+        fused = _source("softcap", warp_specialized=ws)
+        assert "dO_hold" not in fused and "T.wait_wgmma(0)" in fused and "T.gemm(pT_cast" in fused
+
+
+def _source(name: str, **kw) -> str:
+    from engine.codegen.backward import generate_backward
+    from engine.plan.shape import KernelShape
+
+    mod = _module(name)
+    return generate_backward(mod.spec, KernelShape.of(mod), default_backward_config(128, 128), **kw)
+
+
+def test_warp_specialised_schedule_model():
+    """The fast backward takes the warp-specialised schedule at the default D = 128 tile
+    (224 KiB of rings); not in the deterministic mode (no dQ), with 32-query steps (dQ is no
+    wgmma) or head dims that are not whole 64-column tiles; asked for where it does not
+    apply, the generator refuses."""
+    from engine.plan.backward import ws_schedule_fits
+
+    cfg = default_backward_config(128, 128)
+    assert ws_schedule_fits(cfg, 128, 128)
+    assert not ws_schedule_fits(cfg, 128, 128, deterministic=True)
+    assert not ws_schedule_fits(KernelConfig(32, 128, 2, 256), 128, 128)
+    assert not ws_schedule_fits(cfg, 96, 96)
+    assert not ws_schedule_fits(KernelConfig(64, 128, 3, 256), 128, 128), "3 stages: 256 KiB"
+    assert "warp-specialised" in backward_kernels_for(_module("softmax")).source
+    assert "warp-specialised" not in backward_kernels_for(_module("softmax"), deterministic=True).source
+    with pytest.raises(ValueError, match="warp_specialized"):
+        _source("softmax", deterministic=True, warp_specialized=True)
+
+
+def test_dq_fragment_order_round_trip():
+    """The kernel's flat dQ order (dq_fragment_index, evaluated here on index grids: its text
+    is Python too) is a permutation of each query block, and dq_from_fragment_order inverts
+    it, query tail included."""
+    from engine.codegen.backward import dq_fragment_index
+    from engine.plan.backward import DQ_ROW
+    from engine.runtime.backward_kernels import dq_from_fragment_order
+
+    for bM, D, Sq in ((64, 128, 1000), (128, 64, 256), (64, 256, 64)):
+        B, H, nqb = 2, 3, -(-Sq // bM)
+        ref = torch.randn(B, H, nqb * bM, D)
+        i, j = torch.meshgrid(torch.arange(bM), torch.arange(D), indexing="ij")
+        f = eval(dq_fragment_index("i", "j", D), {"i": i, "j": j}).flatten()
+        assert torch.equal(f.sort().values, torch.arange(bM * D))
+        acc = torch.zeros(B, H, nqb, bM * D // DQ_ROW, DQ_ROW)
+        acc.view(B, H, nqb, bM * D)[..., f] = ref.view(B, H, nqb, bM * D)
+        out = dq_from_fragment_order(acc, Sq, bM, D, torch.float32)
+        assert out.is_contiguous() and torch.equal(out, ref.transpose(1, 2)[:, :Sq])

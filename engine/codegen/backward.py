@@ -25,13 +25,24 @@ from engine.dsl.expr import Expr, leaf, leaves, topo
 from engine.ir.diff import diff, score_mod_derivatives
 from engine.ir.rewrite import substitute
 from engine.ir.spec import TracedSpec
-from engine.plan.backward import split_schedule_fits
+from engine.plan.backward import (
+    DQ_ROW,
+    WS_CONSUMER_BARRIER,
+    WS_CONSUMER_REGS,
+    WS_PRODUCER_REGS,
+    WS_PRODUCER_THREADS,
+    split_schedule_fits,
+    ws_schedule_fits,
+)
 from engine.plan.config import KernelConfig
 from engine.plan.shape import KernelShape
 
 _TL_DTYPE = {"float16": "float16", "bfloat16": "bfloat16"}
 # Rows of the preprocess kernel per thread block.
 PREP_ROWS = 32
+# TileLang pass config that leaves shared-memory synchronisation to the program; a generated
+# source sets its own pass configs in PASS_CONFIGS (engine.runtime.compile reads them).
+DISABLE_STORAGE_SYNC = "tl.disable_thread_storage_sync"
 
 def _writer_lines(lines: list[str], indent: int, text: str) -> None:
     for ln in text.splitlines():
@@ -196,26 +207,51 @@ def _binder(shape: KernelShape, q_idx: str, kv_idx: str, tiles: dict[str, str], 
     return bind, index_text
 
 
-def _row_vectors(spec: TracedSpec, shape: KernelShape, n: int, q0: str) -> tuple[list[str], str, str]:
-    """(allocations, load of the finals, load of Delta) for the per-query fp32 vectors of the `n`
-    queries from `q0`, held as register fragments. TileLang replicates them over the threads
-    that hold a query's column (or row), so each thread loads its own few values once per query
-    block, and the loads can be issued ahead of the gemms whose results they meet. Read per
-    element from global memory instead, they were issued only after each gemm's wait (its asm
-    has a memory clobber), and that latency cost about a third of the backward's time on the
-    H100. (Shared memory is no way out: TileLang's warp specialisation hands such a copy to a
-    256-thread cp.async producer, which caps every thread at 128 registers.)"""
-    def load(pairs: list[tuple[str, str]]) -> str:
-        if not pairs:
-            return ""
-        return "\n".join([f"for t in T.Parallel({n}):"] + [
-            f"    {reg}[t] = {src}[bz, by, T.min({q0} + t, {shape.seqlen_q - 1})]"
-            for reg, src in pairs])
+def _row_vectors(spec: TracedSpec, shape: KernelShape, n: int, q0: str,
+                 ring: str | None = None) -> tuple[list[str], str, str, str, str]:
+    """(allocations, load of the finals, load of Delta, producer's fill of the finals' ring,
+    producer's fill of Delta's ring) for the per-query fp32 vectors of the `n` queries from
+    `q0`, held as register fragments. TileLang replicates them over the threads that hold a
+    query's column (or row), so each thread loads its own few values once per query block.
 
-    finals = [(f"Fr_{name}", f"F_{name}") for name in spec.final_names]
-    delta = [("Dr", "Delta")] if spec.uses_doosum else []
-    allocs = [f'{reg} = T.alloc_fragment(({n},), "float32")' for reg, _ in finals + delta]
-    return allocs, load(finals), load(delta)
+    Without `ring`, each thread reads them from global memory, ahead of the gemms whose
+    results they meet. With `ring` (the stage index of a warp-specialised step), the producer
+    warp copies them into shared-memory rings beside Q and dO, and the consumers read them
+    from there: on the H100 the consumers' own global reads (two vectors, 16 values a thread
+    each at block_M = 64) cost a fifth of the backward's time even when issued early."""
+    clamp = f"T.min({q0} + t, {shape.seqlen_q - 1})"
+
+    def loop(lines: list[str]) -> str:
+        return "\n".join([f"for t in T.Parallel({n}):"] + [f"    {ln}" for ln in lines]) if lines else ""
+
+    finals = [(f"Fr_{name}", f"F_{name}", f"Fs_{name}") for name in spec.final_names]
+    delta = [("Dr", "Delta", "Ds")] if spec.uses_doosum else []
+    allocs = [f'{reg} = T.alloc_fragment(({n},), "float32")' for reg, _, _ in finals + delta]
+    if ring is None:
+        def read(vecs):
+            return loop([f"{reg}[t] = {src}[bz, by, {clamp}]" for reg, src, _ in vecs])
+        return allocs, read(finals), read(delta), "", ""
+    allocs += [f'{sh} = T.alloc_shared(({ring[1]}, {n}), "float32")' for _, _, sh in finals + delta]
+
+    def consume(vecs):
+        return loop([f"{reg}[t] = {sh}[{ring[0]}, t]" for reg, _, sh in vecs])
+
+    def fill(vecs):
+        return loop([f"{sh}[{ring[0]}, t] = {src}[bz, by, {clamp}]" for _, src, sh in vecs])
+
+    return allocs, consume(finals), consume(delta), fill(finals), fill(delta)
+
+
+def dq_fragment_index(i: str, j: str, head_dim: int) -> str:
+    """Position of dQ element [i, j] of a query block in the warp-specialised kernel's flat
+    dQ tile: the order in which a wgmma accumulator holds it (per 8 columns, thread-major, 4
+    values a thread), so that each thread stores 16 contiguous bytes and a warp's stores hit
+    every bank once. (i: row, j: column; 64-row, 64-column wgmma tiles; head_dim % 64 == 0.)
+    engine.runtime.backward_kernels.dq_from_fragment_order inverts it."""
+    g = head_dim // 64
+    return (f"((((({i}) // 64 * {g} + ({j}) // 64) * 8 + ({j}) % 64 // 8) * 128"
+            f" + ({i}) % 64 // 16 * 32 + ({i}) % 8 * 4 + ({j}) % 8 // 2) * 4"
+            f" + ({i}) % 16 // 8 * 2 + ({j}) % 2)")
 
 
 def _by_class(cls: str, loop, mask: str) -> str:
@@ -277,9 +313,11 @@ def _dims(shape: KernelShape, cfg: KernelConfig) -> tuple:
             "bz" if shape.mask_batch > 1 else "0", "by" if shape.mask_heads > 1 else "0")
 
 
-def _header(lines: list[str], title: str, args: list[str]) -> None:
+def _header(lines: list[str], title: str, args: list[str], preamble: str = "") -> None:
     _writer_lines(lines, 0, f"# Generated by engine.codegen.backward: {title}")
     _writer_lines(lines, 0, "import tilelang.language as T\n\n")
+    if preamble:
+        _writer_lines(lines, 0, preamble + "\n\n")
     _writer_lines(lines, 0, "@T.prim_func")
     _writer_lines(lines, 0, "def main(")
     for a in args:
@@ -293,6 +331,7 @@ def generate_backward(
     cfg: KernelConfig,
     custom_grads: tuple[str, ...] = (),
     deterministic: bool = False,
+    warp_specialized: bool | None = None,
 ) -> str:
     """TileLang source defining `main`, the main backward prim_func of `spec` at `shape`.
 
@@ -304,9 +343,20 @@ def generate_backward(
     Deterministic: no atomics and no dQ. dK and dV are stored per query head
     ([B, Skv, Hq, D], summed over the group afterwards) and custom gradients per (b, h, key)
     row; dQ comes from generate_backward_dq. Each output element has one writer, so runs are
-    bitwise identical."""
+    bitwise identical.
+
+    `warp_specialized` (default: engine.plan.backward.warp_specialized decides) picks the
+    explicit schedule of the fast mode: one producer warp loads Q and dO into a ring, one
+    writer warp adds each step's dQ to global memory, and the consumers meet once per step;
+    otherwise TileLang's automatic pipeline, whose consumers meet four times per step and wait
+    for every dQ reduce-add themselves."""
     ex = _TileExprs(spec, custom_grads)
     bM, bN, D, Dv, Sq, Skv, G, nqb, nkb, dt, mb, mh = _dims(shape, cfg)
+    if warp_specialized is None:
+        warp_specialized = ws_schedule_fits(cfg, D, Dv, 2, deterministic)
+    elif warp_specialized and deterministic:
+        raise ValueError("warp_specialized: the deterministic backward has no dQ to hand over")
+    ws = warp_specialized
     policy = f"T.GemmWarpPolicy.{cfg.gemm_policy}"
     # fp32 registers per thread of a [bN, bM] accumulator and of dq (wgmma spreads them evenly).
     tile_regs, dq_regs = bN * bM // cfg.threads, bM * D // cfg.threads
@@ -320,7 +370,9 @@ def generate_backward(
     # Transposed frame: i runs over keys (fragment rows), j over queries (fragment columns).
     q_idx, kv_idx = f"(qb * {bM} + j)", f"(bx * {bN} + i)"
     bind, index_text = _binder(shape, q_idx, kv_idx, {"rawscore": "sT", "dp": "dpT", "p": "pT"}, "j")
-    row_allocs, finals_load, delta_load = _row_vectors(spec, shape, bM, f"qb * {bM}")
+    st = cfg.num_stages
+    row_allocs, finals_load, delta_load, finals_fill, delta_fill = _row_vectors(
+        spec, shape, bM, f"qb * {bM}", ring=(f"k % {st}", st) if ws else None)
     mask_text = _mask_text(spec, bind, q_idx, kv_idx, shape)
 
     def by_qcls(loop) -> str:
@@ -334,7 +386,12 @@ def generate_backward(
     # Without GQA each dK/dV element has one writer: stored once in the input dtype (no fp32
     # buffer to zero, no atomics, no cast pass). With GQA they are fp32 sums over the group.
     kv_out = dt if G == 1 else "float32"
-    if not deterministic:
+    if ws:
+        # Per query block, its bM x D values in the order of dq_fragment_index, as rows of
+        # DQ_ROW: one box for the TMA reduce-add.
+        args.append(f'dQ: T.Tensor(({shape.batch}, {shape.heads_q}, {nqb}, {bM * D // DQ_ROW}, '
+                    f'{DQ_ROW}), "float32")')
+    elif not deterministic:
         # [B, Hq, Sq, D]: a query block's dQ rows are one box for the TMA reduce-add.
         args.append(f'dQ: T.Tensor(({shape.batch}, {shape.heads_q}, {Sq}, {D}), "float32")')
     args += [
@@ -352,19 +409,39 @@ def generate_backward(
     lines: list[str] = []
     w = lambda ind, text: _writer_lines(lines, ind, text)  # noqa: E731
     mode = "deterministic" if deterministic else "atomic"
-    _header(lines, f"spec {spec.hash}, config {cfg.key()}, {mode}", args)
-    w(1, f"with T.Kernel({nkb}, {shape.heads_q}, {shape.batch}, threads={cfg.threads}) as (bx, by, bz):")
+    # The warp-specialised schedule's barriers are all explicit (mbarriers between the roles,
+    # one named barrier among the consumers); TileLang's own shared-memory syncs would add
+    # three more per step that the buffer rings make unnecessary.
+    _header(lines, f"spec {spec.hash}, config {cfg.key()}, {mode}"
+            + (", warp-specialised" if ws else ""), args,
+            preamble=f"PASS_CONFIGS = {{{DISABLE_STORAGE_SYNC!r}: True}}" if ws else "")
+    threads = cfg.threads + (WS_PRODUCER_THREADS if ws else 0)
+    w(1, f"with T.Kernel({nkb}, {shape.heads_q}, {shape.batch}, threads={threads}) as (bx, by, bz):")
     b = 2
     w(b, f'K_shared = T.alloc_shared(({bN}, {D}), "{dt}")')
     w(b, f'V_shared = T.alloc_shared(({bN}, {Dv}), "{dt}")')
-    w(b, f'Q_shared = T.alloc_shared(({bM}, {D}), "{dt}")')
-    w(b, f'dO_shared = T.alloc_shared(({bM}, {Dv}), "{dt}")')
-    if not deterministic:
-        w(b, f'dsT_shared = T.alloc_shared(({bN}, {bM}), "{dt}")')
-        w(b, f'dq_shared = T.alloc_shared(({bM}, {D}), "float32")')
+    if ws:
+        # Rings: Q and dO (num_stages deep, filled by the producer warp); dS^T and dQ two
+        # deep, so that a step writes one while the previous step's readers finish the other.
+        w(b, f'Q_shared = T.alloc_shared(({st}, {bM}, {D}), "{dt}")')
+        w(b, f'dO_shared = T.alloc_shared(({st}, {bM}, {Dv}), "{dt}")')
+        w(b, f'dsT_shared = T.alloc_shared((2, {bN}, {bM}), "{dt}")')
+        w(b, f'dq_shared = T.alloc_shared((2, {bM * D // DQ_ROW}, {DQ_ROW}), "float32")')
+        w(b, "kv_full = T.alloc_barrier([32])")
+        w(b, f"q_full = T.alloc_barrier([{', '.join(['32'] * st)}])")
+        w(b, f"do_full = T.alloc_barrier([{', '.join(['32'] * st)}])")
+        w(b, f"qdo_empty = T.alloc_barrier([{', '.join([str(cfg.threads)] * st)}])")
+        w(b, f"dq_full = T.alloc_barrier([{cfg.threads}, {cfg.threads}])")
+        w(b, "dq_empty = T.alloc_barrier([32, 32])")
+    else:
+        w(b, f'Q_shared = T.alloc_shared(({bM}, {D}), "{dt}")')
+        w(b, f'dO_shared = T.alloc_shared(({bM}, {Dv}), "{dt}")')
+        if not deterministic:
+            w(b, f'dsT_shared = T.alloc_shared(({bN}, {bM}), "{dt}")')
+            w(b, f'dq_shared = T.alloc_shared(({bM}, {D}), "float32")')
     for a in row_allocs:
         w(b, a)
-    if split:
+    if split and not ws:
         w(b, f'dO_hold = T.alloc_local((1,), "{dt}")')
     w(b, f'sT = T.alloc_fragment(({bN}, {bM}), "float32")')
     w(b, f'dpT = T.alloc_fragment(({bN}, {bM}), "float32")')
@@ -380,27 +457,81 @@ def generate_backward(
         w(b, f'cg_row = T.alloc_fragment(({bN},), "float32")')
     for r in range(len(ex.dc_reads)):
         w(b, f'cg_acc{r} = T.alloc_fragment(({bN},), "float32")')
-        w(b, f"T.clear(cg_acc{r})")
+        if not ws:
+            w(b, f"T.clear(cg_acc{r})")
     if cfg.swizzle_panel:
         w(b, f"T.use_swizzle({cfg.swizzle_panel})")
-    w(b, f"T.copy(K[bz, bx * {bN}:(bx + 1) * {bN}, by // {G}, :], K_shared)")
-    w(b, f"T.copy(V[bz, bx * {bN}:(bx + 1) * {bN}, by // {G}, :], V_shared)")
-    w(b, "T.clear(dk)")
-    w(b, "T.clear(dv)")
     lo, hi = f"LoT[{mb}, {mh}, bx]", f"HiT[{mb}, {mh}, bx]"
-    w(b, f"for k in T.Pipelined({hi} - {lo}, num_stages={cfg.num_stages}):")
-    lb = b + 1
-    w(lb, f"qb: T.int32 = {lo} + k")
+    q_rows = f"qb * {bM}:(qb + 1) * {bM}"
+    if ws:
+        # Stage of step k in each ring, and the mbarrier parity of its round.
+        q_sh, do_sh = f"Q_shared[k % {st}, :, :]", f"dO_shared[k % {st}, :, :]"
+        ds_sh, dq_sh = "dsT_shared[k % 2, :, :]", "dq_shared[k % 2, :, :]"
+        full_q, full_2 = f"((k // {st}) % 2)", "((k // 2) % 2)"
+        w(b, "tx = T.get_thread_binding()")
+        w(b, f"lo: T.int32 = {lo}")
+        w(b, f"n: T.int32 = {hi} - lo")
+        w(b, f"if tx < {WS_PRODUCER_THREADS}:")
+        pb = b + 1
+        w(pb, f"T.set_max_nreg({WS_PRODUCER_REGS}, 0)")
+        w(pb, "if tx < 32:")
+        w(pb + 1, f"T.tma_copy(K[bz, bx * {bN}:(bx + 1) * {bN}, by // {G}, :], K_shared, barrier=kv_full[0])")
+        w(pb + 1, f"T.tma_copy(V[bz, bx * {bN}:(bx + 1) * {bN}, by // {G}, :], V_shared, barrier=kv_full[0])")
+        w(pb + 1, "T.mbarrier_arrive(kv_full[0])")
+        w(pb + 1, "for k in T.serial(n):")
+        w(pb + 2, "qb: T.int32 = lo + k")
+        w(pb + 2, f"T.mbarrier_wait_parity(qdo_empty[k % {st}], {full_q} ^ 1)")
+        for src, dst, bar, fill in (("Q", q_sh, "q_full", finals_fill),
+                                    ("dO", do_sh, "do_full", delta_fill)):
+            w(pb + 2, f"T.tma_copy({src}[bz, {q_rows}, by, :], {dst}, barrier={bar}[k % {st}])")
+            w(pb + 2, fill)
+            w(pb + 2, f"T.mbarrier_arrive({bar}[k % {st}])")
+        # The writer warp: one bulk reduce-add per step (TMA cp.reduce; rows past Sq fall
+        # outside the tensor and are dropped by the copy engine), waited for here, off the
+        # consumers' path.
+        w(pb, "elif tx < 64:")
+        w(pb + 1, "for k in T.serial(n):")
+        w(pb + 2, "qb: T.int32 = lo + k")
+        w(pb + 2, f"T.mbarrier_wait_parity(dq_full[k % 2], {full_2})")
+        w(pb + 2, f"T.atomic_add(dQ[bz, by, qb, :, :], {dq_sh}, use_tma=True)")
+        w(pb + 2, "T.mbarrier_arrive(dq_empty[k % 2])")
+        w(b, "else:")
+        b += 1
+        w(b, f"T.set_max_nreg({WS_CONSUMER_REGS}, 1)")
+        for r in range(len(ex.dc_reads)):
+            w(b, f"T.clear(cg_acc{r})")
+        w(b, "T.clear(dk)")
+        w(b, "T.clear(dv)")
+        w(b, "T.mbarrier_wait_parity(kv_full[0], 0)")
+        w(b, "for k in T.serial(n):")
+        lb = b + 1
+        w(lb, "qb: T.int32 = lo + k")
+    else:
+        q_sh, do_sh, ds_sh = "Q_shared", "dO_shared", "dsT_shared"
+        w(b, f"T.copy(K[bz, bx * {bN}:(bx + 1) * {bN}, by // {G}, :], K_shared)")
+        w(b, f"T.copy(V[bz, bx * {bN}:(bx + 1) * {bN}, by // {G}, :], V_shared)")
+        w(b, "T.clear(dk)")
+        w(b, "T.clear(dv)")
+        w(b, f"for k in T.Pipelined({hi} - {lo}, num_stages={st}):")
+        lb = b + 1
+        w(lb, f"qb: T.int32 = {lo} + k")
     # The block's class is read once, ahead of the gemms: a global load at each branch would
     # sit behind a gemm's wait (its asm has a memory clobber) with its whole latency exposed.
     w(lb, f'qcls: T.int32 = T.Cast("int32", ClsT[{mb}, {mh}, bx, qb])')
-    w(lb, f"T.copy(Q[bz, qb * {bM}:(qb + 1) * {bM}, by, :], Q_shared)")
-    w(lb, f"T.copy(dO[bz, qb * {bM}:(qb + 1) * {bM}, by, :], dO_shared)")
+    if not ws:
+        w(lb, f"T.copy(Q[bz, {q_rows}, by, :], Q_shared)")
+        w(lb, f"T.copy(dO[bz, {q_rows}, by, :], dO_shared)")
+    if ws:
+        w(lb, f"T.mbarrier_wait_parity(q_full[k % {st}], {full_q})")
     w(lb, finals_load)
-    if not split:
+    if not split and not ws:
         w(lb, delta_load)
-    w(lb, f"T.wgmma_gemm(K_shared, Q_shared, sT, transpose_B=True, policy={policy}, clear_accum=True)")
-    w(lb, f"T.wgmma_gemm(V_shared, dO_shared, dpT, transpose_B=True, policy={policy}, clear_accum=True)")
+    w(lb, f"T.wgmma_gemm(K_shared, {q_sh}, sT, transpose_B=True, policy={policy}, clear_accum=True)")
+    if ws:
+        w(lb, f"T.mbarrier_wait_parity(do_full[k % {st}], {full_q})")
+        if not split:
+            w(lb, delta_load)
+    w(lb, f"T.wgmma_gemm(V_shared, {do_sh}, dpT, transpose_B=True, policy={policy}, clear_accum=True)")
     w(lb, f"T.wait_wgmma({1 if split else 0})")
     # Keep nvcc from reading an accumulator before the wait that completes it.
     w(lb, f"T.warpgroup_fence_operand(sT, num_regs={tile_regs})")
@@ -409,18 +540,18 @@ def generate_backward(
         # Delta is loaded here, not with the finals: the P loop then keeps 16 registers more
         # (at D = 128 that is the difference from spilling), and dV runs while it arrives.
         w(lb, delta_load)
-        # TileLang frees a pipeline stage right after the last statement that reads it, and
-        # this wgmma is still reading the dO stage when it returns: the stage is held by a read
-        # of dO_shared after dK's gemm, which waits for every wgmma in flight (the last read of
-        # Q is that synchronous gemm itself).
-        w(lb, f"T.wgmma_gemm(pT_cast, dO_shared, dv, policy={policy})")
+        # (Automatic pipeline) TileLang frees a pipeline stage right after the last statement
+        # that reads it, and this wgmma is still reading the dO stage when it returns: the
+        # stage is held by a read of dO_shared after dK's gemm, which waits for every wgmma in
+        # flight (the last read of Q is that synchronous gemm itself).
+        w(lb, f"T.wgmma_gemm(pT_cast, {do_sh}, dv, policy={policy})")
         w(lb, "T.wait_wgmma(1)")
         w(lb, f"T.warpgroup_fence_operand(dpT, num_regs={tile_regs})")
         w(lb, by_qcls(lambda m: ex.ds_loop(bind, (bN, bM), m, "dsT_cast")))
     else:
         w(lb, f"T.warpgroup_fence_operand(dpT, num_regs={tile_regs})")
         w(lb, by_qcls(lambda m: ex.tile_text(bind, (bN, bM), m, "pT", "dsT_cast", p_cast="pT_cast")))
-        w(lb, f"T.gemm(pT_cast, dO_shared, dv, policy={policy})")
+        w(lb, f"T.gemm(pT_cast, {do_sh}, dv, policy={policy})")
     for r, (_, _, d_read) in enumerate(ex.dc_reads):
         em = Emitter(bind)
         g_text = f"({em.float_(ex.ds_mod)} * {em.float_(d_read)})"
@@ -433,21 +564,36 @@ def generate_backward(
     # that needs wgmma, i.e. whole 64-row warpgroups over the bM queries.
     dq_async = not deterministic and bM % 64 == 0
     if not deterministic:
-        w(lb, "T.copy(dsT_cast, dsT_shared)")
+        w(lb, f"T.copy(dsT_cast, {ds_sh})")
+        if ws:
+            # Every consumer's dS^T rows are in shared memory (and visible to the tensor
+            # cores) before any of them multiplies the whole tile.
+            w(lb, "T.fence_proxy_async()")
+            w(lb, f"T.sync_threads({WS_CONSUMER_BARRIER}, {cfg.threads})")
         if dq_async:
-            w(lb, "T.wgmma_gemm(dsT_shared, K_shared, dq, transpose_A=True, clear_accum=True)")
+            w(lb, f"T.wgmma_gemm({ds_sh}, K_shared, dq, transpose_A=True, clear_accum=True)")
         else:
-            w(lb, "T.gemm(dsT_shared, K_shared, dq, transpose_A=True, clear_accum=True)")
-    w(lb, f"T.gemm(dsT_cast, Q_shared, dk, policy={policy})")
-    if split:
+            w(lb, f"T.gemm({ds_sh}, K_shared, dq, transpose_A=True, clear_accum=True)")
+    w(lb, f"T.gemm(dsT_cast, {q_sh}, dk, policy={policy})")
+    if split and not ws:
         w(lb, "dO_hold[0] = dO_shared[0, 0]")
     if dq_async:
         w(lb, f"T.warpgroup_fence_operand(dq, num_regs={dq_regs})")
-    if not deterministic:
+    if ws:
+        # Every gemm of the step has completed (dK's gemm waits for all in flight): the Q/dO
+        # stage goes back to the producer, and dQ to the writer once its slot is free.
+        w(lb, f"T.mbarrier_arrive(qdo_empty[k % {st}])")
+        w(lb, f"T.mbarrier_wait_parity(dq_empty[k % 2], {full_2} ^ 1)")
+        w(lb, f"for i, j in T.Parallel({bM}, {D}):")
+        w(lb + 1, f"dq_shared[k % 2, {dq_fragment_index('i', 'j', D)} // {DQ_ROW}, "
+                  f"{dq_fragment_index('i', 'j', D)} % {DQ_ROW}] = dq[i, j]")
+        w(lb, "T.fence_proxy_async()")
+        w(lb, "T.mbarrier_arrive(dq_full[k % 2])")
+    elif not deterministic:
         # One bulk reduce-add per step (TMA cp.reduce; rows past Sq fall outside the tensor
         # and are dropped by the copy engine) instead of bM x D scalar atomics.
         w(lb, "T.copy(dq, dq_shared)")
-        w(lb, f"T.atomic_add(dQ[bz, by, qb * {bM}:(qb + 1) * {bM}, :], dq_shared, use_tma=True)")
+        w(lb, f"T.atomic_add(dQ[bz, by, {q_rows}, :], dq_shared, use_tma=True)")
     for r, (name, index, _) in enumerate(ex.dc_reads):
         w(b, f"for i in T.Parallel({bN}):")
         w(b + 1, f"if bx * {bN} + i < {Skv}:")
@@ -476,7 +622,7 @@ def generate_backward_dq(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig
     bM, bN, D, Dv, Sq, Skv, G, nqb, nkb, dt, mb, mh = _dims(shape, cfg)
     q_idx, kv_idx = f"(bx * {bM} + i)", f"(kb * {bN} + j)"
     bind, _ = _binder(shape, q_idx, kv_idx, {"rawscore": "s", "dp": "dp", "p": "p"}, "i")
-    row_allocs, finals_load, delta_load = _row_vectors(spec, shape, bM, f"bx * {bM}")
+    row_allocs, finals_load, delta_load, _, _ = _row_vectors(spec, shape, bM, f"bx * {bM}")
     mask_text = _mask_text(spec, bind, q_idx, kv_idx, shape)
 
     def tile_body(mask: str | None) -> str:

@@ -53,6 +53,38 @@ def backward_resources(
     return {"smem_bytes": smem, "regs_per_thread": regs}
 
 
+# The warp-specialised schedule of the fast backward (engine.codegen.backward): a producer
+# warpgroup (warp 0 loads Q and dO, warp 1 adds dQ to global memory) beside the consumers.
+WS_PRODUCER_THREADS = 128
+WS_PRODUCER_REGS = 24
+WS_CONSUMER_REGS = 240
+WS_CONSUMER_BARRIER = 1  # named barrier id of the consumers' one meeting per step
+# Row length (fp32 values) of the schedule's flat dQ tile: its TMA box is DQ_ROW x
+# (block_M * head_dim / DQ_ROW), both within TMA's 256 per dimension.
+DQ_ROW = 256
+
+
+def ws_shared_bytes(cfg: KernelConfig, head_dim: int, head_dim_v: int, elem_bytes: int = 2) -> int:
+    """Shared memory of the warp-specialised schedule: K and V, the Q/dO ring (num_stages,
+    with the per-query fp32 vectors), and two-deep rings of dS^T (16-bit) and the dQ tile
+    (fp32)."""
+    bM, bN = cfg.block_M, cfg.block_N
+    return (elem_bytes * (bN * (head_dim + head_dim_v)
+                          + cfg.num_stages * bM * (head_dim + head_dim_v) + 2 * bN * bM)
+            + 4 * (2 * bM * head_dim + cfg.num_stages * 2 * bM))
+
+
+def ws_schedule_fits(cfg: KernelConfig, head_dim: int, head_dim_v: int, elem_bytes: int = 2,
+                     deterministic: bool = False) -> bool:
+    """Whether the fast backward at `cfg` uses the warp-specialised schedule: dQ by wgmma in
+    whole 64 x 64 tiles (block_M and head_dim multiples of 64), one or two consumer
+    warpgroups, and its rings in shared memory. The deterministic mode has no dQ to hand over
+    and keeps the automatic pipeline."""
+    return (not deterministic and cfg.block_M % 64 == 0 and head_dim % 64 == 0
+            and cfg.threads in (128, 256)
+            and ws_shared_bytes(cfg, head_dim, head_dim_v, elem_bytes) <= SMEM_LIMIT_BYTES)
+
+
 def split_schedule_fits(cfg: KernelConfig, head_dim: int, head_dim_v: int, n_rows: int,
                         ds_reads_score: bool) -> bool:
     """Whether the main kernel's split schedule (P while dP^T is in flight, dS while dV is) keeps

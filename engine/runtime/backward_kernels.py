@@ -18,7 +18,13 @@ import torch
 
 from engine.codegen.backward import generate_backward, generate_backward_dq, generate_preprocess
 from engine.mask.analysis import FULL, PARTIAL, BlockClasses
-from engine.plan.backward import check_backward_config, default_backward_config, default_dq_config
+from engine.plan.backward import (
+    DQ_ROW,
+    check_backward_config,
+    default_backward_config,
+    default_dq_config,
+    ws_schedule_fits,
+)
 from engine.plan.config import KernelConfig
 from engine.plan.shape import KERNEL_DTYPES, KernelShape
 from engine.runtime.compile import compile_source
@@ -48,6 +54,13 @@ class BackwardKernels:
     @property
     def deterministic(self) -> bool:
         return self.dq_source is not None
+
+    @property
+    def warp_specialized(self) -> bool:
+        """The main kernel's schedule; it accumulates dQ in fragment order
+        (dq_from_fragment_order)."""
+        return ws_schedule_fits(self.config, self.shape.head_dim, self.shape.head_dim_v,
+                                deterministic=self.deterministic)
 
     def sources(self) -> list[str]:
         return [s for s in (self.source, self.preprocess_source, self.dq_source) if s]
@@ -186,12 +199,37 @@ def backward_kernel_call(
     else:
         dk = kv(p.batch, p.seqlen_kv, p.heads_kv, p.head_dim)
         dv = kv(p.batch, p.seqlen_kv, p.heads_kv, p.head_dim_v)
-        dq_bhsd = z(p.batch, p.heads_q, p.seqlen_q, p.head_dim)  # the main kernel's layout
-        main(q, k, v, do, *c32, lo, hi, clsT, *f32, dq_bhsd, dk, dv, *dc.values())
-        dq = dq_bhsd.transpose(1, 2)
+        if bk.warp_specialized:
+            bM = bk.config.block_M
+            acc = z(p.batch, p.heads_q, -(-p.seqlen_q // bM), bM * p.head_dim // DQ_ROW, DQ_ROW)
+            main(q, k, v, do, *c32, lo, hi, clsT, *f32, acc, dk, dv, *dc.values())
+            dq = dq_from_fragment_order(acc, p.seqlen_q, bM, p.head_dim, q.dtype)
+        else:
+            dq_bhsd = z(p.batch, p.heads_q, p.seqlen_q, p.head_dim)  # the main kernel's layout
+            main(q, k, v, do, *c32, lo, hi, clsT, *f32, dq_bhsd, dk, dv, *dc.values())
+            dq = dq_bhsd.transpose(1, 2)
     cg = {n: g.to(cdict[n].dtype) for n, g in dc.items()}
-    dq = torch.empty_like(q).copy_(dq)  # cast (and, fast mode, transpose) in one pass
+    if dq.dtype != q.dtype:
+        dq = torch.empty_like(q).copy_(dq)  # cast (and, fast mode, transpose) in one pass
     return dq, dk.to(q.dtype), dv.to(q.dtype), cg  # .to: no copy when G = 1
+
+
+def dq_from_fragment_order(acc: torch.Tensor, seqlen_q: int, block_M: int, head_dim: int,
+                           dtype: torch.dtype) -> torch.Tensor:
+    """dQ [B, Sq, Hq, D] in `dtype` from the warp-specialised kernel's accumulator [B, Hq,
+    query blocks, ...], whose query blocks hold their values in the order of
+    engine.codegen.backward.dq_fragment_index: per (64-row tile, 64-column tile, 8 columns),
+    128 threads (4 warps of 16 rows, 8 rows x 4 column pairs per warp) x 4 values (2 rows 8
+    apart x 2 adjacent columns). One pass: permute and cast in a single copy."""
+    B, H, nqb = acc.shape[:3]
+    mt, nt = block_M // 64, head_dim // 64
+    out = torch.empty(B, nqb * block_M, H, head_dim, dtype=dtype, device=acc.device)
+    # Source dims: m-tile, n-tile, 8-column group, warp, row in 8, column pair, row half,
+    # column; target rows (block, m-tile, warp, row half, row in 8), columns (n-tile, group,
+    # pair, column).
+    src = acc.view(B, H, nqb, mt, nt, 8, 4, 8, 4, 2, 2).permute(0, 2, 3, 6, 9, 7, 1, 4, 5, 8, 10)
+    out.view(B, nqb, mt, 4, 2, 8, H, nt, 8, 4, 2).copy_(src)
+    return out if nqb * block_M == seqlen_q else out[:, :seqlen_q].contiguous()
 
 
 def dc_reads(spec, custom_grads: tuple[str, ...]) -> list[tuple[str, tuple]]:

@@ -25,9 +25,10 @@ def source_dir() -> Path:
     return d
 
 
-def load_prim_func(source: str) -> Any:
-    """TVMScript parses functions from their source file, so the generated program is
-    written to a file (named by its content hash) and imported from there."""
+def load_program(source: str) -> tuple[Any, dict[str, Any]]:
+    """(`main`, the program's own TileLang pass configs: its PASS_CONFIGS, if any).
+    TVMScript parses functions from their source file, so the generated program is written
+    to a file (named by its content hash) and imported from there."""
     digest = hashlib.sha256(source.encode()).hexdigest()[:20]
     path = source_dir() / f"k_{digest}.py"
     if not path.exists():
@@ -36,7 +37,7 @@ def load_prim_func(source: str) -> Any:
     module = importlib.util.module_from_spec(spec)
     assert spec.loader is not None
     spec.loader.exec_module(module)
-    return module.main
+    return module.main, dict(getattr(module, "PASS_CONFIGS", {}))
 
 
 def compile_source(source: str, *, fast_math: bool = True) -> Any:
@@ -50,11 +51,11 @@ def compile_source(source: str, *, fast_math: bool = True) -> Any:
     require_nvcc()
     import tilelang
 
-    func = load_prim_func(source)
+    func, own_configs = load_program(source)
     kernel = tilelang.compile(
         func,
         target=TARGET,
-        pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: fast_math},
+        pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: fast_math, **own_configs},
     )
     with _lock:
         _kernels[key] = kernel
