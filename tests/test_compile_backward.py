@@ -47,6 +47,8 @@ def test_backward_compiles_for_sm90a(name, tmp_path, monkeypatch):
     _check_warp_specialised_protocol(cuda)
     if prep is not None:
         assert "__global__" in prep.get_kernel_source()
+    if bk.warp_specialized:
+        assert "__global__" in bk._post.get_kernel_source()
 
 
 @pytest.mark.compile
@@ -261,19 +263,15 @@ def test_warp_specialised_schedule_model():
 
 def test_dq_fragment_order_round_trip():
     """The kernel's flat dQ order (dq_fragment_index, evaluated here on index grids: its text
-    is Python too) is a permutation of each query block, and dq_from_fragment_order inverts
-    it, query tail included."""
-    from engine.codegen.backward import dq_fragment_index
-    from engine.plan.backward import DQ_ROW
-    from engine.runtime.backward_kernels import dq_from_fragment_order
+    is Python too) is a permutation of each query block, and the postprocess kernel's reading
+    of it (dq_fragment_position) is its inverse."""
+    from engine.codegen.backward import dq_fragment_index, dq_fragment_position
 
-    for bM, D, Sq in ((64, 128, 1000), (128, 64, 256), (64, 256, 64)):
-        B, H, nqb = 2, 3, -(-Sq // bM)
-        ref = torch.randn(B, H, nqb * bM, D)
+    for bM, D in ((64, 128), (128, 64), (64, 256)):
         i, j = torch.meshgrid(torch.arange(bM), torch.arange(D), indexing="ij")
-        f = eval(dq_fragment_index("i", "j", D), {"i": i, "j": j}).flatten()
-        assert torch.equal(f.sort().values, torch.arange(bM * D))
-        acc = torch.zeros(B, H, nqb, bM * D // DQ_ROW, DQ_ROW)
-        acc.view(B, H, nqb, bM * D)[..., f] = ref.view(B, H, nqb, bM * D)
-        out = dq_from_fragment_order(acc, Sq, bM, D, torch.float32)
-        assert out.is_contiguous() and torch.equal(out, ref.transpose(1, 2)[:, :Sq])
+        f = eval(dq_fragment_index("i", "j", D), {"i": i, "j": j})
+        assert torch.equal(f.flatten().sort().values, torch.arange(bM * D))
+        p, q = torch.meshgrid(torch.arange(bM * D // 4), torch.arange(4), indexing="ij")
+        i_text, j_text = dq_fragment_position("p", "q", D)
+        i2, j2 = (eval(t, {"p": p, "q": q}) for t in (i_text, j_text))
+        assert torch.equal(eval(dq_fragment_index("i", "j", D), {"i": i2, "j": j2}), p * 4 + q)

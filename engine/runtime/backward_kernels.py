@@ -16,7 +16,12 @@ from typing import Any
 
 import torch
 
-from engine.codegen.backward import generate_backward, generate_backward_dq, generate_preprocess
+from engine.codegen.backward import (
+    generate_backward,
+    generate_backward_dq,
+    generate_dq_postprocess,
+    generate_preprocess,
+)
 from engine.mask.analysis import FULL, PARTIAL, BlockClasses
 from engine.plan.backward import (
     DQ_ROW,
@@ -43,6 +48,8 @@ class BackwardKernels:
     # (name, index) of each custom read whose gradient the main kernel produces, in the order
     # of its outputs (derived once: it takes a symbolic derivative of score_mod).
     custom_reads: tuple[tuple[str, tuple], ...] = ()
+    # Warp-specialised main kernel: the pass that turns its fragment-order dQ into rows.
+    post_source: str | None = None
     # Deterministic mode: the dQ kernel, its config and its (forward-layout) tables.
     dq_source: str | None = None
     dq_config: KernelConfig | None = None
@@ -50,6 +57,7 @@ class BackwardKernels:
     _main: Any = None
     _prep: Any = None
     _dq: Any = None
+    _post: Any = None
 
     @property
     def deterministic(self) -> bool:
@@ -57,13 +65,13 @@ class BackwardKernels:
 
     @property
     def warp_specialized(self) -> bool:
-        """The main kernel's schedule; it accumulates dQ in fragment order
-        (dq_from_fragment_order)."""
-        return ws_schedule_fits(self.config, self.shape.head_dim, self.shape.head_dim_v,
-                                deterministic=self.deterministic)
+        """The main kernel's schedule; it accumulates dQ in fragment order, which the
+        postprocess kernel turns into rows."""
+        return self.post_source is not None
 
     def sources(self) -> list[str]:
-        return [s for s in (self.source, self.preprocess_source, self.dq_source) if s]
+        return [s for s in (self.source, self.preprocess_source, self.dq_source, self.post_source)
+                if s]
 
     def compiled(self) -> tuple[Any, Any]:
         if self._main is None:
@@ -72,6 +80,8 @@ class BackwardKernels:
             self._prep = compile_source(self.preprocess_source)
         if self.dq_source is not None and self._dq is None:
             self._dq = compile_source(self.dq_source)
+        if self.post_source is not None and self._post is None:
+            self._post = compile_source(self.post_source)
         return self._main, self._prep
 
 
@@ -119,6 +129,8 @@ def backward_kernels_for(
         bk.dq_source = generate_backward_dq(spec, shape, dq_cfg)
         bk.dq_config = dq_cfg
         bk.dq_tables = MaskTables(spec.mask, shape, dq_cfg.block_M, dq_cfg.block_N, forward_layout)
+    if ws_schedule_fits(cfg, p.head_dim, p.head_dim_v, deterministic=det):
+        bk.post_source = generate_dq_postprocess(shape, cfg)
     cache[key] = bk
     return bk
 
@@ -203,7 +215,8 @@ def backward_kernel_call(
             bM = bk.config.block_M
             acc = z(p.batch, p.heads_q, -(-p.seqlen_q // bM), bM * p.head_dim // DQ_ROW, DQ_ROW)
             main(q, k, v, do, *c32, lo, hi, clsT, *f32, acc, dk, dv, *dc.values())
-            dq = dq_from_fragment_order(acc, p.seqlen_q, bM, p.head_dim, q.dtype)
+            dq = torch.empty_like(q)
+            bk._post(acc, dq)
         else:
             dq_bhsd = z(p.batch, p.heads_q, p.seqlen_q, p.head_dim)  # the main kernel's layout
             main(q, k, v, do, *c32, lo, hi, clsT, *f32, dq_bhsd, dk, dv, *dc.values())
@@ -212,24 +225,6 @@ def backward_kernel_call(
     if dq.dtype != q.dtype:
         dq = torch.empty_like(q).copy_(dq)  # cast (and, fast mode, transpose) in one pass
     return dq, dk.to(q.dtype), dv.to(q.dtype), cg  # .to: no copy when G = 1
-
-
-def dq_from_fragment_order(acc: torch.Tensor, seqlen_q: int, block_M: int, head_dim: int,
-                           dtype: torch.dtype) -> torch.Tensor:
-    """dQ [B, Sq, Hq, D] in `dtype` from the warp-specialised kernel's accumulator [B, Hq,
-    query blocks, ...], whose query blocks hold their values in the order of
-    engine.codegen.backward.dq_fragment_index: per (64-row tile, 64-column tile, 8 columns),
-    128 threads (4 warps of 16 rows, 8 rows x 4 column pairs per warp) x 4 values (2 rows 8
-    apart x 2 adjacent columns). One pass: permute and cast in a single copy."""
-    B, H, nqb = acc.shape[:3]
-    mt, nt = block_M // 64, head_dim // 64
-    out = torch.empty(B, nqb * block_M, H, head_dim, dtype=dtype, device=acc.device)
-    # Source dims: m-tile, n-tile, 8-column group, warp, row in 8, column pair, row half,
-    # column; target rows (block, m-tile, warp, row half, row in 8), columns (n-tile, group,
-    # pair, column).
-    src = acc.view(B, H, nqb, mt, nt, 8, 4, 8, 4, 2, 2).permute(0, 2, 3, 6, 9, 7, 1, 4, 5, 8, 10)
-    out.view(B, nqb, mt, 4, 2, 8, H, nt, 8, 4, 2).copy_(src)
-    return out if nqb * block_M == seqlen_q else out[:, :seqlen_q].contiguous()
 
 
 def dc_reads(spec, custom_grads: tuple[str, ...]) -> list[tuple[str, tuple]]:
