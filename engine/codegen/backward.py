@@ -217,10 +217,12 @@ class _TileExprs:
         return self._loop(dims, [f"{p}[i, j] = {p_text}", *cast, f"{ds}[i, j] = {ds_text}"])
 
 
-def _binder(shape: KernelShape, q_idx: str, kv_idx: str, tiles: dict[str, str], q_var: str):
+def _binder(shape: KernelShape, q_idx: str, kv_idx: str, tiles: dict[str, str], q_var: str,
+            hoisted: dict[tuple, str] | None = None):
     """Emitter binding for one frame: `q_idx`/`kv_idx` the index texts of the fragment element
     [i, j], `tiles` the fragments holding rawscore, dp and p, `q_var` the loop variable (i or
-    j) that indexes the per-query register vectors (see _row_vectors)."""
+    j) that indexes the per-query register vectors (see _row_vectors); `hoisted` maps a
+    custom read (name, index) to the register-vector element that holds it (_hoisted_reads)."""
     Sq, Skv = shape.seqlen_q, shape.seqlen_kv
     index_text = {"b": "bz", "h": "by", "q": q_idx, "kv": kv_idx}
     clamp = {"q": f"T.min({q_idx}, {Sq - 1})", "kv": f"T.min({kv_idx}, {Skv - 1})"}
@@ -232,6 +234,8 @@ def _binder(shape: KernelShape, q_idx: str, kv_idx: str, tiles: dict[str, str], 
             return index_text[node.attr]
         if node.op == "custom":
             name, _, index = node.attr
+            if hoisted and (name, index) in hoisted:
+                return hoisted[(name, index)]
             parts = [clamp.get(s, index_text.get(s, "0")) if isinstance(s, str) else "0" for s in index]
             return f"C_{name}[{', '.join(parts)}]"
         if node.op == "final":
@@ -288,6 +292,49 @@ def dq_fragment_index(i: str, j: str, head_dim: int) -> str:
     return (f"((((({i}) // 64 * {g} + ({j}) // 64) * 8 + ({j}) % 64 // 8) * 128"
             f" + ({i}) % 64 // 16 * 32 + ({i}) % 8 * 4 + ({j}) % 8 // 2) * 4"
             f" + ({i}) % 16 // 8 * 2 + ({j}) % 2)")
+
+
+def _hoisted_reads(roots: list[Expr], shape: KernelShape, bM: int, bN: int, q0: str,
+                   ring: tuple[str, int] | None) -> tuple[dict, list[str], str, str, str]:
+    """Custom reads of the tile expressions indexed by one position axis (a document id per
+    query or per key, say), held in register vectors instead of read per element: per key,
+    [bN] loaded once before the loop; per query, [bM] loaded each step like the finals (from
+    the producer's shared-memory ring with `ring`). Read per element they are 2 x bM x bN / threads
+    loads per step, whose latency sits behind each gemm's wait.
+    Returns (binding, allocations, per-key load, per-query load, producer's fill)."""
+    reads = sorted({n.attr for n in leaves(roots) if n.op == "custom"}, key=repr)
+    Sq, Skv = shape.seqlen_q, shape.seqlen_kv
+    index_text = {"b": "bz", "h": "by"}
+    bind: dict[tuple, str] = {}
+    allocs: list[str] = []
+    per_kv, per_q, fill = [], [], []
+    for r, (name, _, index) in enumerate(reads):
+        syms = [x for x in index if isinstance(x, str)]
+        axis = "q" if "q" in syms and "kv" not in syms else "kv" if "kv" in syms and "q" not in syms else None
+        if axis is None:
+            continue
+        pos = (f"T.min({q0} + t, {Sq - 1})" if axis == "q" else f"T.min(bx * {bN} + t, {Skv - 1})")
+        parts = [pos if x == axis else index_text.get(x, "0") if isinstance(x, str) else "0"
+                 for x in index]
+        src = f"C_{name}[{', '.join(parts)}]"
+        if axis == "kv":
+            allocs.append(f'Ck{r} = T.alloc_fragment(({bN},), "float32")')
+            per_kv.append(f"Ck{r}[t] = {src}")
+            bind[(name, index)] = f"Ck{r}[i]"
+            continue
+        allocs.append(f'Cq{r} = T.alloc_fragment(({bM},), "float32")')
+        bind[(name, index)] = f"Cq{r}[j]"
+        if ring is None:
+            per_q.append(f"Cq{r}[t] = {src}")
+        else:
+            allocs.append(f'Cqs{r} = T.alloc_shared(({ring[1]}, {bM}), "float32")')
+            per_q.append(f"Cq{r}[t] = Cqs{r}[{ring[0]}, t]")
+            fill.append(f"Cqs{r}[{ring[0]}, t] = {src}")
+
+    def loop(n: int, body: list[str]) -> str:
+        return "\n".join([f"for t in T.Parallel({n}):"] + [f"    {b}" for b in body]) if body else ""
+
+    return bind, allocs, loop(bN, per_kv), loop(bM, per_q), loop(bM, fill)
 
 
 def _by_class(cls: str, loop, mask: str) -> str:
@@ -405,10 +452,20 @@ def generate_backward(
 
     # Transposed frame: i runs over keys (fragment rows), j over queries (fragment columns).
     q_idx, kv_idx = f"(qb * {bM} + j)", f"(bx * {bN} + i)"
-    bind, index_text = _binder(shape, q_idx, kv_idx, {"rawscore": "sT", "dp": "dpT", "p": "pT"}, "j")
     st = cfg.num_stages
+    ring = (f"k % {st}", st) if ws else None
+    roots = [ex.p, ex.ds_mod, ex.dsm_ds, *(d for _, _, d in ex.dc_reads)]
+    if spec.mask is not None:
+        roots.append(spec.mask)
+    hoisted, c_allocs, ck_load, cq_load, cq_fill = _hoisted_reads(
+        roots, shape, bM, bN, f"qb * {bM}", ring)
+    bind, index_text = _binder(shape, q_idx, kv_idx, {"rawscore": "sT", "dp": "dpT", "p": "pT"}, "j",
+                               hoisted)
     row_allocs, finals_load, delta_load, finals_fill, delta_fill = _row_vectors(
-        spec, shape, bM, f"qb * {bM}", ring=(f"k % {st}", st) if ws else None)
+        spec, shape, bM, f"qb * {bM}", ring=ring)
+    row_allocs += c_allocs
+    finals_load = "\n".join(t for t in (finals_load, cq_load) if t)
+    finals_fill = "\n".join(t for t in (finals_fill, cq_fill) if t)
     mask_text = _mask_text(spec, bind, q_idx, kv_idx, shape)
 
     def by_qcls(loop) -> str:
@@ -538,6 +595,7 @@ def generate_backward(
             w(b, f"T.clear(cg_acc{r})")
         w(b, "T.clear(dk)")
         w(b, "T.clear(dv)")
+        w(b, ck_load)
         w(b, "T.mbarrier_wait_parity(kv_full[0], 0)")
         w(b, "for k in T.serial(n):")
         lb = b + 1
@@ -548,6 +606,7 @@ def generate_backward(
         w(b, f"T.copy(V[bz, bx * {bN}:(bx + 1) * {bN}, by // {G}, :], V_shared)")
         w(b, "T.clear(dk)")
         w(b, "T.clear(dv)")
+        w(b, ck_load)
         w(b, f"for k in T.Pipelined({hi} - {lo}, num_stages={st}):")
         lb = b + 1
         w(lb, f"qb: T.int32 = {lo} + k")
