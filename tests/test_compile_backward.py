@@ -23,7 +23,7 @@ from engine.runtime.backward_kernels import (
 from engine.variants import VARIANTS
 
 SHAPE = dict(batch=2, heads_q=8, heads_kv=2, seqlen_q=1000, seqlen_kv=1000)  # GQA 4
-COMPILED = ["softmax_causal", "softmax", "alibi", "softcap", "sigmoid", "retnet"]
+COMPILED = ["softmax_causal", "softmax", "alibi", "softcap", "sigmoid", "retnet", "document"]
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 
 
@@ -232,6 +232,21 @@ def test_schedule_follows_the_register_model():
         assert ("dO_hold[0] = dO_shared[0, 0]" in split) == (not ws)
         fused = _source("softcap", warp_specialized=ws)
         assert "dO_hold" not in fused and "T.wait_wgmma(0)" in fused and "T.gemm(pT_cast" in fused
+
+
+def test_custom_reads_by_one_position_are_hoisted():
+    """A document mask reads a custom tensor per query and per key: both reads become register
+    vectors (per key before the loop; per query each step, from the producer's ring in the
+    warp-specialised schedule) instead of 2 x 64 x 128 / 256 global loads per step in the
+    tile loops; the per-query vector counts in the register model (fused loop)."""
+    for ws in (True, False):
+        src = _source("document", warp_specialized=ws)
+        tile_loops = [ln for ln in src.splitlines() if "pT[i, j] =" in ln or "dsT_cast[i, j] =" in ln]
+        assert tile_loops and not any("C_doc_ids" in ln for ln in tile_loops)
+        assert all("Cq" in ln and "Ck" in ln for ln in tile_loops if "T.if_then_else" in ln)
+        assert "T.gemm(pT_cast" in src, "fused loop"
+        reads = [ln.strip() for ln in src.splitlines() if "= C_doc_ids[" in ln]
+        assert len(reads) == 2 and (any(ln.startswith("Cqs") for ln in reads) == ws)
 
 
 def _source(name: str, **kw) -> str:
