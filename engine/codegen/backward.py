@@ -1,6 +1,6 @@
 """The backward kernel templates: TileLang source generated from a TracedSpec.
 
-Three kernels, mirroring the reference executor's `backward()`:
+Kernels mirroring the reference executor's `backward()`:
 
 - preprocess (only when the spec's `bwd` reads `doosum`): Delta[b, h, q] = sum_d dO * O (fp32).
 - main: one thread block per (kv block of block_N keys, query head, batch). K and V tiles
@@ -10,12 +10,15 @@ Three kernels, mirroring the reference executor's `backward()`:
   dV += P^T dO and dK += dS^T Q wgmmas directly:
       S^T = K Q^T (recomputed), P^T = fwd_recompute(score_mod(S^T), finals)
       dP^T = V dO^T, dS'^T = bwd(dP^T, P^T, finals, doosum), dS^T = dS'^T * d score_mod/d score
-      dQ += dS K (one TMA bulk reduce-add of fp32 per step into a [B, Hq, Sq, D] buffer)
+      dQ += dS K (one TMA bulk reduce-add of fp32 per step)
   Only partial blocks (mask analysis, plus the key and query tails) evaluate the mask; there
-  masked entries give P = 0 and dS = 0.
-- postprocess: dQ, dK, dV are accumulated in fp32 and cast to the input dtype by the caller
-  (engine.runtime.backward_kernels). dK / dV are accumulated with fp32 atomics into the kv
-  head, so GQA needs no extra reduction (G = 1 has no contention; the atomics act as stores).
+  masked entries give P = 0 and dS = 0. Two schedules (generate_backward): warp-specialised
+  (explicit producer, dQ-writer and consumer roles; dQ in the accumulator's fragment order)
+  and TileLang's automatic pipeline (dQ in a [B, Hq, Sq, D] buffer).
+- dQ postprocess (warp-specialised schedule): fragment order -> rows, in the input dtype.
+- The caller (engine.runtime.backward_kernels) casts the automatic pipeline's dQ. dK / dV are
+  accumulated with fp32 atomics into the kv head, so GQA needs no extra reduction (G = 1 has
+  no contention: stored once in the input dtype).
 """
 
 from __future__ import annotations
@@ -408,8 +411,63 @@ def _header(lines: list[str], title: str, args: list[str], preamble: str = "") -
     _writer_lines(lines, 0, "):")
 
 
-def generate_backward(
-    spec: TracedSpec,
+def _ws_rings(cfg: KernelConfig, D: int, Dv: int, dt: str) -> str:
+    """Shared buffers and mbarriers of the warp-specialised schedule: Q and dO rings
+    (num_stages deep, filled by the producer warp); dS^T and dQ two deep, so that a step
+    writes one while the previous step's readers finish the other. Full barriers count the
+    producer (or writer) warp's 32 arrivals, empty ones the consumers'."""
+    bM, bN, st, C = cfg.block_M, cfg.block_N, cfg.num_stages, cfg.threads
+    return "\n".join([
+        f'Q_shared = T.alloc_shared(({st}, {bM}, {D}), "{dt}")',
+        f'dO_shared = T.alloc_shared(({st}, {bM}, {Dv}), "{dt}")',
+        f'dsT_shared = T.alloc_shared((2, {bN}, {bM}), "{dt}")',
+        f'dq_shared = T.alloc_shared((2, {bM * D // DQ_ROW}, {DQ_ROW}), "float32")',
+        "kv_full = T.alloc_barrier([32])",
+        f"q_full = T.alloc_barrier([{', '.join(['32'] * st)}])",
+        f"do_full = T.alloc_barrier([{', '.join(['32'] * st)}])",
+        f"qdo_empty = T.alloc_barrier([{', '.join([str(C)] * st)}])",
+        f"dq_full = T.alloc_barrier([{C}, {C}])",
+        "dq_empty = T.alloc_barrier([32, 32])",
+    ])
+
+
+def _ws_producer_roles(cfg: KernelConfig, D: int, G: int, finals_fill: str,
+                       delta_fill: str) -> str:
+    """The producer warpgroup's branch: warp 0 loads K and V once, then per step Q (with the
+    per-query vectors, `finals_fill`) and dO (with Delta, `delta_fill`) into the rings; warp 1
+    is the dQ writer. Uses `lo`, `n` (the step range) and `tx`."""
+    bM, bN, st = cfg.block_M, cfg.block_N, cfg.num_stages
+    q_rows = f"qb * {bM}:(qb + 1) * {bM}"
+    lines = [
+        f"if tx < {WS_PRODUCER_THREADS}:",
+        f"    T.set_max_nreg({WS_PRODUCER_REGS}, 0)",
+        "    if tx < 32:",
+        f"        T.tma_copy(K[bz, bx * {bN}:(bx + 1) * {bN}, by // {G}, :], K_shared, barrier=kv_full[0])",
+        f"        T.tma_copy(V[bz, bx * {bN}:(bx + 1) * {bN}, by // {G}, :], V_shared, barrier=kv_full[0])",
+        "        T.mbarrier_arrive(kv_full[0])",
+        "        for k in T.serial(n):",
+        "            qb: T.int32 = lo + k",
+        f"            T.mbarrier_wait_parity(qdo_empty[k % {st}], ((k // {st}) % 2) ^ 1)",
+    ]
+    for src, bar, fill in (("Q", "q_full", finals_fill), ("dO", "do_full", delta_fill)):
+        lines.append(f"            T.tma_copy({src}[bz, {q_rows}, by, :], {src}_shared[k % {st}, :, :], "
+                     f"barrier={bar}[k % {st}])")
+        lines += ["            " + ln for ln in fill.splitlines()]
+        lines.append(f"            T.mbarrier_arrive({bar}[k % {st}])")
+    # The writer warp: one bulk reduce-add per step (TMA cp.reduce; rows past Sq fall outside
+    # the tensor and are dropped by the copy engine), waited for here, off the consumers' path.
+    lines += [
+        "    elif tx < 64:",
+        "        for k in T.serial(n):",
+        "            qb: T.int32 = lo + k",
+        "            T.mbarrier_wait_parity(dq_full[k % 2], ((k // 2) % 2))",
+        "            T.atomic_add(dQ[bz, by, qb, :, :], dq_shared[k % 2, :, :], use_tma=True)",
+        "            T.mbarrier_arrive(dq_empty[k % 2])",
+    ]
+    return "\n".join(lines)
+
+
+def generate_backward(    spec: TracedSpec,
     shape: KernelShape,
     cfg: KernelConfig,
     custom_grads: tuple[str, ...] = (),
@@ -516,18 +574,7 @@ def generate_backward(
     w(b, f'K_shared = T.alloc_shared(({bN}, {D}), "{dt}")')
     w(b, f'V_shared = T.alloc_shared(({bN}, {Dv}), "{dt}")')
     if ws:
-        # Rings: Q and dO (num_stages deep, filled by the producer warp); dS^T and dQ two
-        # deep, so that a step writes one while the previous step's readers finish the other.
-        w(b, f'Q_shared = T.alloc_shared(({st}, {bM}, {D}), "{dt}")')
-        w(b, f'dO_shared = T.alloc_shared(({st}, {bM}, {Dv}), "{dt}")')
-        w(b, f'dsT_shared = T.alloc_shared((2, {bN}, {bM}), "{dt}")')
-        w(b, f'dq_shared = T.alloc_shared((2, {bM * D // DQ_ROW}, {DQ_ROW}), "float32")')
-        w(b, "kv_full = T.alloc_barrier([32])")
-        w(b, f"q_full = T.alloc_barrier([{', '.join(['32'] * st)}])")
-        w(b, f"do_full = T.alloc_barrier([{', '.join(['32'] * st)}])")
-        w(b, f"qdo_empty = T.alloc_barrier([{', '.join([str(cfg.threads)] * st)}])")
-        w(b, f"dq_full = T.alloc_barrier([{cfg.threads}, {cfg.threads}])")
-        w(b, "dq_empty = T.alloc_barrier([32, 32])")
+        w(b, _ws_rings(cfg, D, Dv, dt))
     else:
         w(b, f'Q_shared = T.alloc_shared(({bM}, {D}), "{dt}")')
         w(b, f'dO_shared = T.alloc_shared(({bM}, {Dv}), "{dt}")')
@@ -561,35 +608,12 @@ def generate_backward(
     if ws:
         # Stage of step k in each ring, and the mbarrier parity of its round.
         q_sh, do_sh = f"Q_shared[k % {st}, :, :]", f"dO_shared[k % {st}, :, :]"
-        ds_sh, dq_sh = "dsT_shared[k % 2, :, :]", "dq_shared[k % 2, :, :]"
+        ds_sh = "dsT_shared[k % 2, :, :]"
         full_q, full_2 = f"((k // {st}) % 2)", "((k // 2) % 2)"
         w(b, "tx = T.get_thread_binding()")
         w(b, f"lo: T.int32 = {lo}")
         w(b, f"n: T.int32 = {hi} - lo")
-        w(b, f"if tx < {WS_PRODUCER_THREADS}:")
-        pb = b + 1
-        w(pb, f"T.set_max_nreg({WS_PRODUCER_REGS}, 0)")
-        w(pb, "if tx < 32:")
-        w(pb + 1, f"T.tma_copy(K[bz, bx * {bN}:(bx + 1) * {bN}, by // {G}, :], K_shared, barrier=kv_full[0])")
-        w(pb + 1, f"T.tma_copy(V[bz, bx * {bN}:(bx + 1) * {bN}, by // {G}, :], V_shared, barrier=kv_full[0])")
-        w(pb + 1, "T.mbarrier_arrive(kv_full[0])")
-        w(pb + 1, "for k in T.serial(n):")
-        w(pb + 2, "qb: T.int32 = lo + k")
-        w(pb + 2, f"T.mbarrier_wait_parity(qdo_empty[k % {st}], {full_q} ^ 1)")
-        for src, dst, bar, fill in (("Q", q_sh, "q_full", finals_fill),
-                                    ("dO", do_sh, "do_full", delta_fill)):
-            w(pb + 2, f"T.tma_copy({src}[bz, {q_rows}, by, :], {dst}, barrier={bar}[k % {st}])")
-            w(pb + 2, fill)
-            w(pb + 2, f"T.mbarrier_arrive({bar}[k % {st}])")
-        # The writer warp: one bulk reduce-add per step (TMA cp.reduce; rows past Sq fall
-        # outside the tensor and are dropped by the copy engine), waited for here, off the
-        # consumers' path.
-        w(pb, "elif tx < 64:")
-        w(pb + 1, "for k in T.serial(n):")
-        w(pb + 2, "qb: T.int32 = lo + k")
-        w(pb + 2, f"T.mbarrier_wait_parity(dq_full[k % 2], {full_2})")
-        w(pb + 2, f"T.atomic_add(dQ[bz, by, qb, :, :], {dq_sh}, use_tma=True)")
-        w(pb + 2, "T.mbarrier_arrive(dq_empty[k % 2])")
+        w(b, _ws_producer_roles(cfg, D, G, finals_fill, delta_fill))
         w(b, "else:")
         b += 1
         w(b, f"T.set_max_nreg({WS_CONSUMER_REGS}, 1)")
