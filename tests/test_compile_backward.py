@@ -249,12 +249,28 @@ def test_custom_reads_by_one_position_are_hoisted():
         assert len(reads) == 2 and (any(ln.startswith("Cqs") for ln in reads) == ws)
 
 
-def _source(name: str, **kw) -> str:
+def _source(name: str, cfg: KernelConfig | None = None, **kw) -> str:
     from engine.codegen.backward import generate_backward
     from engine.plan.shape import KernelShape
 
     mod = _module(name)
-    return generate_backward(mod.spec, KernelShape.of(mod), default_backward_config(128, 128), **kw)
+    cfg = cfg or default_backward_config(128, 128)
+    return generate_backward(mod.spec, KernelShape.of(mod), cfg, **kw)
+
+
+@pytest.mark.compile
+@needs_nvcc
+def test_warp_specialised_tuner_configs_compile(tmp_path, monkeypatch):
+    """Other points of the tuner's space that take the warp-specialised schedule: one consumer
+    warpgroup with 64 keys, rasterised in panels, one stage."""
+    from engine.plan.backward import ws_schedule_fits
+    from engine.runtime.compile import compile_source
+
+    monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
+    cfg = KernelConfig(64, 64, 1, 128, "FullRow", 8)
+    assert not backward_config_problems(cfg, 128, 128) and ws_schedule_fits(cfg, 128, 128)
+    cuda = compile_source(_source("alibi", cfg, custom_grads=("alibi_slopes",))).get_kernel_source()
+    _check_warp_specialised_protocol(cuda)
 
 
 def test_warp_specialised_schedule_model():

@@ -11,6 +11,8 @@ import math
 import pytest
 import torch
 
+from engine.plan.backward import backward_config_problems, ws_schedule_fits
+from engine.plan.config import KernelConfig
 from engine.reference import executor
 from engine.reference.executor import rel_err
 from engine.runtime.backward_kernels import backward_kernel_call, backward_kernels_for
@@ -39,10 +41,10 @@ CASES += [
 DETERMINISTIC = [("softmax_causal", 2), ("alibi", 2), ("sigmoid", 2), ("softmax_causal", 8)]
 
 
-def _build(case):
+def _build(case, backward_config=None):
     name, dt, B, Hq, Hkv, Sq, Skv, D, Dv = case
     sizes = dict(batch=B, heads_q=Hq, heads_kv=Hkv, seqlen_q=Sq, seqlen_kv=Skv, head_dim=D, head_dim_v=Dv)
-    mod = VARIANTS[name].build(**sizes, dtype=dt, backend="tilelang")
+    mod = VARIANTS[name].build(**sizes, dtype=dt, backend="tilelang", backward_config=backward_config)
     return mod, sizes
 
 
@@ -66,11 +68,11 @@ def _precompiled():
         print("precompile failed:", err[:300])
 
 
-def _inputs(case, seed: int) -> dict:
+def _inputs(case, seed: int, backward_config=None) -> dict:
     """Fresh inputs of `case`, the reference forward's o (in the case's dtype) and final row
     scales, an output gradient, and the names of the learnable CustomIO tensors."""
     name, dt = case[0], case[1]
-    mod, sizes = _build(case)
+    mod, sizes = _build(case, backward_config)
     inp = VARIANTS[name].make_inputs(**sizes, dtype=dt, device="cuda", seed=seed)
     names = list(mod.custom_io.names())
     customs = {n: inp[n] for n in names}
@@ -103,11 +105,29 @@ def _reference(x: dict) -> list[torch.Tensor]:
     return [rq, rk, rv, *(rc[n] for n in x["learn"])]
 
 
+# Points of the tuner's space, besides the default, that take the warp-specialised schedule:
+# one consumer warpgroup over 64 keys with a one-deep Q/dO ring, rasterised in panels.
+WS_CONFIGS = [KernelConfig(64, 64, 1, 128, "FullRow", 8), KernelConfig(64, 128, 1, 256, "FullRow", 8)]
+
+
+@pytest.mark.parametrize("cfg", WS_CONFIGS, ids=lambda c: c.key())
+@pytest.mark.parametrize("name", ["softmax_causal", "alibi", "document"])
+def test_warp_specialised_configs_match_reference(name, cfg):
+    assert ws_schedule_fits(cfg, 128, 128) and not backward_config_problems(cfg, 128, 128)
+    _check_against_reference((name, BF16, 2, 8, 2, 777, 777, 128, 128), cfg)
+
+
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_backward_matches_reference(case):
+    _check_against_reference(case)
+
+
+def _check_against_reference(case, backward_config=None) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    x = _inputs(case, int(torch.randint(0, 2**31 - 1, (1,)).item()))
+    x = _inputs(case, int(torch.randint(0, 2**31 - 1, (1,)).item()), backward_config)
+    if backward_config is not None:
+        assert backward_kernels_for(x["mod"], custom_grads=x["learn"]).config == backward_config
     # Learnable CustomIO tensors (ALiBi slopes, sigmoid bias, RetNet decay) get gradients too.
     whats = ["dq", "dk", "dv", *x["learn"]]
     for what, got, ref in zip(whats, _kernel(x), _reference(x), strict=True):
