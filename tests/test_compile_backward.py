@@ -275,9 +275,9 @@ def test_warp_specialised_tuner_configs_compile(tmp_path, monkeypatch):
 
 def test_warp_specialised_schedule_model():
     """The fast backward takes the warp-specialised schedule at the default D = 128 tile
-    (224 KiB of rings); not in the deterministic mode (no dQ), with 32-query steps (dQ is no
-    wgmma) or head dims that are not whole 64-column tiles; asked for where it does not
-    apply, the generator refuses."""
+    (about 226 KiB of rings and barriers); not in the deterministic mode (no dQ), with
+    32-query steps (dQ is no wgmma) or head dims that are not whole 64-column tiles; asked
+    for where it does not apply, the generator refuses."""
     from engine.plan.backward import ws_schedule_fits
 
     cfg = default_backward_config(128, 128)
@@ -286,6 +286,9 @@ def test_warp_specialised_schedule_model():
     assert not ws_schedule_fits(KernelConfig(32, 128, 2, 256), 128, 128)
     assert not ws_schedule_fits(cfg, 96, 96)
     assert not ws_schedule_fits(KernelConfig(64, 128, 3, 256), 128, 128), "3 stages: 256 KiB"
+    # Each per-query vector takes 512 bytes of the two-stage ring: four fit beside the tiles.
+    assert ws_schedule_fits(cfg, 128, 128, n_vectors=4)
+    assert not ws_schedule_fits(cfg, 128, 128, n_vectors=5)
     assert "warp-specialised" in backward_kernels_for(_module("softmax")).source
     assert "warp-specialised" not in backward_kernels_for(_module("softmax"), deterministic=True).source
     with pytest.raises(ValueError, match="warp_specialized"):

@@ -411,6 +411,18 @@ def _header(lines: list[str], title: str, args: list[str], preamble: str = "") -
     _writer_lines(lines, 0, "):")
 
 
+def warp_specialized_default(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
+                             deterministic: bool = False) -> bool:
+    """The schedule generate_backward takes unless told: warp-specialised where
+    ws_schedule_fits, counting this spec's per-query vectors (finals, Delta and, at most,
+    every custom read indexed by the query alone)."""
+    roots = [r for r in (spec.mask, spec.score_mod, spec.fwd_recompute, spec.bwd) if r is not None]
+    by_query = {n.attr for n in leaves(roots) if n.op == "custom"
+                and "q" in n.attr[2] and "kv" not in n.attr[2]}
+    n_vectors = len(spec.final_names) + int(spec.uses_doosum) + len(by_query)
+    return ws_schedule_fits(cfg, shape.head_dim, shape.head_dim_v, 2, deterministic, n_vectors)
+
+
 def _ws_rings(cfg: KernelConfig, D: int, Dv: int, dt: str) -> str:
     """Shared buffers and mbarriers of the warp-specialised schedule: Q and dO rings
     (num_stages deep, filled by the producer warp); dS^T and dQ two deep, so that a step
@@ -494,7 +506,7 @@ def generate_backward(    spec: TracedSpec,
     ex = _TileExprs(spec, custom_grads)
     bM, bN, D, Dv, Sq, Skv, G, nqb, nkb, dt, mb, mh = _dims(shape, cfg)
     if warp_specialized is None:
-        warp_specialized = ws_schedule_fits(cfg, D, Dv, 2, deterministic)
+        warp_specialized = warp_specialized_default(spec, shape, cfg, deterministic)
     elif warp_specialized and deterministic:
         raise ValueError("warp_specialized: the deterministic backward has no dQ to hand over")
     ws = warp_specialized

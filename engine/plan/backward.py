@@ -64,25 +64,31 @@ WS_CONSUMER_BARRIER = 1  # named barrier id of the consumers' one meeting per st
 DQ_ROW = 256
 
 
-def ws_shared_bytes(cfg: KernelConfig, head_dim: int, head_dim_v: int, elem_bytes: int = 2) -> int:
+# Static shared memory beside the dynamic buffers (the mbarriers; ptxas reports 1 KiB).
+WS_STATIC_SMEM = 1024
+
+
+def ws_shared_bytes(cfg: KernelConfig, head_dim: int, head_dim_v: int, elem_bytes: int = 2,
+                    n_vectors: int = 2) -> int:
     """Shared memory of the warp-specialised schedule: K and V, the Q/dO ring (num_stages,
-    with the per-query fp32 vectors), and two-deep rings of dS^T (16-bit) and the dQ tile
-    (fp32)."""
+    with `n_vectors` per-query fp32 vectors: finals, Delta, hoisted custom reads), two-deep
+    rings of dS^T (16-bit) and the dQ tile (fp32), and the mbarriers."""
     bM, bN = cfg.block_M, cfg.block_N
     return (elem_bytes * (bN * (head_dim + head_dim_v)
                           + cfg.num_stages * bM * (head_dim + head_dim_v) + 2 * bN * bM)
-            + 4 * (2 * bM * head_dim + cfg.num_stages * 2 * bM))
+            + 4 * (2 * bM * head_dim + cfg.num_stages * n_vectors * bM) + WS_STATIC_SMEM)
 
 
 def ws_schedule_fits(cfg: KernelConfig, head_dim: int, head_dim_v: int, elem_bytes: int = 2,
-                     deterministic: bool = False) -> bool:
+                     deterministic: bool = False, n_vectors: int = 2) -> bool:
     """Whether the fast backward at `cfg` uses the warp-specialised schedule: dQ by wgmma in
     whole 64 x 64 tiles (block_M and head_dim multiples of 64), one or two consumer
     warpgroups, and its rings in shared memory. The deterministic mode has no dQ to hand over
     and keeps the automatic pipeline."""
     return (not deterministic and cfg.block_M % 64 == 0 and head_dim % 64 == 0
             and cfg.threads in (128, 256)
-            and ws_shared_bytes(cfg, head_dim, head_dim_v, elem_bytes) <= SMEM_LIMIT_BYTES)
+            and ws_shared_bytes(cfg, head_dim, head_dim_v, elem_bytes, n_vectors)
+            <= SMEM_LIMIT_BYTES)
 
 
 def split_schedule_fits(cfg: KernelConfig, head_dim: int, head_dim_v: int, n_rows: int,

@@ -21,6 +21,7 @@ from engine.codegen.backward import (
     generate_backward_dq,
     generate_dq_postprocess,
     generate_preprocess,
+    warp_specialized_default,
 )
 from engine.mask.analysis import FULL, PARTIAL, BlockClasses
 from engine.plan.backward import (
@@ -28,7 +29,6 @@ from engine.plan.backward import (
     check_backward_config,
     default_backward_config,
     default_dq_config,
-    ws_schedule_fits,
 )
 from engine.plan.config import KernelConfig
 from engine.plan.shape import KERNEL_DTYPES, KernelShape
@@ -129,7 +129,7 @@ def backward_kernels_for(
         bk.dq_source = generate_backward_dq(spec, shape, dq_cfg)
         bk.dq_config = dq_cfg
         bk.dq_tables = MaskTables(spec.mask, shape, dq_cfg.block_M, dq_cfg.block_N, forward_layout)
-    if ws_schedule_fits(cfg, p.head_dim, p.head_dim_v, deterministic=det):
+    if warp_specialized_default(spec, shape, cfg, det):
         bk.post_source = generate_dq_postprocess(shape, cfg)
     cache[key] = bk
     return bk
