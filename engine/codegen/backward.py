@@ -224,7 +224,7 @@ def _binder(shape: KernelShape, q_idx: str, kv_idx: str, tiles: dict[str, str], 
             hoisted: dict[tuple, str] | None = None):
     """Emitter binding for one frame: `q_idx`/`kv_idx` the index texts of the fragment element
     [i, j], `tiles` the fragments holding rawscore, dp and p, `q_var` the loop variable (i or
-    j) that indexes the per-query register vectors (see _row_vectors); `hoisted` maps a
+    j) that indexes the per-query register vectors (see _vector_text); `hoisted` maps a
     custom read (name, index) to the register-vector element that holds it (_hoisted_reads)."""
     Sq, Skv = shape.seqlen_q, shape.seqlen_kv
     index_text = {"b": "bz", "h": "by", "q": q_idx, "kv": kv_idx}
@@ -250,39 +250,40 @@ def _binder(shape: KernelShape, q_idx: str, kv_idx: str, tiles: dict[str, str], 
     return bind, index_text
 
 
-def _row_vectors(spec: TracedSpec, shape: KernelShape, n: int, q0: str,
-                 ring: str | None = None) -> tuple[list[str], str, str, str, str]:
-    """(allocations, load of the finals, load of Delta, producer's fill of the finals' ring,
-    producer's fill of Delta's ring) for the per-query fp32 vectors of the `n` queries from
-    `q0`, held as register fragments. TileLang replicates them over the threads that hold a
-    query's column (or row), so each thread loads its own few values once per query block.
+# A per-position fp32 register vector: (register fragment, its shared-memory ring in the
+# warp-specialised schedule, the global read of its element t).
+Vector = tuple[str, str, str]
+
+
+def _row_vectors(spec: TracedSpec, shape: KernelShape, q0: str) -> tuple[list[Vector], list[Vector]]:
+    """The finals and Delta (when `bwd` reads it) of the queries from `q0`, as vectors."""
+    row = f"bz, by, T.min({q0} + t, {shape.seqlen_q - 1})"
+    finals = [(f"Fr_{name}", f"Fs_{name}", f"F_{name}[{row}]") for name in spec.final_names]
+    return finals, [("Dr", "Ds", f"Delta[{row}]")] if spec.uses_doosum else []
+
+
+def _vector_text(vecs: list[Vector], n: int, ring: tuple[str, int] | None = None
+                 ) -> tuple[list[str], list[str], str, str]:
+    """(fragment allocations, ring allocations, load into the registers, producer's fill of
+    the rings) for `vecs` of `n` positions. TileLang replicates a vector over the threads that
+    hold its position's row (or column), so each thread loads its own few values once.
 
     Without `ring`, each thread reads them from global memory, ahead of the gemms whose
-    results they meet. With `ring` (the stage index of a warp-specialised step), the producer
-    warp copies them into shared-memory rings beside Q and dO, and the consumers read them
-    from there: on the H100 the consumers' own global reads (two vectors, 16 values a thread
-    each at block_M = 64) cost a fifth of the backward's time even when issued early."""
-    clamp = f"T.min({q0} + t, {shape.seqlen_q - 1})"
-
+    results they meet. With `ring` (a warp-specialised step's stage index and the ring depth),
+    the producer warp copies them into shared memory beside Q and dO, and the consumers read
+    them from there: on the H100 the consumers' own global reads (the finals and Delta, 16
+    values a thread each at block_M = 64) cost a fifth of the backward's time even when issued
+    early."""
     def loop(lines: list[str]) -> str:
         return "\n".join([f"for t in T.Parallel({n}):"] + [f"    {ln}" for ln in lines]) if lines else ""
 
-    finals = [(f"Fr_{name}", f"F_{name}", f"Fs_{name}") for name in spec.final_names]
-    delta = [("Dr", "Delta", "Ds")] if spec.uses_doosum else []
-    allocs = [f'{reg} = T.alloc_fragment(({n},), "float32")' for reg, _, _ in finals + delta]
+    frags = [f'{reg} = T.alloc_fragment(({n},), "float32")' for reg, _, _ in vecs]
     if ring is None:
-        def read(vecs):
-            return loop([f"{reg}[t] = {src}[bz, by, {clamp}]" for reg, src, _ in vecs])
-        return allocs, read(finals), read(delta), "", ""
-    allocs += [f'{sh} = T.alloc_shared(({ring[1]}, {n}), "float32")' for _, _, sh in finals + delta]
-
-    def consume(vecs):
-        return loop([f"{reg}[t] = {sh}[{ring[0]}, t]" for reg, _, sh in vecs])
-
-    def fill(vecs):
-        return loop([f"{sh}[{ring[0]}, t] = {src}[bz, by, {clamp}]" for _, src, sh in vecs])
-
-    return allocs, consume(finals), consume(delta), fill(finals), fill(delta)
+        return frags, [], loop([f"{reg}[t] = {src}" for reg, _, src in vecs]), ""
+    stage, depth = ring
+    return (frags, [f'{sh} = T.alloc_shared(({depth}, {n}), "float32")' for _, sh, _ in vecs],
+            loop([f"{reg}[t] = {sh}[{stage}, t]" for reg, sh, _ in vecs]),
+            loop([f"{sh}[{stage}, t] = {src}" for _, sh, src in vecs]))
 
 
 def dq_fragment_index(i: str, j: str, head_dim: int) -> str:
@@ -297,47 +298,37 @@ def dq_fragment_index(i: str, j: str, head_dim: int) -> str:
             f" + ({i}) % 16 // 8 * 2 + ({j}) % 2)")
 
 
-def _hoisted_reads(roots: list[Expr], shape: KernelShape, bM: int, bN: int, q0: str,
-                   ring: tuple[str, int] | None) -> tuple[dict, list[str], str, str, str]:
+def _single_axis(index: tuple) -> str | None:
+    """"q" or "kv" when a custom read's index varies along that position axis only."""
+    syms = {x for x in index if isinstance(x, str)}
+    if ("q" in syms) != ("kv" in syms):
+        return "q" if "q" in syms else "kv"
+    return None
+
+
+def _hoisted_reads(roots: list[Expr], shape: KernelShape, bN: int, q0: str
+                   ) -> tuple[dict[tuple, str], list[Vector], list[Vector]]:
     """Custom reads of the tile expressions indexed by one position axis (a document id per
     query or per key, say), held in register vectors instead of read per element: per key,
-    [bN] loaded once before the loop; per query, [bM] loaded each step like the finals (from
-    the producer's shared-memory ring with `ring`). Read per element they are 2 x bM x bN / threads
-    loads per step, whose latency sits behind each gemm's wait.
-    Returns (binding, allocations, per-key load, per-query load, producer's fill)."""
+    loaded once before the loop; per query, each step like the finals. Read per element they
+    are 2 x bM x bN / threads loads per step, whose latency sits behind each gemm's wait.
+    Returns (binding of each read to its vector element, per-key vectors, per-query vectors)."""
     reads = sorted({n.attr for n in leaves(roots) if n.op == "custom"}, key=repr)
-    Sq, Skv = shape.seqlen_q, shape.seqlen_kv
+    pos = {"q": f"T.min({q0} + t, {shape.seqlen_q - 1})",
+           "kv": f"T.min(bx * {bN} + t, {shape.seqlen_kv - 1})"}
     index_text = {"b": "bz", "h": "by"}
     bind: dict[tuple, str] = {}
-    allocs: list[str] = []
-    per_kv, per_q, fill = [], [], []
+    by_axis: dict[str, list[Vector]] = {"q": [], "kv": []}
     for r, (name, _, index) in enumerate(reads):
-        syms = [x for x in index if isinstance(x, str)]
-        axis = "q" if "q" in syms and "kv" not in syms else "kv" if "kv" in syms and "q" not in syms else None
+        axis = _single_axis(index)
         if axis is None:
             continue
-        pos = (f"T.min({q0} + t, {Sq - 1})" if axis == "q" else f"T.min(bx * {bN} + t, {Skv - 1})")
-        parts = [pos if x == axis else index_text.get(x, "0") if isinstance(x, str) else "0"
+        parts = [pos[axis] if x == axis else index_text.get(x, "0") if isinstance(x, str) else "0"
                  for x in index]
-        src = f"C_{name}[{', '.join(parts)}]"
-        if axis == "kv":
-            allocs.append(f'Ck{r} = T.alloc_fragment(({bN},), "float32")')
-            per_kv.append(f"Ck{r}[t] = {src}")
-            bind[(name, index)] = f"Ck{r}[i]"
-            continue
-        allocs.append(f'Cq{r} = T.alloc_fragment(({bM},), "float32")')
-        bind[(name, index)] = f"Cq{r}[j]"
-        if ring is None:
-            per_q.append(f"Cq{r}[t] = {src}")
-        else:
-            allocs.append(f'Cqs{r} = T.alloc_shared(({ring[1]}, {bM}), "float32")')
-            per_q.append(f"Cq{r}[t] = Cqs{r}[{ring[0]}, t]")
-            fill.append(f"Cqs{r}[{ring[0]}, t] = {src}")
-
-    def loop(n: int, body: list[str]) -> str:
-        return "\n".join([f"for t in T.Parallel({n}):"] + [f"    {b}" for b in body]) if body else ""
-
-    return bind, allocs, loop(bN, per_kv), loop(bM, per_q), loop(bM, fill)
+        reg = f"Cq{r}" if axis == "q" else f"Ck{r}"
+        by_axis[axis].append((reg, f"Cqs{r}", f"C_{name}[{', '.join(parts)}]"))
+        bind[(name, index)] = f"{reg}[{'j' if axis == 'q' else 'i'}]"
+    return bind, by_axis["kv"], by_axis["q"]
 
 
 def _by_class(cls: str, loop, mask: str) -> str:
@@ -417,10 +408,14 @@ def warp_specialized_default(spec: TracedSpec, shape: KernelShape, cfg: KernelCo
     ws_schedule_fits, counting this spec's per-query vectors (finals, Delta and, at most,
     every custom read indexed by the query alone)."""
     roots = [r for r in (spec.mask, spec.score_mod, spec.fwd_recompute, spec.bwd) if r is not None]
-    by_query = {n.attr for n in leaves(roots) if n.op == "custom"
-                and "q" in n.attr[2] and "kv" not in n.attr[2]}
+    by_query = {n.attr for n in leaves(roots) if n.op == "custom" and _single_axis(n.attr[2]) == "q"}
     n_vectors = len(spec.final_names) + int(spec.uses_doosum) + len(by_query)
     return ws_schedule_fits(cfg, shape.head_dim, shape.head_dim_v, 2, deterministic, n_vectors)
+
+
+def _parity(depth: int) -> str:
+    """mbarrier phase parity of step k in a ring `depth` deep (its round, mod 2)."""
+    return f"((k // {depth}) % 2)"
 
 
 def _ws_rings(cfg: KernelConfig, D: int, Dv: int, dt: str) -> str:
@@ -459,7 +454,7 @@ def _ws_producer_roles(cfg: KernelConfig, D: int, G: int, finals_fill: str,
         "        T.mbarrier_arrive(kv_full[0])",
         "        for k in T.serial(n):",
         "            qb: T.int32 = lo + k",
-        f"            T.mbarrier_wait_parity(qdo_empty[k % {st}], ((k // {st}) % 2) ^ 1)",
+        f"            T.mbarrier_wait_parity(qdo_empty[k % {st}], {_parity(st)} ^ 1)",
     ]
     for src, bar, fill in (("Q", "q_full", finals_fill), ("dO", "do_full", delta_fill)):
         lines.append(f"            T.tma_copy({src}[bz, {q_rows}, by, :], {src}_shared[k % {st}, :, :], "
@@ -472,7 +467,7 @@ def _ws_producer_roles(cfg: KernelConfig, D: int, G: int, finals_fill: str,
         "    elif tx < 64:",
         "        for k in T.serial(n):",
         "            qb: T.int32 = lo + k",
-        "            T.mbarrier_wait_parity(dq_full[k % 2], ((k // 2) % 2))",
+        f"            T.mbarrier_wait_parity(dq_full[k % 2], {_parity(2)})",
         "            T.atomic_add(dQ[bz, by, qb, :, :], dq_shared[k % 2, :, :], use_tma=True)",
         "            T.mbarrier_arrive(dq_empty[k % 2])",
     ]
@@ -520,22 +515,23 @@ def generate_backward(    spec: TracedSpec,
     roots = [ex.p, ex.ds_mod, ex.dsm_ds, *(d for _, _, d in ex.dc_reads)]
     if spec.mask is not None:
         roots.append(spec.mask)
-    hoisted, c_allocs, ck_load, cq_load, cq_fill = _hoisted_reads(
-        roots, shape, bM, bN, f"qb * {bM}", ring)
+    hoisted, by_kv, by_q = _hoisted_reads(roots, shape, bN, f"qb * {bM}")
+    finals, delta = _row_vectors(spec, shape, f"qb * {bM}")
     # Two schedules. Split: P is computed while dP^T is in flight, and dS while dV += P^T dO
     # is. Fused: P and dS in one loop after both gemms, which frees each S^T and P element at
     # once; used where split would spill (soft-capping: S^T live until dS beside the row
     # vectors spilled 588 bytes and ran 30% slower). The per-query vectors are the finals,
     # Delta and the hoisted custom reads (a document id per query: split spilled 184 bytes
     # there, and fused ran the document backward 4% faster on the H100).
-    n_rows = (len(spec.final_names) + int(spec.uses_doosum)
-              + sum(text.startswith("Cq") for text in hoisted.values()))
-    split = split_schedule_fits(cfg, D, Dv, n_rows, ex.ds_reads_score)
+    split = split_schedule_fits(cfg, D, Dv, len(finals) + len(delta) + len(by_q),
+                                ex.ds_reads_score)
     bind, index_text = _binder(shape, q_idx, kv_idx, {"rawscore": "sT", "dp": "dpT", "p": "pT"}, "j",
                                hoisted)
-    row_allocs, finals_load, delta_load, finals_fill, delta_fill = _row_vectors(
-        spec, shape, bM, f"qb * {bM}", ring=ring)
-    row_allocs += c_allocs
+    f_frags, f_rings, finals_load, finals_fill = _vector_text(finals, bM, ring)
+    d_frags, d_rings, delta_load, delta_fill = _vector_text(delta, bM, ring)
+    k_frags, _, ck_load, _ = _vector_text(by_kv, bN)
+    q_frags, q_rings, cq_load, cq_fill = _vector_text(by_q, bM, ring)
+    row_allocs = f_frags + d_frags + f_rings + d_rings + k_frags + q_frags + q_rings
     finals_load = "\n".join(t for t in (finals_load, cq_load) if t)
     finals_fill = "\n".join(t for t in (finals_fill, cq_fill) if t)
     mask_text = _mask_text(spec, bind, q_idx, kv_idx, shape)
@@ -621,7 +617,7 @@ def generate_backward(    spec: TracedSpec,
         # Stage of step k in each ring, and the mbarrier parity of its round.
         q_sh, do_sh = f"Q_shared[k % {st}, :, :]", f"dO_shared[k % {st}, :, :]"
         ds_sh = "dsT_shared[k % 2, :, :]"
-        full_q, full_2 = f"((k // {st}) % 2)", "((k // 2) % 2)"
+        full_q, full_2 = _parity(st), _parity(2)
         w(b, "tx = T.get_thread_binding()")
         w(b, f"lo: T.int32 = {lo}")
         w(b, f"n: T.int32 = {hi} - lo")
@@ -717,9 +713,9 @@ def generate_backward(    spec: TracedSpec,
         # stage goes back to the producer, and dQ to the writer once its slot is free.
         w(lb, f"T.mbarrier_arrive(qdo_empty[k % {st}])")
         w(lb, f"T.mbarrier_wait_parity(dq_empty[k % 2], {full_2} ^ 1)")
+        f = dq_fragment_index("i", "j", D)
         w(lb, f"for i, j in T.Parallel({bM}, {D}):")
-        w(lb + 1, f"dq_shared[k % 2, {dq_fragment_index('i', 'j', D)} // {DQ_ROW}, "
-                  f"{dq_fragment_index('i', 'j', D)} % {DQ_ROW}] = dq[i, j]")
+        w(lb + 1, f"dq_shared[k % 2, {f} // {DQ_ROW}, {f} % {DQ_ROW}] = dq[i, j]")
         w(lb, "T.fence_proxy_async()")
         w(lb, "T.mbarrier_arrive(dq_full[k % 2])")
     elif not deterministic:
@@ -755,7 +751,10 @@ def generate_backward_dq(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig
     bM, bN, D, Dv, Sq, Skv, G, nqb, nkb, dt, mb, mh = _dims(shape, cfg)
     q_idx, kv_idx = f"(bx * {bM} + i)", f"(kb * {bN} + j)"
     bind, _ = _binder(shape, q_idx, kv_idx, {"rawscore": "s", "dp": "dp", "p": "p"}, "i")
-    row_allocs, finals_load, delta_load, _, _ = _row_vectors(spec, shape, bM, f"bx * {bM}")
+    finals, delta = _row_vectors(spec, shape, f"bx * {bM}")
+    f_frags, _, finals_load, _ = _vector_text(finals, bM)
+    d_frags, _, delta_load, _ = _vector_text(delta, bM)
+    row_allocs = f_frags + d_frags
     mask_text = _mask_text(spec, bind, q_idx, kv_idx, shape)
 
     def tile_body(mask: str | None) -> str:

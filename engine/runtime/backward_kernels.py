@@ -113,14 +113,17 @@ def backward_kernels_for(
     shape = KernelShape.of(mod)
     tables = MaskTables(spec.mask, shape, cfg.block_M, cfg.block_N,
                         lambda bc: transposed_tables(bc, shape.seqlen_q, cfg.block_M))
+    # One decision for the main kernel's schedule and the dQ layout its caller expects.
+    ws = warp_specialized_default(spec, shape, cfg, det)
     bk = BackwardKernels(
         shape,
         cfg,
-        generate_backward(spec, shape, cfg, custom_grads, deterministic=det),
+        generate_backward(spec, shape, cfg, custom_grads, deterministic=det, warp_specialized=ws),
         generate_preprocess(shape) if spec.uses_doosum else None,
         tables,
         custom_grads,
         tuple(dc_reads(spec, custom_grads)),
+        post_source=generate_dq_postprocess(shape, cfg) if ws else None,
     )
     if det:
         from engine.runtime.tilelang_backend import forward_layout
@@ -129,8 +132,6 @@ def backward_kernels_for(
         bk.dq_source = generate_backward_dq(spec, shape, dq_cfg)
         bk.dq_config = dq_cfg
         bk.dq_tables = MaskTables(spec.mask, shape, dq_cfg.block_M, dq_cfg.block_N, forward_layout)
-    if warp_specialized_default(spec, shape, cfg, det):
-        bk.post_source = generate_dq_postprocess(shape, cfg)
     cache[key] = bk
     return bk
 
