@@ -82,21 +82,32 @@ def _check_do_stage_outlives_its_wgmmas(cuda: str) -> None:
 
 def _check_warp_specialised_protocol(cuda: str) -> None:
     """The warp-specialised schedule's hand-placed synchronisation, as compiled: the Q/dO
-    stage goes back to the producer only after a wait for every wgmma of the step; the dQ
-    tile's generic stores are fenced for the TMA engine before the writer warp is signalled;
-    the consumers meet at one named barrier per step, behind the fence that publishes dS^T to
-    the tensor cores; and no other barrier is left in the kernel's loops."""
+    stage goes back to the producer only after a wait for every wgmma of the step; dQ leaves
+    its registers only after a wait that leaves at most dK's wgmma (issued after dQ's) in
+    flight; the dQ tile's generic stores are fenced for the TMA engine before the writer warp
+    is signalled; the consumers meet at one named barrier per step, behind the fence that
+    publishes dS^T to the tensor cores; and no other barrier is left in the kernel's loops."""
     if "qdo_empty" not in cuda:
         return
     lines = [ln.strip() for ln in cuda.splitlines()]
+
+    def waits(n: int) -> set[str]:  # TileLang spells the wgmma wait two ways
+        return {f"tl::warpgroup_wait<{n}>();", f"tl::wait_wgmma<{n}>();"}
+
     release = [i for i, ln in enumerate(lines) if ln.startswith("qdo_empty[") and ln.endswith(".arrive();")]
     assert len(release) == 1, "the consumers release each Q/dO stage once"
     r = release[0]
     last_issue = max(i for i in range(r) if lines[i].startswith("tl::wgmma_"))
-    last_wait = max(i for i in range(r) if lines[i] == "tl::warpgroup_wait<0>();")
+    last_wait = max(i for i in range(r) if lines[i] in waits(0))
     assert last_issue < last_wait < r
     handover = next(i for i, ln in enumerate(lines) if ln.startswith("dq_full[") and "arrive" in ln)
     assert lines[handover - 1] == "tl::fence_proxy_async();"
+    dq_issue = next(i for i, ln in enumerate(lines) if "initialize_wgmma_descriptor" in ln
+                    and "dsT_shared" in ln)
+    dq_store = next(i for i in range(dq_issue, handover) if "dq_shared" in lines[i])
+    wait = max(i for i in range(dq_issue, dq_store) if lines[i] in waits(0) | waits(1))
+    batches = sum(ln == "tl::warpgroup_commit_batch();" for ln in lines[dq_issue:wait])
+    assert lines[wait] in waits(0) or batches == 2, "only dK's wgmma may be in flight"
     syncs = [i for i, ln in enumerate(lines) if "__sync_thread_partial" in ln or "__syncthreads" in ln]
     assert len(syncs) == 2, "barrier init, then one consumer barrier per step"
     assert lines[syncs[1] - 1] == "tl::fence_proxy_async();"
@@ -228,7 +239,8 @@ def test_schedule_follows_the_register_model():
     assert not split_schedule_fits(cfg, 128, 128, n_rows=2, ds_reads_score=True)
     for ws in (True, False):
         split = _source("softmax", warp_specialized=ws)
-        assert split.count("T.wait_wgmma(1)") == 2 and "T.gemm(pT_cast" not in split
+        # (The warp-specialised schedule's third wait lets dK's wgmma run under dQ's store.)
+        assert split.count("T.wait_wgmma(1)") == 2 + ws and "T.gemm(pT_cast" not in split
         assert ("dO_hold[0] = dO_shared[0, 0]" in split) == (not ws)
         fused = _source("softcap", warp_specialized=ws)
         assert "dO_hold" not in fused and "T.wait_wgmma(0)" in fused and "T.gemm(pT_cast" in fused
@@ -309,3 +321,65 @@ def test_dq_fragment_order_round_trip():
         i_text, j_text = dq_fragment_position("p", "q", D)
         i2, j2 = (eval(t, {"p": p, "q": q}) for t in (i_text, j_text))
         assert torch.equal(eval(dq_fragment_index("i", "j", D), {"i": i2, "j": j2}), p * 4 + q)
+
+
+LLAMA3 = dict(batch=2, heads_q=32, heads_kv=8, seqlen_q=4096, seqlen_kv=4096)  # 512 blocks
+
+
+def test_heads_loop_schedule():
+    """With GQA and enough thread blocks (LLaMA-3 8B heads at 4k: 32 kv blocks x 8 kv heads
+    x 2), one thread block per kv head walks the group's query heads: dK and dV are summed in
+    registers and stored once in the input dtype, and the kv block is the grid's slowest axis
+    (longest blocks first under a causal mask). Not with too few blocks, without GQA, with
+    custom gradients, or in the deterministic mode; asked for there, the generator refuses."""
+    from engine.codegen.backward import HEADS_LOOP_MIN_BLOCKS, heads_loop_default
+    from engine.plan.shape import KernelShape
+
+    def mod(name, **kw):
+        sizes = {**LLAMA3, **kw}
+        return VARIANTS[name].build(**sizes, head_dim=128, head_dim_v=128, dtype=torch.bfloat16,
+                                    backend="tilelang")
+
+    bk = backward_kernels_for(mod("softmax_causal"))
+    assert bk.heads_loop and bk.warp_specialized
+    src = bk.source
+    assert "with T.Kernel(8, 2, 32, threads=384) as (by, bz, bx):" in src
+    assert "for g in T.serial(4):" in src and "hq: T.int32 = by * 4 + g" in src
+    assert "Q[bz, qb * 64:(qb + 1) * 64, hq, :]" in src and "dQ[bz, hq, qb, :, :]" in src
+    assert "K[bz, bx * 128:(bx + 1) * 128, by, :]" in src
+    assert 'dK: T.Tensor((2, 4096, 8, 128), "bfloat16")' in src
+    assert "T.atomic_add(dK" not in src and "T.atomic_add(dV" not in src
+    # Too few blocks (8 x 2 x 2), MHA, custom gradients, deterministic: a block per query head.
+    assert not backward_kernels_for(_module("softmax_causal")).heads_loop
+    assert not backward_kernels_for(mod("softmax_causal", heads_kv=32)).heads_loop
+    alibi = mod("alibi")
+    assert not backward_kernels_for(alibi, custom_grads=("alibi_slopes",)).heads_loop
+    assert backward_kernels_for(alibi).heads_loop
+    assert not backward_kernels_for(mod("softmax_causal"), deterministic=True).heads_loop
+    shape = KernelShape.of(mod("softmax_causal", seqlen_q=1024, seqlen_kv=1024))
+    cfg = default_backward_config(128, 128)
+    assert 8 * 8 * 2 < HEADS_LOOP_MIN_BLOCKS and not heads_loop_default(shape, cfg, True)
+    with pytest.raises(ValueError, match="heads_loop"):
+        _source("softmax_causal", deterministic=True, warp_specialized=False, heads_loop=True)
+
+
+@pytest.mark.compile
+@needs_nvcc
+@pytest.mark.parametrize("name", ["document", "alibi"])
+def test_heads_loop_backward_compiles(name, tmp_path, monkeypatch):
+    """The heads loop compiles with the schedule's protocol intact: document reloads its
+    per-key vector per query head; ALiBi reads its slope of head hq and (forced here: not
+    the default) flushes its slopes' gradient once per query head."""
+    from engine.runtime.compile import compile_source
+
+    monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
+    grads = tuple(VARIANTS[name].learnable)
+    src = _source(name, custom_grads=grads, heads_loop=True)
+    body = src[src.index("for g in T.serial(4):", src.index("T.set_max_nreg(240")):]
+    if name == "document":
+        assert body.index("Ck") < body.index("for kk in T.serial(n):")
+    else:
+        assert "C_alibi_slopes[hq]" in body
+        flush = body.index("T.atomic_add(dC_alibi_slopes[hq]")
+        assert body.index("T.clear(cg_acc0)") < body.index("for kk in T.serial(n):") < flush
+    _check_warp_specialised_protocol(compile_source(src).get_kernel_source())

@@ -2,9 +2,11 @@
 
 backward_kernel_call(mod, q, k, v, o, finals, do, custom, custom_grads) -> (dq, dk, dv, dC) runs
   preprocess (Delta = rowsum(dO * O), only when the spec's bwd reads doosum),
-  main (one thread block per kv block x query head x batch; dQ by TMA reduce-adds into an
-    fp32 [B, Hq, Sq, D] buffer, dK and dV by fp32 atomics),
-  postprocess (fp32 -> input dtype; a torch cast, it is a plain elementwise copy).
+  main (one thread block per kv block x query head x batch, or x kv head walking the GQA
+    group's query heads; dQ by TMA reduce-adds into an fp32 buffer, dK and dV by fp32
+    atomics over a group's heads unless one thread block walks them),
+  postprocess (warp-specialised: a generated kernel turns the fragment-order dQ into rows in
+    the input dtype; fp32 dK/dV sums are cast by torch).
 The block tables are the forward's mask classification transposed: for each kv block the range
 of non-empty query blocks, and a query block's tail (rows past Sq) counts as partial.
 """
@@ -21,6 +23,7 @@ from engine.codegen.backward import (
     generate_backward_dq,
     generate_dq_postprocess,
     generate_preprocess,
+    heads_loop_default,
     warp_specialized_default,
 )
 from engine.mask.analysis import FULL, PARTIAL, BlockClasses
@@ -50,6 +53,9 @@ class BackwardKernels:
     custom_reads: tuple[tuple[str, tuple], ...] = ()
     # Warp-specialised main kernel: the pass that turns its fragment-order dQ into rows.
     post_source: str | None = None
+    # Warp-specialised with GQA: a thread block per kv head walks the group's query heads and
+    # stores dK and dV once, in the input dtype.
+    heads_loop: bool = False
     # Deterministic mode: the dQ kernel, its config and its (forward-layout) tables.
     dq_source: str | None = None
     dq_config: KernelConfig | None = None
@@ -115,15 +121,18 @@ def backward_kernels_for(
                         lambda bc: transposed_tables(bc, shape.seqlen_q, cfg.block_M))
     # One decision for the main kernel's schedule and the dQ layout its caller expects.
     ws = warp_specialized_default(spec, shape, cfg, det)
+    heads_loop = heads_loop_default(shape, cfg, ws, custom_grads)
     bk = BackwardKernels(
         shape,
         cfg,
-        generate_backward(spec, shape, cfg, custom_grads, deterministic=det, warp_specialized=ws),
+        generate_backward(spec, shape, cfg, custom_grads, deterministic=det, warp_specialized=ws,
+                          heads_loop=heads_loop),
         generate_preprocess(shape) if spec.uses_doosum else None,
         tables,
         custom_grads,
         tuple(dc_reads(spec, custom_grads)),
         post_source=generate_dq_postprocess(shape, cfg) if ws else None,
+        heads_loop=heads_loop,
     )
     if det:
         from engine.runtime.tilelang_backend import forward_layout
@@ -194,8 +203,10 @@ def backward_kernel_call(
     z = lambda *shape: torch.zeros(shape, dtype=torch.float32, device=dev)  # noqa: E731
     dc = {n: z(*cdict[n].shape) for n in bk.custom_grads}
     G = p.heads_q // p.heads_kv
-    # Without GQA the kernel stores dK/dV once, in the input dtype (see generate_backward).
-    kv = (lambda *shape: torch.empty(shape, dtype=q.dtype, device=dev)) if G == 1 else z
+    # Without GQA, or with a thread block per GQA group, the kernel stores dK/dV once, in the
+    # input dtype (see generate_backward).
+    kv = ((lambda *shape: torch.empty(shape, dtype=q.dtype, device=dev))
+          if G == 1 or bk.heads_loop else z)
     if bk.deterministic:
         dkh = kv(p.batch, p.seqlen_kv, p.heads_q, p.head_dim)
         dvh = kv(p.batch, p.seqlen_kv, p.heads_q, p.head_dim_v)

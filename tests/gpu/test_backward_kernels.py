@@ -117,17 +117,43 @@ def test_warp_specialised_configs_match_reference(name, cfg):
     _check_against_reference((name, BF16, 2, 8, 2, 777, 777, 128, 128), cfg)
 
 
+# One thread block per kv head walking its GQA group's query heads: the default from 264
+# thread blocks (LLaMA-3 8B heads from 2 x 4k); forced here at smaller shapes, and with
+# ALiBi's slope gradient (flushed per query head), which by default keeps a block per head.
+HEADS_LOOP = [
+    ("softmax_causal", BF16, 2, 8, 2, 777, 777, 128, 128),
+    ("alibi", FP16, 2, 8, 4, 1000, 1000, 64, 64),
+    ("document", BF16, 2, 8, 2, 1000, 1000, 128, 128),
+    ("sliding_window", FP16, 1, 12, 4, 1500, 1500, 128, 128),  # GQA 3
+    ("softcap", BF16, 2, 8, 2, 1000, 300, 128, 128),  # fused loop, Sq > Skv
+    ("softmax", BF16, 2, 16, 2, 640, 640, 128, 128),  # GQA 8
+]
+
+
+@pytest.mark.parametrize("case", HEADS_LOOP, ids=case_id)
+def test_heads_loop_matches_reference(case, monkeypatch):
+    from engine.runtime import backward_kernels
+
+    monkeypatch.setattr(backward_kernels, "heads_loop_default",
+                        lambda shape, cfg, ws, grads=(): ws and shape.heads_q > shape.heads_kv)
+    _check_against_reference(case, check=lambda bk: bk.heads_loop)
+
+
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_backward_matches_reference(case):
     _check_against_reference(case)
 
 
-def _check_against_reference(case, backward_config=None) -> None:
+def _check_against_reference(case, backward_config=None, check=None) -> None:
+    """`check(kernels)`, if given, must hold for the kernels under test."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     x = _inputs(case, int(torch.randint(0, 2**31 - 1, (1,)).item()), backward_config)
+    bk = backward_kernels_for(x["mod"], custom_grads=x["learn"])
     if backward_config is not None:
-        assert backward_kernels_for(x["mod"], custom_grads=x["learn"]).config == backward_config
+        assert bk.config == backward_config
+    if check is not None:
+        assert check(bk), "not the kernels this test is for"
     # Learnable CustomIO tensors (ALiBi slopes, sigmoid bias, RetNet decay) get gradients too.
     whats = ["dq", "dk", "dv", *x["learn"]]
     for what, got, ref in zip(whats, _kernel(x), _reference(x), strict=True):
