@@ -329,8 +329,8 @@ LLAMA3 = dict(batch=2, heads_q=32, heads_kv=8, seqlen_q=4096, seqlen_kv=4096)  #
 def test_heads_loop_schedule():
     """With GQA and enough thread blocks (LLaMA-3 8B heads at 4k: 32 kv blocks x 8 kv heads
     x 2), one thread block per kv head walks the group's query heads: dK and dV are summed in
-    registers and stored once in the input dtype, and the kv block is the grid's slowest axis
-    (longest blocks first under a causal mask). Not with too few blocks, without GQA, with
+    registers and stored once in the input dtype (launched in panels of 4 kv heads,
+    test_panel_launch_order). Not with too few blocks, without GQA, with
     custom gradients, or in the deterministic mode; asked for there, the generator refuses."""
     from engine.codegen.backward import HEADS_LOOP_MIN_BLOCKS, heads_loop_default
     from engine.plan.shape import KernelShape
@@ -343,7 +343,7 @@ def test_heads_loop_schedule():
     bk = backward_kernels_for(mod("softmax_causal"))
     assert bk.heads_loop and bk.warp_specialized
     src = bk.source
-    assert "with T.Kernel(8, 2, 32, threads=384) as (by, bz, bx):" in src
+    assert "with T.Kernel(512, threads=384) as bid:" in src and "by: T.int32 = grp % 8" in src
     assert "for g in T.serial(4):" in src and "hq: T.int32 = by * 4 + g" in src
     assert "Q[bz, qb * 64:(qb + 1) * 64, hq, :]" in src and "dQ[bz, hq, qb, :, :]" in src
     assert "K[bz, bx * 128:(bx + 1) * 128, by, :]" in src
@@ -383,3 +383,39 @@ def test_heads_loop_backward_compiles(name, tmp_path, monkeypatch):
         flush = body.index("T.atomic_add(dC_alibi_slopes[hq]")
         assert body.index("T.clear(cg_acc0)") < body.index("for kk in T.serial(n):") < flush
     _check_warp_specialised_protocol(compile_source(src).get_kernel_source())
+
+
+def test_panel_launch_order():
+    """The warp-specialised backward's launch order (panel_order, evaluated here: its text is
+    Python but for T.min) visits every (key block, head, batch) once, a panel's groups key
+    block by key block; panels keep within one wave of an H100's 132 SMs (at most 132 blocks
+    each: every block of a group runs at once)."""
+    from types import SimpleNamespace
+
+    from engine.codegen.backward import panel_default, panel_order
+    from engine.plan.shape import KernelShape
+
+    for nkb, heads, batch, panel in ((32, 8, 2, 4), (7, 3, 5, 18), (8, 8, 16, 16), (5, 2, 3, 4)):
+        seen, env = [], {"T": SimpleNamespace(min=min)}
+        for bid in range(nkb * heads * batch):
+            env["bid"] = bid
+            for name, text in panel_order("bid", nkb, heads, batch, panel):
+                env[name] = eval(text, env)
+            seen.append((env["pn"], env["bx"], env["bz"], env["by"]))
+        assert sorted((bx, bz, by) for _, bx, bz, by in seen) == [
+            (bx, bz, by) for bx in range(nkb) for bz in range(batch) for by in range(heads)]
+        first = {}
+        for pn, _bx, bz, by in seen:
+            first.setdefault((bz, by), pn)
+            assert first[(bz, by)] == pn, "a group stays in its panel"
+        assert [bx for pn, bx, _, _ in seen if pn == 0] == sorted(bx for pn, bx, _, _ in seen if pn == 0)
+    cfg = default_backward_config(128, 128)
+    for S, want in ((1024, 16), (4096, 4), (16384, 1)):
+        mod = VARIANTS["softmax_causal"].build(**{**LLAMA3, "seqlen_q": S, "seqlen_kv": S},
+                                                head_dim=128, head_dim_v=128,
+                                                dtype=torch.bfloat16, backend="tilelang")
+        shape = KernelShape.of(mod)
+        assert panel_default(shape, cfg, True) == want and panel_default(shape, cfg, False) == 1
+        assert want * -(-S // 128) <= 132
+    src = backward_kernels_for(_module("softmax_causal", D=128)).source
+    assert "as bid:" in src and "bx: T.int32 = (bid - pn * " in src
