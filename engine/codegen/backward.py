@@ -92,8 +92,8 @@ def dq_fragment_position(p: str, q: str, head_dim: int) -> tuple[str, str]:
 def generate_dq_postprocess(shape: KernelShape, cfg: KernelConfig) -> str:
     """TileLang source of `main`: dQ [B, Sq, Hq, D] in the input dtype from the warp-specialised
     kernel's fp32 accumulator, whose query blocks hold their values in the order of
-    dq_fragment_index. A thread block reads its query block's accumulator 16 contiguous bytes
-    a thread into a row tile in shared memory, then writes whole rows; its rows are padded by
+    dq_fragment_index. A thread block reads its query block's accumulator in order (coalesced)
+    into a row tile in shared memory, then writes whole rows; its rows are padded by
     16 bytes so that a warp's scattered 4-byte tile stores (8 rows, 4 column pairs) hit 32
     banks. (Written straight from the fragment order, the rows went out in 16-byte pieces:
     about 100 us at 16k tokens x 16 heads, 1.9 TB/s.)"""
@@ -456,7 +456,7 @@ def panel_order(bid: str, nkb: int, heads: int, batch: int, panel: int) -> list[
 
 # Thread blocks (kv blocks x kv heads x batch) from which a GQA group's query heads share one:
 # two per SM of an H100, so that the longer blocks still leave the machine a short tail.
-HEADS_LOOP_MIN_BLOCKS = 2 * 132
+HEADS_LOOP_MIN_BLOCKS = 2 * H100_SMS
 
 
 def heads_loop_default(shape: KernelShape, cfg: KernelConfig, warp_specialized: bool,
@@ -734,14 +734,14 @@ def generate_backward(    spec: TracedSpec,
         steps = _ws_steps(G if heads_loop else 1)
         # Per query head (once, or per head of the group): the per-key vectors and the
         # custom gradients' accumulators, whose indices may name the head.
+        # (_ws_steps: with the walk, its first two lines open the per-head level.)
+        per_head = 2 if heads_loop else 0
         hb = b + 1 if heads_loop else b
-        for ln in _indented(steps[:2] if heads_loop else [], b):
-            lines.append(ln)
+        lines.extend(_indented(steps[:per_head], b))
         for r in range(len(ex.dc_reads)):
             w(hb, f"T.clear(cg_acc{r})")
         w(hb, ck_load)
-        for ln in _indented(steps[2:] if heads_loop else steps, hb):
-            lines.append(ln)
+        lines.extend(_indented(steps[per_head:], hb))
         lb = hb + 1
     else:
         q_sh, do_sh, ds_sh = "Q_shared", "dO_shared", "dsT_shared"
