@@ -496,6 +496,12 @@ def _ws_rings(cfg: KernelConfig, D: int, Dv: int, dt: str) -> str:
     ])
 
 
+def kv_stored_once(shape: KernelShape, heads_loop: bool) -> bool:
+    """Whether the main kernel stores dK and dV once, in the input dtype: each element has one
+    writer without GQA, or when a thread block walks its group's query heads (heads_loop)."""
+    return shape.heads_q == shape.heads_kv or heads_loop
+
+
 def _ws_steps(G: int) -> list[str]:
     """Header of the warp-specialised step loop, each line one level deeper than the last
     (the body goes one level below the final line). Step k walks query blocks lo + k; with
@@ -570,7 +576,7 @@ def generate_backward(    spec: TracedSpec,
     the sum over its queries of dS' * d score_mod / d custom, kept per key row in registers.
 
     Fast (default): dQ, dK, dV and the custom gradients are accumulated with fp32 atomics
-    (dQ += dS K per kv block; dK, dV over the query heads of a GQA group).
+    (dQ += dS K per kv block; dK, dV over the query heads of a GQA group unless `heads_loop`).
     Deterministic: no atomics and no dQ. dK and dV are stored per query head
     ([B, Skv, Hq, D], summed over the group afterwards) and custom gradients per (b, h, key)
     row; dQ comes from generate_backward_dq. Each output element has one writer, so runs are
@@ -603,8 +609,10 @@ def generate_backward(    spec: TracedSpec,
         panel = panel_default(shape, cfg, ws)
     head = "hq" if heads_loop else "by"
     policy = f"T.GemmWarpPolicy.{cfg.gemm_policy}"
-    # fp32 registers per thread of a [bN, bM] accumulator and of dq (wgmma spreads them evenly).
-    tile_regs, dq_regs = bN * bM // cfg.threads, bM * D // cfg.threads
+    # fp32 registers per thread of a [bN, bM] accumulator, of dq and of dk (wgmma spreads them
+    # evenly).
+    tile_regs, dq_regs, dk_regs = (bN * bM // cfg.threads, bM * D // cfg.threads,
+                                   bN * D // cfg.threads)
     # Transposed frame: i runs over keys (fragment rows), j over queries (fragment columns).
     q_idx, kv_idx = f"(qb * {bM} + j)", f"(bx * {bN} + i)"
     st = cfg.num_stages
@@ -641,9 +649,9 @@ def generate_backward(    spec: TracedSpec,
     args += _table_args("T", shape, nkb, nqb)
     args += _row_args(spec, shape)
     kv_heads = shape.heads_q if deterministic else shape.heads_kv
-    # Without GQA each dK/dV element has one writer: stored once in the input dtype (no fp32
-    # buffer to zero, no atomics, no cast pass). With GQA they are fp32 sums over the group.
-    kv_out = dt if G == 1 or heads_loop else "float32"
+    # Stored once in the input dtype where each dK/dV element has one writer (no fp32 buffer
+    # to zero, no atomics, no cast pass); otherwise fp32 sums over the GQA group.
+    kv_out = dt if kv_stored_once(shape, heads_loop) else "float32"
     if ws:
         # Per query block, its bM x D values in the order of dq_fragment_index, as rows of
         # DQ_ROW: one box for the TMA reduce-add.
@@ -827,19 +835,19 @@ def generate_backward(    spec: TracedSpec,
         w(lb, "T.fence_proxy_async()")
         w(lb, "T.mbarrier_arrive(dq_full[k % 2])")
         w(lb, "T.wait_wgmma(0)")
-        w(lb, f"T.warpgroup_fence_operand(dk, num_regs={bN * D // cfg.threads})")
+        w(lb, f"T.warpgroup_fence_operand(dk, num_regs={dk_regs})")
         w(lb, f"T.mbarrier_arrive(qdo_empty[k % {st}])")
     else:
         w(lb, f"T.gemm(dsT_cast, {q_sh}, dk, policy={policy})")
-    if split and not ws:
-        w(lb, "dO_hold[0] = dO_shared[0, 0]")
-    if dq_async and not ws:
-        w(lb, f"T.warpgroup_fence_operand(dq, num_regs={dq_regs})")
-    if not deterministic and not ws:
-        # One bulk reduce-add per step (TMA cp.reduce; rows past Sq fall outside the tensor
-        # and are dropped by the copy engine) instead of bM x D scalar atomics.
-        w(lb, "T.copy(dq, dq_shared)")
-        w(lb, f"T.atomic_add(dQ[bz, by, {q_rows}, :], dq_shared, use_tma=True)")
+        if split:
+            w(lb, "dO_hold[0] = dO_shared[0, 0]")
+        if dq_async:
+            w(lb, f"T.warpgroup_fence_operand(dq, num_regs={dq_regs})")
+        if not deterministic:
+            # One bulk reduce-add per step (TMA cp.reduce; rows past Sq fall outside the
+            # tensor and are dropped by the copy engine) instead of bM x D scalar atomics.
+            w(lb, "T.copy(dq, dq_shared)")
+            w(lb, f"T.atomic_add(dQ[bz, by, {q_rows}, :], dq_shared, use_tma=True)")
     fb = hb if ws else b  # the custom gradients are flushed per query head
     for r, (name, index, _) in enumerate(ex.dc_reads):
         w(fb, f"for i in T.Parallel({bN}):")
@@ -852,7 +860,7 @@ def generate_backward(    spec: TracedSpec,
     for buf, out, width in (("dv", "dV", Dv), ("dk", "dK", D)):
         w(b, f"for i, j in T.Parallel({bN}, {width}):")
         w(b + 1, f"if bx * {bN} + i < {Skv}:")
-        if G == 1 or heads_loop:
+        if kv_stored_once(shape, heads_loop):
             w(b + 2, f'{out}[bz, bx * {bN} + i, by, j] = T.Cast("{dt}", {buf}[i, j])')
         elif deterministic:
             w(b + 2, f"{out}[bz, bx * {bN} + i, by, j] = {buf}[i, j]")

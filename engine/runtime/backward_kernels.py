@@ -24,6 +24,7 @@ from engine.codegen.backward import (
     generate_dq_postprocess,
     generate_preprocess,
     heads_loop_default,
+    kv_stored_once,
     warp_specialized_default,
 )
 from engine.mask.analysis import FULL, PARTIAL, BlockClasses
@@ -203,10 +204,8 @@ def backward_kernel_call(
     z = lambda *shape: torch.zeros(shape, dtype=torch.float32, device=dev)  # noqa: E731
     dc = {n: z(*cdict[n].shape) for n in bk.custom_grads}
     G = p.heads_q // p.heads_kv
-    # Without GQA, or with a thread block per GQA group, the kernel stores dK/dV once, in the
-    # input dtype (see generate_backward).
     kv = ((lambda *shape: torch.empty(shape, dtype=q.dtype, device=dev))
-          if G == 1 or bk.heads_loop else z)
+          if kv_stored_once(bk.shape, bk.heads_loop) else z)
     if bk.deterministic:
         dkh = kv(p.batch, p.seqlen_kv, p.heads_q, p.head_dim)
         dvh = kv(p.batch, p.seqlen_kv, p.heads_q, p.head_dim_v)
@@ -236,7 +235,7 @@ def backward_kernel_call(
     cg = {n: g.to(cdict[n].dtype) for n, g in dc.items()}
     if dq.dtype != q.dtype:
         dq = torch.empty_like(q).copy_(dq)  # cast (and, fast mode, transpose) in one pass
-    return dq, dk.to(q.dtype), dv.to(q.dtype), cg  # .to: no copy when G = 1
+    return dq, dk.to(q.dtype), dv.to(q.dtype), cg  # .to: no copy when stored once
 
 
 def dc_reads(spec, custom_grads: tuple[str, ...]) -> list[tuple[str, tuple]]:
