@@ -127,8 +127,9 @@ def test_backward_source_follows_the_spec():
 def test_transposed_tables_cover_the_causal_triangle_and_the_query_tail():
     bM, bN, S = 32, 128, 1000
     bc = classify(_module("softmax_causal").spec.mask, 2, 8, S, S, bM, bN)
-    lo, hi, clsT = transposed_tables(bc, S, bM)
+    lo, hi, clsT, order = transposed_tables(bc, S, bM)
     nqb, nkb = -(-S // bM), -(-S // bN)
+    assert order[0, 0].tolist() == list(range(nkb)), "causal: key order is longest first"
     assert clsT.shape == (1, 1, nkb, nqb)
     for kb in range(nkb):
         # Causal: query block qb sees kv block kb iff its last row reaches kb's first key.
@@ -137,8 +138,26 @@ def test_transposed_tables_cover_the_causal_triangle_and_the_query_tail():
         assert (clsT[0, 0, kb, :first] == EMPTY).all()
     assert (clsT[0, 0, :, -1] != FULL).all(), "the query tail block must evaluate the bounds"
     bc_full = classify(None, 1, 1, S, S, bM, bN)
-    _, _, c2 = transposed_tables(bc_full, S, bM)
+    _, _, c2, _ = transposed_tables(bc_full, S, bM)
     assert c2[0, 0, 0, 0] == FULL and c2[0, 0, 0, -1] == PARTIAL
+
+
+def test_launch_order_table_puts_each_documents_longest_blocks_first():
+    """A document mask's longest key-block walks start its documents; OrdT (per batch: the
+    ids differ) lists them first, ties in key order."""
+    S, bM, bN = 1024, 64, 128
+    spec = _module("document").spec
+    ids = torch.zeros(2, S)
+    ids[0, 300:] = 1
+    ids[1, 700:] = 1
+    bc = classify(spec.mask, 2, 8, S, S, bM, bN, {"doc_ids": ids})
+    lo, hi, _, order = transposed_tables(bc, S, bM)
+    assert order.shape == (2, 1, S // bN)
+    for b in range(2):
+        walk = (hi - lo)[b, 0]
+        want = sorted(range(S // bN), key=lambda kb: (-int(walk[kb]), kb))
+        assert order[b, 0].tolist() == want
+    assert order[0, 0, 0] == 2 and order[1, 0, 0] == 0, "the blocks that start a document"
 
 
 def test_backward_config_model():
@@ -392,14 +411,17 @@ def test_panel_launch_order():
     each: every block of a group runs at once)."""
     from types import SimpleNamespace
 
-    from engine.codegen.backward import panel_default, panel_order
+    from engine.codegen.backward import panel_default
+    from engine.codegen.launch import panel_order
     from engine.plan.shape import KernelShape
 
     for nkb, heads, batch, panel in ((32, 8, 2, 4), (7, 3, 5, 18), (8, 8, 16, 16), (5, 2, 3, 4)):
-        seen, env = [], {"T": SimpleNamespace(min=min)}
+        # A launch order per batch (as a document mask's): key blocks reversed in batch 0.
+        ords = [list(range(nkb))[::-1] if b == 0 else list(range(nkb)) for b in range(batch)]
+        seen, env = [], {"T": SimpleNamespace(min=min), "Ord": ords}
         for bid in range(nkb * heads * batch):
             env["bid"] = bid
-            for name, text in panel_order("bid", nkb, heads, batch, panel):
+            for name, text in panel_order("bid", nkb, heads, batch, panel, "Ord[bz][{pos}]"):
                 env[name] = eval(text, env)
             seen.append((env["pn"], env["bx"], env["bz"], env["by"]))
         assert sorted((bx, bz, by) for _, bx, bz, by in seen) == [
@@ -408,7 +430,9 @@ def test_panel_launch_order():
         for pn, _bx, bz, by in seen:
             first.setdefault((bz, by), pn)
             assert first[(bz, by)] == pn, "a group stays in its panel"
-        assert [bx for pn, bx, _, _ in seen if pn == 0] == sorted(bx for pn, bx, _, _ in seen if pn == 0)
+        for b in range(batch):  # within a panel, a group's blocks in its launch order
+            first_panel = [bx for pn, bx, bz, by in seen if pn == first[(b, 0)] and bz == b and by == 0]
+            assert first_panel == ords[b]
     cfg = default_backward_config(128, 128)
     for S, want in ((1024, 16), (4096, 4), (16384, 1)):
         mod = VARIANTS["softmax_causal"].build(**{**LLAMA3, "seqlen_q": S, "seqlen_kv": S},
@@ -418,4 +442,4 @@ def test_panel_launch_order():
         assert panel_default(shape, cfg, True) == want and panel_default(shape, cfg, False) == 1
         assert want * -(-S // 128) <= 132
     src = backward_kernels_for(_module("softmax_causal", D=128)).source
-    assert "as bid:" in src and "bx: T.int32 = (bid - pn * " in src
+    assert "as bid:" in src and "bx: T.int32 = OrdT[0, 0, (bid - pn * " in src

@@ -149,3 +149,23 @@ def test_masked_tile_choice_follows_ptxas(tmp_path, monkeypatch):
         for which, m in (("picked", picked), ("skipped", skipped))
     }
     assert spills["picked"] == 0 and spills["skipped"] > 256, spills
+
+
+def test_key_indexed_reads_are_staged_per_key_block(tmp_path, monkeypatch):
+    """A document id per key is copied into shared memory once per key block (beside K) and
+    read from there by the partial blocks' mask; not where the key blocks leave a tail, nor
+    with three consumer warpgroups (see generate_forward)."""
+    from engine.runtime.compile import compile_source
+
+    monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
+    mod = _module("document", seqlen_q=4096, seqlen_kv=4096,
+                  config=KernelConfig(128, 128, 2, 256, "FullRow", 8))
+    src = mod.kernel_source
+    assert "cks0 = T.alloc_shared((128,)" in src
+    assert "T.copy(C_doc_ids[bz, kb * 128:(kb + 1) * 128], cks0)" in src
+    assert "(cq0[i] == cks0[j])" in src and "C_doc_ids[bz, T.min((kb" not in src
+    assert "tma_load" in compile_source(src).get_kernel_source()
+    for off in (_module("document"),  # 1000 keys: a tail block
+                _module("document", seqlen_q=4096, seqlen_kv=4096,
+                        config=KernelConfig(192, 128, 2, 384))):
+        assert "cks0" not in off.kernel_source and "C_doc_ids[bz, T.min((kb" in off.kernel_source

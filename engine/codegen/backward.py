@@ -24,6 +24,7 @@ Kernels mirroring the reference executor's `backward()`:
 from __future__ import annotations
 
 from engine.codegen.emit import Emitter, custom_decl
+from engine.codegen.launch import H100_SMS, panel_order, wave_panel
 from engine.dsl.expr import Expr, leaf, leaves, topo
 from engine.ir.diff import diff, score_mod_derivatives
 from engine.ir.rewrite import substitute
@@ -371,15 +372,17 @@ def _input_args(spec: TracedSpec, shape: KernelShape, dt: str) -> list[str]:
                    for name, dims in spec.customs]
 
 
-def _table_args(suffix: str, shape: KernelShape, n_outer: int, n_inner: int) -> list[str]:
+def _table_args(suffix: str, shape: KernelShape, n_outer: int, n_inner: int,
+                order: bool = False) -> list[str]:
     """Block tables: per outer block (a thread block's), the range [Lo, Hi) of non-empty inner
-    blocks and the class of each (outer, inner) pair."""
+    blocks and the class of each (outer, inner) pair; with `order`, the outer blocks longest
+    walk first (Ord)."""
     lead = f"{shape.mask_batch}, {shape.mask_heads}"
     return [
         f'Lo{suffix}: T.Tensor(({lead}, {n_outer}), "int32")',
         f'Hi{suffix}: T.Tensor(({lead}, {n_outer}), "int32")',
         f'Cls{suffix}: T.Tensor(({lead}, {n_outer}, {n_inner}), "int8")',
-    ]
+    ] + ([f'Ord{suffix}: T.Tensor(({lead}, {n_outer}), "int32")'] if order else [])
 
 
 def _row_args(spec: TracedSpec, shape: KernelShape) -> list[str]:
@@ -422,10 +425,6 @@ def warp_specialized_default(spec: TracedSpec, shape: KernelShape, cfg: KernelCo
     return ws_schedule_fits(cfg, shape.head_dim, shape.head_dim_v, 2, deterministic, n_vectors)
 
 
-# Streaming multiprocessors of an H100 SXM: the thread blocks of one wave.
-H100_SMS = 132
-
-
 def panel_default(shape: KernelShape, cfg: KernelConfig, warp_specialized: bool) -> int:
     """Groups per panel of the warp-specialised backward's launch order (see panel_order): as
     many as keep a panel within one wave of thread blocks, so that every block of a group
@@ -436,22 +435,7 @@ def panel_default(shape: KernelShape, cfg: KernelConfig, warp_specialized: bool)
     1 (the plain grid) without the warp-specialised schedule or with a swizzle panel."""
     if not warp_specialized or cfg.swizzle_panel:
         return 1
-    return max(1, H100_SMS // -(-shape.seqlen_kv // cfg.block_N))
-
-
-def panel_order(bid: str, nkb: int, heads: int, batch: int, panel: int) -> list[tuple[str, str]]:
-    """(name, text) of bx, by, bz (key block, head, batch) of linear thread block `bid` when
-    the (head, batch) groups are launched in panels of `panel`, key block by key block within
-    a panel (the last panel may be narrower)."""
-    groups = heads * batch
-    return [
-        ("pn", f"{bid} // {panel * nkb}"),
-        ("pw", f"T.min({panel}, {groups} - pn * {panel})"),
-        ("bx", f"({bid} - pn * {panel * nkb}) // pw"),
-        ("grp", f"pn * {panel} + ({bid} - pn * {panel * nkb}) % pw"),
-        ("by", f"grp % {heads}"),
-        ("bz", f"grp // {heads}"),
-    ]
+    return wave_panel(-(-shape.seqlen_kv // cfg.block_N))
 
 
 # Thread blocks (kv blocks x kv heads x batch) from which a GQA group's query heads share one:
@@ -646,7 +630,7 @@ def generate_backward(    spec: TracedSpec,
 
     # ------------------------------------------------------------- signature
     args = _input_args(spec, shape, dt)
-    args += _table_args("T", shape, nkb, nqb)
+    args += _table_args("T", shape, nkb, nqb, order=True)
     args += _row_args(spec, shape)
     kv_heads = shape.heads_q if deterministic else shape.heads_kv
     # Stored once in the input dtype where each dK/dV element has one writer (no fp32 buffer
@@ -685,7 +669,8 @@ def generate_backward(    spec: TracedSpec,
     grid_heads = shape.heads_kv if heads_loop else shape.heads_q
     if panel > 1:
         w(1, f"with T.Kernel({nkb * grid_heads * shape.batch}, threads={threads}) as bid:")
-        for name, text in panel_order("bid", nkb, grid_heads, shape.batch, panel):
+        for name, text in panel_order("bid", nkb, grid_heads, shape.batch, panel,
+                                      f"OrdT[{mb}, {mh}, {{pos}}]"):
             w(2, f"{name}: T.int32 = {text}")
     else:
         w(1, f"with T.Kernel({nkb}, {grid_heads}, {shape.batch}, threads={threads}) as (bx, by, bz):")

@@ -148,16 +148,19 @@ def backward_kernels_for(
 
 def transposed_tables(
     bc: BlockClasses, seqlen_q: int, block_M: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(LoT, HiT, ClsT): per kv block, the non-empty query blocks [LoT, HiT) and the classes
-    [.., kv block, q block]; a full block that holds the query tail becomes partial."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(LoT, HiT, ClsT, OrdT): per kv block, the non-empty query blocks [LoT, HiT) and the
+    classes [.., kv block, q block]; a full block that holds the query tail becomes partial.
+    OrdT lists the kv blocks longest walk first (ties in key order), the launch order of the
+    warp-specialised kernel's panels: started last, a long block leaves the machine a tail
+    (a document mask's longest blocks start its documents, not the sequence)."""
     cls = bc.classes.clone()
     if seqlen_q % block_M:
         last = cls[:, :, -1, :]
         last[last == FULL] = PARTIAL
     clsT = cls.transpose(-1, -2).contiguous()
     lo, hi = BlockClasses(clsT, bc.block_N, block_M, bc.seqlen_kv, seqlen_q).loop_bounds()
-    return lo, hi, clsT
+    return lo, hi, clsT, torch.sort(lo - hi, dim=-1, stable=True).indices.to(torch.int32)
 
 
 def backward_kernel_call(
@@ -190,7 +193,7 @@ def backward_kernel_call(
     bk = backward_kernels_for(mod, custom_grads=tuple(custom_grads))
     main, prep = bk.compiled()
     cdict = dict(zip(names, custom, strict=True))
-    lo, hi, clsT = bk.tables.get(cdict, q.device)
+    tables = bk.tables.get(cdict, q.device)
     p, dev = mod.problem, q.device
     q, k, v, o, do = (t.contiguous() for t in (q, k, v, o, do))
     f32 = [f.detach().float().contiguous() for f in finals]
@@ -210,7 +213,7 @@ def backward_kernel_call(
         dkh = kv(p.batch, p.seqlen_kv, p.heads_q, p.head_dim)
         dvh = kv(p.batch, p.seqlen_kv, p.heads_q, p.head_dim_v)
         rows = [z(p.batch, p.heads_q, p.seqlen_kv) for _ in bk.custom_reads]
-        main(q, k, v, do, *c32, lo, hi, clsT, *f32, dkh, dvh, *rows)
+        main(q, k, v, do, *c32, *tables, *f32, dkh, dvh, *rows)
         lo2, hi2, cls2 = bk.dq_tables.get(cdict, dev)
         dq = z(p.batch, p.seqlen_q, p.heads_q, p.head_dim)
         bk._dq(q, k, v, do, *c32, lo2, hi2, cls2, *f32, dq)
@@ -225,12 +228,12 @@ def backward_kernel_call(
         if bk.warp_specialized:
             bM = bk.config.block_M
             acc = z(p.batch, p.heads_q, -(-p.seqlen_q // bM), bM * p.head_dim // DQ_ROW, DQ_ROW)
-            main(q, k, v, do, *c32, lo, hi, clsT, *f32, acc, dk, dv, *dc.values())
+            main(q, k, v, do, *c32, *tables, *f32, acc, dk, dv, *dc.values())
             dq = torch.empty_like(q)
             bk._post(acc, dq)
         else:
             dq_bhsd = z(p.batch, p.heads_q, p.seqlen_q, p.head_dim)  # the main kernel's layout
-            main(q, k, v, do, *c32, lo, hi, clsT, *f32, dq_bhsd, dk, dv, *dc.values())
+            main(q, k, v, do, *c32, *tables, *f32, dq_bhsd, dk, dv, *dc.values())
             dq = dq_bhsd.transpose(1, 2)
     cg = {n: g.to(cdict[n].dtype) for n, g in dc.items()}
     if dq.dtype != q.dtype:
