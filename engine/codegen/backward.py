@@ -576,7 +576,8 @@ def generate_backward(    spec: TracedSpec,
     head walks the G query heads of its group, so dK and dV are summed in registers and stored
     once in the input dtype (no fp32 buffer, no atomics, no cast pass). `panel` (default:
     panel_default): thread blocks start in panels of that many (kv head or query head, batch)
-    groups, within a panel in order of the key block (under a causal mask, longest first)."""
+    groups, within a panel key block by key block in the order of the table OrdT (longest walk
+    first, see transposed_tables)."""
     ex = _TileExprs(spec, custom_grads)
     bM, bN, D, Dv, Sq, Skv, G, nqb, nkb, dt, mb, mh = _dims(shape, cfg)
     if warp_specialized is None:
