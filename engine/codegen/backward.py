@@ -17,8 +17,9 @@ Kernels mirroring the reference executor's `backward()`:
   and TileLang's automatic pipeline (dQ in a [B, Hq, Sq, D] buffer).
 - dQ postprocess (warp-specialised schedule): fragment order -> rows, in the input dtype.
 - The caller (engine.runtime.backward_kernels) casts the automatic pipeline's dQ. dK / dV are
-  accumulated with fp32 atomics into the kv head, so GQA needs no extra reduction (G = 1 has
-  no contention: stored once in the input dtype).
+  stored once in the input dtype where each element has one writer (no GQA, or a thread block
+  per kv head walking its group's query heads: kv_stored_once); otherwise they are fp32
+  atomics into the kv head, so GQA needs no extra reduction.
 """
 
 from __future__ import annotations
@@ -443,15 +444,20 @@ def panel_default(shape: KernelShape, cfg: KernelConfig, warp_specialized: bool)
 HEADS_LOOP_MIN_BLOCKS = 2 * H100_SMS
 
 
+def _heads_loop_possible(shape: KernelShape, warp_specialized: bool) -> bool:
+    """Whether a thread block can walk the query heads of a GQA group: the warp-specialised
+    schedule, GQA, and a mask the same for every head."""
+    return warp_specialized and shape.heads_q > shape.heads_kv and shape.mask_heads == 1
+
+
 def heads_loop_default(shape: KernelShape, cfg: KernelConfig, warp_specialized: bool,
                        custom_grads: tuple[str, ...] = ()) -> bool:
     """Whether the warp-specialised backward's thread block walks the query heads of a GQA
-    group (see generate_backward): with GQA, a mask the same for every head, enough thread
-    blocks left, and no custom gradients (on the H100 ALiBi's slope gradient, flushed per
-    head, ran 10-18% slower that way)."""
-    G = shape.heads_q // shape.heads_kv
+    group (see generate_backward): where it can, with enough thread blocks left and no custom
+    gradients (on the H100 ALiBi's slope gradient, flushed per head, ran 10-18% slower that
+    way)."""
     blocks = -(-shape.seqlen_kv // cfg.block_N) * shape.heads_kv * shape.batch
-    return (warp_specialized and G > 1 and shape.mask_heads == 1 and not custom_grads
+    return (_heads_loop_possible(shape, warp_specialized) and not custom_grads
             and blocks >= HEADS_LOOP_MIN_BLOCKS)
 
 
@@ -545,7 +551,8 @@ def _ws_producer_roles(cfg: KernelConfig, D: int, G: int, finals_fill: str,
     return "\n".join(lines)
 
 
-def generate_backward(    spec: TracedSpec,
+def generate_backward(
+    spec: TracedSpec,
     shape: KernelShape,
     cfg: KernelConfig,
     custom_grads: tuple[str, ...] = (),
@@ -566,7 +573,7 @@ def generate_backward(    spec: TracedSpec,
     row; dQ comes from generate_backward_dq. Each output element has one writer, so runs are
     bitwise identical.
 
-    `warp_specialized` (default: engine.plan.backward.warp_specialized decides) picks the
+    `warp_specialized` (default: warp_specialized_default) picks the
     explicit schedule of the fast mode: one producer warp loads Q and dO into a ring, one
     writer warp adds each step's dQ to global memory, and the consumers meet once per step;
     otherwise TileLang's automatic pipeline, whose consumers meet four times per step and wait
@@ -587,7 +594,7 @@ def generate_backward(    spec: TracedSpec,
     ws = warp_specialized
     if heads_loop is None:
         heads_loop = heads_loop_default(shape, cfg, ws, custom_grads)
-    elif heads_loop and not (ws and G > 1 and shape.mask_heads == 1):
+    elif heads_loop and not _heads_loop_possible(shape, ws):
         raise ValueError("heads_loop: needs the warp-specialised schedule, GQA and a mask "
                          "the same for every head")
     if panel is None:
@@ -750,11 +757,11 @@ def generate_backward(    spec: TracedSpec,
     # The block's class is read once, ahead of the gemms: a global load at each branch would
     # sit behind a gemm's wait (its asm has a memory clobber) with its whole latency exposed.
     w(lb, f'qcls: T.int32 = T.Cast("int32", ClsT[{mb}, {mh}, bx, qb])')
-    if not ws:
-        w(lb, f"T.copy(Q[bz, {q_rows}, by, :], Q_shared)")
-        w(lb, f"T.copy(dO[bz, {q_rows}, by, :], dO_shared)")
     if ws:
         w(lb, f"T.mbarrier_wait_parity(q_full[k % {st}], {full_q})")
+    else:
+        w(lb, f"T.copy(Q[bz, {q_rows}, by, :], Q_shared)")
+        w(lb, f"T.copy(dO[bz, {q_rows}, by, :], dO_shared)")
     w(lb, finals_load)
     if not split and not ws:
         w(lb, delta_load)

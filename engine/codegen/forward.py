@@ -95,8 +95,8 @@ def generate_forward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig) ->
     )
     customs_1d = {n.key: n for n in all_nodes if n.op == "custom" and n.axes == ("m",)}
     staged: dict[tuple, str] = {}
-    for idx_c, (key, node) in enumerate(sorted(customs_1d.items(), key=lambda kv: str(kv[0]))):
-        staged[key] = f"cq{idx_c}" if node.axes == ("m",) else f"ck{idx_c}"
+    for idx_c, key in enumerate(sorted(customs_1d, key=str)):
+        staged[key] = f"cq{idx_c}"
 
     # A whole key block per copy: static lengths that the key blocks tile exactly.
     per_key: dict[tuple, tuple[str, str]] = {}
