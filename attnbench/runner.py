@@ -1,12 +1,20 @@
 """The suite runner: for every case, every implementation and mode, one result row.
 
-Per case: check each implementation's capabilities (a mismatch is a `skipped` row with the
-reason), make random inputs from the recorded seed (never zeros), compute the float32 reference
-(float64 for small shapes) once, then per implementation: prepare it (layout changes, compile;
-not timed), check accuracy on one untimed call, time the call (see `attnbench.timing`), and
-build the row. A crashing implementation is an `error` row with the exception text and the run
-goes on. The case's rows are appended to the result file as soon as the case finishes, so an
-interrupted run keeps every finished case.
+Before any case: the results folder is created and proven writable, the day file checked
+(another schema refused, a cut-off last line repaired; `Runner.prepare`), and on a GPU a warning
+noted when another process holds it. Per case: check each implementation's capabilities per mode
+(a mismatch is a `skipped` row with the reason), make random inputs from the recorded seed
+(never zeros), compute the float32 reference (float64 for small shapes) once, then per
+implementation: prepare it (layout changes, compile; not timed), check accuracy on one untimed
+call, time the call (see `attnbench.timing`), and build the row. A crashing implementation is an
+`error` row with the exception text and the run goes on. The case's rows are appended to the
+result file as soon as the case finishes, so an interrupted run keeps every finished case.
+
+Noise: a timing whose interquartile spread exceeds the noise threshold (default 5% of the
+median) is taken again after a pause, up to `attempts` in all; the row keeps the tightest
+attempt, records the count in `attempts`, and is `noisy` when every attempt was above the
+threshold. Right after each measurement the GPU's clocks, temperature and power are read
+through NVML (`attnbench.gpustate`; NaN on a CPU).
 
 Accuracy: rel_err is the max over the output (and dq, dk, dv for bwd modes) of
 ||x - ref|| / ||ref||; a NaN/inf anywhere, or rel_err above `metrics.REL_TOL[dtype]`, fails
@@ -32,15 +40,19 @@ from pathlib import Path
 
 import torch
 
-from attnbench import metrics
+from attnbench import metrics, timing
 from attnbench.envinfo import environment
+from attnbench.gpustate import GpuMonitor, monitor_for
 from attnbench.impls import DeviceInfo, Impl, Prepared, Unsupported, registry
 from attnbench.impls.base import PLAIN_SOFTMAX, TORCH_DTYPES
 from attnbench.results.schema import SCHEMA_VERSION
-from attnbench.results.store import append_rows, result_path
+from attnbench.results.store import append_rows, check_day_file, check_out_dir, result_path
 from attnbench.suites import Case, Suite
-from attnbench.timing import L2Flusher, measure
+from attnbench.timing import L2Flusher, NoisePolicy, Timing
 
+DEFAULT_NOISE_THRESHOLD = 0.05  # interquartile spread / median above which a timing is re-taken
+GPU_OUT, CPU_OUT = Path("results/runs"), Path("results/local")  # CPU runs stay out of git
+MEASURED = ("ok", "noisy")  # statuses whose rows carry timings
 SMALL_FOR_FLOAT64 = 2**22  # B*Hq*Sq*Skv at or below which the reference runs in float64
 REF_CHUNK_ELEMS = 2**28  # score elements per reference slice (1 GiB in float32)
 
@@ -52,7 +64,10 @@ class RunOptions:
     warmup: int | None = None
     seed: int = 0
     sleep_s: float | None = None  # between implementations; None: 0.1 s on CUDA, 0 on CPU
-    out_dir: Path = Path("results/runs")
+    out_dir: Path | None = None  # None: results/runs on CUDA, results/local on a CPU
+    noise_threshold: float | None = None  # None: the suite's, else DEFAULT_NOISE_THRESHOLD
+    attempts: int = 3  # timing attempts in all for a noisy row
+    retry_pause_s: float | None = None  # before a re-measure; None: 1 s on CUDA, 0 on CPU
 
 
 @dataclass
@@ -93,7 +108,10 @@ class Runner:
         get_variant: Callable[[str], object] = default_get_variant,
         impls: dict[str, Impl] | None = None,
         log: Callable[[str], None] = print,
+        measure: Callable[..., Timing] = timing.measure,
+        monitor: GpuMonitor | None = None,
     ) -> None:
+        """`measure` (attnbench.timing.measure's signature) and `monitor` are for tests."""
         self.suite = suite
         self.options = options
         self.device = resolve_device(options.device)
@@ -101,12 +119,70 @@ class Runner:
         self.impls = impls if impls is not None else registry()
         self.log = log
         self.env = environment(self.device.type)
+        cuda = self.device.type == "cuda"
         self.repeats = options.repeats or suite.repeats
         self.warmup = suite.warmup if options.warmup is None else options.warmup
         self.sleep_s = (options.sleep_s if options.sleep_s is not None
-                        else (0.1 if self.device.type == "cuda" else 0.0))
-        self._flusher = L2Flusher(torch.device("cuda")) if self.device.type == "cuda" else None
-        self.path = result_path(options.out_dir, suite.name, self.env["gpu"])
+                        else (0.1 if cuda else 0.0))
+        threshold = next(t for t in (options.noise_threshold, suite.noise_threshold,
+                                     DEFAULT_NOISE_THRESHOLD) if t is not None)
+        pause = options.retry_pause_s if options.retry_pause_s is not None else (
+            1.0 if cuda else 0.0)
+        self.noise = NoisePolicy(threshold, options.attempts, pause)
+        self._measure = measure
+        self._monitor = monitor
+        self._flusher: L2Flusher | None = None
+        self._prepared = False
+        out_dir = options.out_dir if options.out_dir is not None else (
+            GPU_OUT if cuda else CPU_OUT)
+        self.path = result_path(out_dir, suite.name, self.env["gpu"])
+
+    # ------------------------------------------------------------------ before any case
+    def prepare(self) -> list[str]:
+        """Check the output and the GPU before anything is measured; the notes to show.
+
+        Raises OutputDirError (folder not creatable/writable) or ResultFileError (a day file
+        of another schema); repairs a day file's cut-off last line (one note). Idempotent."""
+        if self._prepared:
+            return []
+        check_out_dir(self.path.parent)
+        notes = [n for n in [check_day_file(self.path)] if n]
+        if self._monitor is None:
+            self._monitor = monitor_for(self.device.type)
+        if self.device.type == "cuda":
+            # before our first allocation, so that NVML cannot list this process (see gpustate)
+            busy = self._monitor.busy_warning()
+            notes += [busy] if busy else []
+            if not self._monitor.available:
+                notes.append(f"no GPU clocks/temperature/power in the rows: "
+                             f"{self._monitor.error}")
+            self._flusher = L2Flusher(torch.device("cuda"))
+        self._prepared = True
+        return notes
+
+    # ------------------------------------------------------------------ plans
+    def plan(self, case: Case) -> dict[str, dict[str, str | None]]:
+        """Per implementation of `case`, per mode: the skip reason on this machine, or None."""
+        variant = self.get_variant(case.variant)
+        return {name: self.impls[name].check_modes(case, variant, self.device)
+                for name in case.impls}
+
+    def skip_summary(self) -> list[tuple[str, str, int, int]]:
+        """(impl, reason, rows skipped for it, rows of the impl) over the suite, from the
+        capability checks alone (`prepare` may skip more once inputs exist)."""
+        counts: dict[tuple[str, str], int] = {}
+        totals: dict[str, int] = {}
+        for case in self.suite.cases:
+            for name, modes in self.plan(case).items():
+                totals[name] = totals.get(name, 0) + len(modes)
+                for reason in modes.values():
+                    if reason is not None:
+                        counts[(name, reason)] = counts.get((name, reason), 0) + 1
+        return [(n, r, k, totals[n]) for (n, r), k in counts.items()]
+
+    def measurements(self, case: Case) -> int:
+        """How many (impl, mode) measurements the capability checks leave in `case`."""
+        return sum(r is None for modes in self.plan(case).values() for r in modes.values())
 
     # ------------------------------------------------------------------ whole suite
     def gpu_only_skipped(self) -> list[str]:
@@ -118,9 +194,11 @@ class Runner:
 
     def iter_cases(self) -> Iterator[tuple[Case, list[dict]]]:
         """Run the cases one by one, appending each case's rows before yielding them."""
+        for note in self.prepare():
+            self.log(note)
         for case in self.suite.cases:
             rows = self.run_case(case)
-            append_rows(self.path, rows)
+            append_rows(self.path, rows, on_repair=self.log)
             yield case, rows
 
     def run(self) -> RunResult:
@@ -131,13 +209,10 @@ class Runner:
 
     # ------------------------------------------------------------------ one case
     def run_case(self, case: Case) -> list[dict]:
+        self.prepare()
         variant = self.get_variant(case.variant)
         dev = self.device
-        plan: dict[str, dict[str, str | None]] = {}
-        for name in case.impls:
-            impl = self.impls[name]
-            reason = impl.check(case, variant, dev)
-            plan[name] = {m: reason or impl.caps.check_mode(m) for m in case.modes}
+        plan = self.plan(case)
         runnable = any(r is None for modes in plan.values() for r in modes.values())
 
         ctx = _CaseContext(case, variant, dev, self.options.seed) if runnable else None
@@ -157,6 +232,23 @@ class Runner:
         return rows
 
     def _run_impl(self, impl: Impl, ctx: _CaseContext, modes: list[str]) -> dict[str, dict]:
+        """Rows of the `modes` of one implementation; a refusal that names some modes only
+        (Unsupported.modes) skips those and prepares the implementation again for the rest."""
+        out: dict[str, dict] = {}
+        todo = list(modes)
+        while todo:
+            try:
+                out.update(self._prepare_and_measure(impl, ctx, todo))
+                break
+            except Unsupported as exc:
+                hit = [m for m in todo if exc.rules_out(m)] or todo
+                out.update({m: self._status("skipped", str(exc)) for m in hit})
+                todo = [m for m in todo if m not in hit]
+        return out
+
+    def _prepare_and_measure(self, impl: Impl, ctx: _CaseContext,
+                             modes: list[str]) -> dict[str, dict]:
+        """Raises the `Unsupported` of `prepare`; any other failure is an error row."""
         cuda = self.device.type == "cuda"
         out: dict[str, dict] = {}
         prepared: Prepared | None = None
@@ -181,8 +273,8 @@ class Runner:
                     torch.cuda.reset_peak_memory_stats()
                 res["compile_s"] = prepared.compile_s
                 out[mode] = res
-        except Unsupported as exc:
-            out = {m: self._status("skipped", str(exc)) for m in modes}
+        except Unsupported:
+            raise
         except Exception as exc:  # noqa: BLE001
             out = {m: self._status("error", _exc_text(exc)) for m in modes}
         finally:
@@ -219,15 +311,23 @@ class Runner:
             flush = None
             if self._flusher is not None and self._flusher.fits(ctx.nbytes):
                 flush = self._flusher
-            timing = measure(fn, device=self.device.type, repeats=self.repeats,
-                             warmup=self.warmup, flush=flush)
+            steady = timing.measure_steady(
+                lambda: self._measure(fn, device=self.device.type, repeats=self.repeats,
+                                      warmup=self.warmup, flush=flush), self.noise)
+        state = self._monitor.sample() if self._monitor is not None else None
+        t = steady.timing
         flops = ctx.flops(mode)
-        tf = metrics.tflops(flops, timing.median_ms)
+        tf = metrics.tflops(flops, t.median_ms)
         res = self._status("ok", "")
-        res.update(latency_ms=timing.median_ms, latency_spread_ms=timing.spread_ms,
-                   repeats=timing.repeats, flops=flops, tflops=tf,
+        if steady.noisy:
+            res.update(status="noisy", reason=(
+                f"spread {t.relative_spread:.1%} of the median > {self.noise.threshold:.1%} "
+                f"in each of {steady.attempts} attempts (the tightest kept)"))
+        res.update(latency_ms=t.median_ms, latency_spread_ms=t.spread_ms,
+                   repeats=t.repeats, flops=flops, tflops=tf,
                    mfu=metrics.mfu(tf, self.device.name, case.dtype) if self.device.type == "cuda"
-                   else math.nan, rel_err=rel, max_abs_err=mx)
+                   else math.nan, rel_err=rel, max_abs_err=mx, attempts=steady.attempts,
+                   **(state.columns() if state is not None else {}))
         tol = metrics.REL_TOL[case.dtype]
         if math.isnan(rel):
             res.update(status="failed", reason="NaN or inf in the output or gradients")
@@ -255,10 +355,11 @@ class Runner:
             "tflops": nan, "mfu": nan, "speedup": nan, "rel_err": nan, "max_abs_err": nan,
             "peak_mem_mb": nan, "compile_s": nan, "status": "", "reason": "",
             "device": self.device.type, **self.env, "seed": self.options.seed,
-            "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
+            "attempts": 0, "sm_clock_mhz": nan, "mem_clock_mhz": nan, "gpu_temp_c": nan,
+            "gpu_power_w": nan, "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
         }
         row.update(res)
-        if row["status"] != "ok" and math.isnan(row["flops"]):
+        if row["status"] not in MEASURED and math.isnan(row["flops"]):
             row["flops"] = _case_flops(case, variant, mode)
         return row
 
@@ -363,10 +464,11 @@ def _case_flops(case: Case, variant, mode: str) -> float:
 
 
 def _fill_speedups(rows: list[dict], baseline: str) -> None:
+    """Speedups of the timed rows, noisy ones included (their mark says how far to trust)."""
     base = {r["mode"]: r["latency_ms"] for r in rows
-            if r["impl"] == baseline and r["status"] == "ok"}
+            if r["impl"] == baseline and r["status"] in MEASURED}
     for r in rows:
-        if r["status"] == "ok":
+        if r["status"] in MEASURED:
             r["speedup"] = metrics.speedup(base.get(r["mode"]), r["latency_ms"])
 
 

@@ -7,6 +7,7 @@ can also be given at the top level as its default::
     description = "..."
     repeats = 30                        # timed repetitions per measurement (>= 1)
     warmup = 3                          # untimed calls before timing
+    noise_threshold = 0.05              # re-measure above this spread / median (optional)
     impls = ["reference", "sdpa-math"]  # implementations to run (registry names)
     baseline = "reference"              # the one implementation speedups are relative to
     modes = ["fwd", "bwd"]              # any of fwd, bwd, fwd+bwd
@@ -48,7 +49,7 @@ CASE_KEYS = {
     "name", "variants", "shapes", "seqlens", "seqlen_q", "seqlen_kv", "batch", "tokens",
     "dtypes", "modes", "impls", "baseline", "kind",
 }
-SUITE_KEYS = CASE_KEYS - {"name"} | {"description", "repeats", "warmup", "cases"} | {"name"}
+SUITE_KEYS = CASE_KEYS | {"description", "repeats", "warmup", "noise_threshold", "cases"}
 
 
 class SuiteError(ValueError):
@@ -83,6 +84,7 @@ class Suite:
     repeats: int
     warmup: int
     cases: tuple[Case, ...]
+    noise_threshold: float | None = None  # None: the runner's default
 
     def filtered(self, patterns: Sequence[str] = ()) -> Suite:
         """The cases whose name contains, or glob-matches, any of `patterns` (all if none)."""
@@ -114,17 +116,24 @@ def resolve_suite_path(name_or_path: str, suites_dir: Path = SUITES_DIR) -> Path
 
 
 def read_suite_data(path: Path) -> dict:
-    if path.suffix in (".yaml", ".yml"):
-        import yaml  # lazy: YAML suites are optional
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            import yaml  # lazy: YAML suites are optional
 
-        with open(path) as f:
-            data = yaml.safe_load(f)
-    else:
-        with open(path, "rb") as f:
-            try:
-                data = tomllib.load(f)
-            except tomllib.TOMLDecodeError as exc:
-                raise SuiteError(f"{path}: not valid TOML: {exc}") from exc
+            with open(path) as f:
+                try:
+                    data = yaml.safe_load(f)
+                except yaml.YAMLError as exc:
+                    raise SuiteError(f"{path}: not valid YAML: {' '.join(str(exc).split())}"
+                                     ) from exc
+        else:
+            with open(path, "rb") as f:
+                try:
+                    data = tomllib.load(f)
+                except tomllib.TOMLDecodeError as exc:
+                    raise SuiteError(f"{path}: not valid TOML: {exc}") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SuiteError(f"{path}: cannot read the suite file: {exc}") from exc
     if not isinstance(data, dict):
         raise SuiteError(f"{path}: expected a table at the top level")
     return data
@@ -196,6 +205,11 @@ def parse_suite(
         errors.append(f"repeats must be an integer >= 1, got {repeats!r}")
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         errors.append(f"warmup must be an integer >= 0, got {warmup!r}")
+    noise = data.get("noise_threshold")
+    if noise is not None and (isinstance(noise, bool) or not isinstance(noise, (int, float))
+                              or not 0 < noise < float("inf")):
+        errors.append(f"noise_threshold must be a number > 0 (a fraction of the median), "
+                      f"got {noise!r}")
     if shape_override is not None and shape_override not in shapes:
         errors.append(f"unknown shape {shape_override!r} (--shape); known shapes: "
                       f"{', '.join(sorted(shapes))}")
@@ -220,7 +234,8 @@ def parse_suite(
             cases.setdefault(c.name, c)  # --shape can fold several blocks onto one case
     if errors:
         raise SuiteError(f"suite {where}: " + "; ".join(errors))
-    return Suite(suite_name, description, path, repeats, warmup, tuple(cases.values()))
+    return Suite(suite_name, description, path, repeats, warmup, tuple(cases.values()),
+                 None if noise is None else float(noise))
 
 
 def _expand_block(label, block, spec, suite_name, shape_override, variants_known, impls_known,

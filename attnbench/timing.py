@@ -7,10 +7,15 @@ is enqueued before the start event, so it is not timed); a repeated call would o
 its inputs from L2 and look faster than in a model. CPU: `time.perf_counter` around each call
 (CPU torch ops are synchronous). Cost of one measurement ~ (warmup + repeats) x call time, so
 suites keep calls in the milliseconds (e.g. a fixed token count) to finish in minutes.
+
+Noise: `measure_steady` re-takes a measurement whose interquartile spread exceeds a fraction of
+its median (a clock drop, another process on the GPU), after a pause, up to a few attempts, and
+keeps the tightest attempt; the caller marks a measurement still noisy after every attempt.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -25,6 +30,59 @@ class Timing:
     spread_ms: float  # interquartile range
     repeats: int
     samples_ms: tuple[float, ...]
+
+
+    @property
+    def relative_spread(self) -> float:
+        """Interquartile range / median (inf for a zero or NaN median)."""
+        if not self.median_ms > 0:
+            return math.inf
+        return self.spread_ms / self.median_ms
+
+
+@dataclass(frozen=True)
+class NoisePolicy:
+    """When a measurement is re-taken: spread above `threshold` x median; at most `attempts`
+    attempts in all, `pause_s` apart (time for clocks and other processes to settle)."""
+
+    threshold: float = 0.05
+    attempts: int = 3
+    pause_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.threshold) and self.threshold > 0):
+            raise ValueError(f"noise threshold must be a number > 0, got {self.threshold!r}")
+        if isinstance(self.attempts, bool) or not isinstance(self.attempts, int) \
+                or self.attempts < 1:
+            raise ValueError(f"attempts must be an integer >= 1, got {self.attempts!r}")
+        if not (math.isfinite(self.pause_s) and self.pause_s >= 0):
+            raise ValueError(f"pause must be a number of seconds >= 0, got {self.pause_s!r}")
+
+
+@dataclass(frozen=True)
+class Steady:
+    """The tightest of `attempts` timings; `noisy` when even that one is above the threshold."""
+
+    timing: Timing
+    attempts: int
+    noisy: bool
+
+
+def measure_steady(measure_once: Callable[[], Timing], policy: NoisePolicy = NoisePolicy(), *,
+                   sleep: Callable[[float], None] = time.sleep) -> Steady:
+    """Call `measure_once` until its spread is within `policy.threshold` of the median, at most
+    `policy.attempts` times with `policy.pause_s` between calls; keep the tightest timing."""
+    best: Timing | None = None
+    for attempt in range(1, policy.attempts + 1):
+        if attempt > 1 and policy.pause_s:
+            sleep(policy.pause_s)
+        timing = measure_once()
+        if best is None or timing.relative_spread < best.relative_spread:
+            best = timing
+        if timing.relative_spread <= policy.threshold:
+            return Steady(best, attempt, noisy=False)
+    assert best is not None
+    return Steady(best, policy.attempts, noisy=True)
 
 
 def summarize(samples_ms: list[float]) -> Timing:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -14,7 +16,13 @@ from attnbench.results.read import (
     read_many,
     read_results,
 )
-from attnbench.results.schema import COLUMN_NAMES, COLUMNS, SCHEMA_VERSION
+from attnbench.results.schema import (
+    COLUMN_NAMES,
+    COLUMNS,
+    SCHEMA_VERSION,
+    V2_COLUMNS,
+    columns_of,
+)
 
 
 @pytest.fixture
@@ -100,3 +108,67 @@ def test_read_many_and_dedupe_latest(tmp_path, rows):
 )
 def test_gpu_slug(name, slug):
     assert gpu_slug(name) == slug
+
+
+# ---------------------------------------------------------------------- schema version 1
+REPO = Path(__file__).resolve().parents[1]
+V1_FILE = REPO / "results" / "runs" / "2026-11-22-h100-softmax-d128.csv"  # committed, version 1
+
+
+def test_committed_version_1_file_reads_with_the_new_columns_filled():
+    assert V1_FILE.read_text().startswith("schema_version,")
+    raw = pd.read_csv(V1_FILE)
+    assert set(raw["schema_version"]) == {1} and "attempts" not in raw.columns
+    back = read_results(V1_FILE)
+    assert list(back.columns) == [*COLUMN_NAMES, "source"]
+    for name, dtype in COLUMNS:
+        assert str(back[name].dtype) == dtype, name
+    ok = back["status"] == "ok"
+    assert ok.any() and (~ok).any()
+    assert (back.loc[ok, "attempts"] == 1).all() and (back.loc[~ok, "attempts"] == 0).all()
+    for name in V2_COLUMNS[1:]:
+        assert back[name].isna().all(), name
+    np.testing.assert_allclose(back["latency_ms"], raw["latency_ms"], rtol=1e-12)
+    assert (back["schema_version"] == 1).all()
+
+
+def test_version_1_file_missing_one_of_its_columns_is_refused(tmp_path):
+    path = tmp_path / "v1.csv"
+    pd.read_csv(V1_FILE, dtype=str).drop(columns=["rel_err"]).to_csv(path, index=False)
+    with pytest.raises(ResultFileError, match="'rel_err'") as err:
+        read_results(path)
+    assert str(path) in str(err.value)
+
+
+def test_version_2_file_missing_a_version_2_column_is_refused(tmp_path):
+    path = tmp_path / "v2.csv"
+    frame = pd.read_csv(V1_FILE, dtype=str, keep_default_na=False)
+    frame = frame.assign(schema_version="2", sm_clock_mhz="", mem_clock_mhz="",
+                         gpu_temp_c="", gpu_power_w="")  # attempts missing
+    frame.to_csv(path, index=False)
+    with pytest.raises(ResultFileError, match="'attempts'") as err:
+        read_results(path)
+    assert err.value.column == "attempts"
+
+
+def test_mixed_versions_in_one_file_are_refused(tmp_path):
+    path = tmp_path / "mixed.csv"
+    frame = pd.read_csv(V1_FILE, dtype=str, keep_default_na=False)
+    frame.loc[0, "schema_version"] = "2"
+    frame.to_csv(path, index=False)
+    with pytest.raises(ResultFileError, match="several schema versions"):
+        read_results(path)
+
+
+def test_header_only_files_of_either_version_read_empty(tmp_path):
+    for version in (1, 2):
+        path = tmp_path / f"h{version}.csv"
+        path.write_text(",".join(columns_of(version)) + "\n")
+        back = read_results(path)
+        assert back.empty and list(back.columns) == [*COLUMN_NAMES, "source"]
+
+
+def test_noisy_status_is_read():
+    from attnbench.results.schema import STATUSES
+
+    assert "noisy" in STATUSES

@@ -1,10 +1,14 @@
 """What every implementation declares (capabilities) and returns (a prepared call).
 
-An implementation is checked against a case *before* any tensor is made: `Impl.check` returns
-the reason it cannot run the case (that reason goes into a `skipped` row), or None. A problem
-only visible with inputs in hand (e.g. a variant with no FlexAttention form, an SDPA backend
-that refuses the shapes) raises `Unsupported` from `prepare`, which the runner also records as
-`skipped`. Any other exception is an `error` row.
+An implementation is checked against a case *before* any tensor is made: `Impl.check_modes`
+returns, per mode of the case, the reason it cannot run it (that reason goes into a `skipped`
+row) or None; by default the case-wide `Impl.check` and then `Capabilities.check_mode`. A
+problem only visible with inputs or a built module in hand (e.g. a variant with no
+FlexAttention form, an SDPA backend that refuses the shapes, no backward kernel for a head dim)
+raises `Unsupported` from `prepare`, which the runner also records as `skipped`: in every mode,
+or only in `Unsupported.modes` when given (the runner then prepares again for the other modes,
+so a forward that runs is measured although the backward cannot be). Any other exception is an
+`error` row.
 """
 
 from __future__ import annotations
@@ -22,11 +26,22 @@ PLAIN_SOFTMAX = frozenset({"softmax", "softmax_causal", "softmax_gqa"})
 HALF = frozenset({"float16", "bfloat16"})
 ALL_DTYPES = frozenset({"float16", "bfloat16", "float32"})
 ALL_MODES = frozenset({"fwd", "bwd", "fwd+bwd"})
+GRAD_MODES = frozenset({"bwd", "fwd+bwd"})  # the modes that run a backward
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 class Unsupported(Exception):
-    """Raised by `prepare` when a case turns out to be unsupported; becomes a `skipped` row."""
+    """Raised by `prepare` when a case turns out to be unsupported; becomes a `skipped` row.
+
+    `modes`: the modes the reason rules out (e.g. GRAD_MODES for a missing backward); None: all.
+    """
+
+    def __init__(self, reason: str, modes: frozenset[str] | None = None) -> None:
+        super().__init__(reason)
+        self.modes = None if modes is None else frozenset(modes)
+
+    def rules_out(self, mode: str) -> bool:
+        return self.modes is None or mode in self.modes
 
 
 @dataclass(frozen=True)
@@ -139,6 +154,14 @@ class Impl:
         if reason is None:
             reason = self.unavailable()
         return reason
+
+    def check_modes(self, case: Case, variant, device: DeviceInfo) -> dict[str, str | None]:
+        """Per mode of `case`: why this implementation cannot run it here, or None.
+
+        Override for a rule that holds in some modes only; the case-wide reasons of `check`
+        apply to every mode."""
+        reason = self.check(case, variant, device)
+        return {m: reason or self.caps.check_mode(m) for m in case.modes}
 
     def prepare(self, case: Case, variant, inputs: dict, needs_grad: bool) -> Prepared:
         raise NotImplementedError

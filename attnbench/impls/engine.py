@@ -8,6 +8,7 @@ import inspect
 
 from attnbench.impls.base import (
     ALL_DTYPES,
+    GRAD_MODES,
     HALF,
     TORCH_DTYPES,
     Capabilities,
@@ -58,7 +59,7 @@ class _EngineBase(Impl):
             # Never time the reference rules as if they were the engine's backward kernel.
             reason = kernel_backward_problem(mod)
             if reason is not None:
-                raise Unsupported(f"engine backward: {reason}")
+                raise Unsupported(f"engine backward: {reason}", modes=GRAD_MODES)
         q, k, v = grad_leaves(inputs, needs_grad)
         others = {n: t for n, t in inputs.items() if n not in ("q", "k", "v")}
 

@@ -13,7 +13,14 @@ from pathlib import Path
 
 import pandas as pd
 
-from attnbench.results.schema import COLUMN_NAMES, COLUMNS, SCHEMA_VERSION
+from attnbench.results.schema import (
+    COLUMNS,
+    READABLE_VERSIONS,
+    SCHEMA_VERSION,
+    STATUSES,
+    V2_COLUMNS,
+    columns_of,
+)
 
 KEY: tuple[str, ...] = ("suite", "case", "impl", "mode")
 
@@ -32,7 +39,9 @@ def read_results(path: Path | str) -> pd.DataFrame:
     """Read one result CSV, check its schema version and columns, and return it typed.
 
     The returned frame has exactly the schema's columns in schema order (extra columns from a
-    newer writer of the same version are dropped) plus `source`, the file it came from.
+    newer writer of the same version are dropped) plus `source`, the file it came from. A
+    version-1 file gets the columns version 2 added: `attempts` 1 for ok rows and 0 for the
+    others (version 1 measured once and never re-measured), the NVML columns NaN.
     """
     path = Path(path)
     if not path.is_file():
@@ -46,29 +55,56 @@ def read_results(path: Path | str) -> pd.DataFrame:
     except (pd.errors.ParserError, UnicodeDecodeError) as exc:
         raise ResultFileError(path, None, f"not a readable CSV: {exc}") from None
 
-    for name in COLUMN_NAMES:
+    version = _file_version(raw, path)
+    for name in columns_of(version):
         if name not in raw.columns:
-            raise ResultFileError(path, name, "missing column (required by the result schema)")
-
-    versions = set(raw["schema_version"].str.strip())
-    bad = sorted(v for v in versions if v != str(SCHEMA_VERSION))
-    if bad:
-        raise ResultFileError(
-            path,
-            "schema_version",
-            f"schema version {', '.join(bad)} is not the supported version {SCHEMA_VERSION}",
-        )
+            raise ResultFileError(path, name, "missing column (required by the result schema "
+                                  f"version {version})")
 
     frame = pd.DataFrame(index=raw.index)
     for name, dtype in COLUMNS:
-        frame[name] = _convert(raw[name], dtype, path, name)
-    bad_status = sorted(set(frame["status"].dropna()) - {"ok", "skipped", "failed", "error"})
+        if name in columns_of(version):
+            frame[name] = _convert(raw[name], dtype, path, name)
+    bad_status = sorted(set(frame["status"].dropna()) - set(STATUSES))
     if bad_status:
         raise ResultFileError(
-            path, "status", f"unknown status {bad_status[0]!r} (expected ok|skipped|failed|error)"
+            path, "status", f"unknown status {bad_status[0]!r} (expected {'|'.join(STATUSES)})"
         )
+    if version == 1:
+        frame = _fill_v1(frame)
     frame["source"] = pd.Series(str(path), index=frame.index, dtype="string")
     return frame
+
+
+def _file_version(raw: pd.DataFrame, path: Path) -> int:
+    """The one schema version of a file's rows (from the header alone when it has no rows)."""
+    if "schema_version" not in raw.columns:
+        raise ResultFileError(path, "schema_version",
+                              "missing column (required by the result schema)")
+    versions = sorted(set(raw["schema_version"].str.strip()))
+    if not versions:  # header only: the header says which version wrote it
+        return SCHEMA_VERSION if any(c in raw.columns for c in V2_COLUMNS) else 1
+    readable = [str(v) for v in READABLE_VERSIONS]
+    bad = [v for v in versions if v not in readable]
+    if bad:
+        raise ResultFileError(
+            path, "schema_version",
+            f"schema version {', '.join(bad)} is not a supported version "
+            f"({', '.join(readable)}; this attnbench writes {SCHEMA_VERSION})",
+        )
+    if len(versions) > 1:
+        raise ResultFileError(path, "schema_version",
+                              f"rows of several schema versions ({', '.join(versions)})")
+    return int(versions[0])
+
+
+def _fill_v1(frame: pd.DataFrame) -> pd.DataFrame:
+    """The columns version 2 added, as a version-1 row means them (see `read_results`)."""
+    frame["attempts"] = (frame["status"] == "ok").fillna(False).astype("int64")
+    for name, dtype in COLUMNS:
+        if name in V2_COLUMNS and name != "attempts":
+            frame[name] = pd.Series(float("nan"), index=frame.index, dtype=dtype)
+    return frame[[name for name, _ in COLUMNS]]
 
 
 def _convert(col: pd.Series, dtype: str, path: Path, name: str) -> pd.Series:
