@@ -28,7 +28,20 @@ are measured for comparison; their changes are reported as drift, since no commi
 or fix them (FA3's causal S = 1k row once doubled in latency between two runs of one day).
 
 Status. ok -> failed|error is a regression (the case no longer runs correctly); ok -> skipped
-and rows that appeared or vanished are reported; `strict` gates the last two as well.
+and rows that appeared are reported; `strict` gates ok -> skipped and every vanished row.
+
+Nothing measured is not a pass. A row of a gated implementation that is in the base and absent
+from the new run is a regression ("missing"): a run cut short or a header-only file must not
+pass. A run filtered on purpose names what it left out in `GateRule.allow_missing` (globs on the
+case or the implementation name); those rows are listed as excused. A new run with no ok row, or
+with a suite that has no ok row, fails. A day's result file keeps every run of the day, so a run
+cut short leaves an earlier run's rows standing in for the cases it did not reach: where a suite
+of the new run has rows measured after the base's newest row of that suite, its rows no newer
+than their base row are counted as absent (with a note).
+
+Noisy rows. The runner marks `noisy` a row whose spread stayed above its re-measure threshold
+after every attempt. Its numbers are not trusted, so a row that is noisy on either side is
+listed apart (perf "noisy") and never judged: neither a regression nor a speedup.
 """
 
 from __future__ import annotations
@@ -49,6 +62,7 @@ _DTYPE_ALIASES = {
     "tf32": "fp32", "float64": "fp64", "double": "fp64", "torch.float64": "fp64",
 }
 METRICS = ("latency_ms", "tflops")
+RAN = ("ok", "noisy")  # statuses of a row that ran and has numbers
 
 
 def dtype_tolerance(dtype: str) -> float:
@@ -68,8 +82,10 @@ class GateRule:
     threshold: float = 0.05  # relative change that matters
     noise_k: float = 1.0  # multiple of the combined IQR a change must also exceed
     metric: str = "latency_ms"  # latency_ms (lower is better) or tflops (higher is better)
-    strict: bool = False  # also gate vanished rows and ok -> skipped
+    strict: bool = False  # also gate every vanished row and ok -> skipped
     impls: tuple[str, ...] = ("engine*",)  # implementations (glob patterns) the gate judges
+    # rows left out of the new run on purpose: globs on the case or the implementation name
+    allow_missing: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not (0 <= self.threshold < 10) or math.isnan(self.threshold):
@@ -80,6 +96,20 @@ class GateRule:
             raise ValueError(f"impls: expected non-empty glob patterns, got {self.impls!r}")
         if self.metric not in METRICS:
             raise ValueError(f"metric: expected one of {', '.join(METRICS)}, got {self.metric!r}")
+        if not all(isinstance(p, str) and p for p in self.allow_missing):
+            raise ValueError(
+                f"allow_missing: expected non-empty glob patterns, got {self.allow_missing!r}"
+            )
+
+    def gates(self, impl: str) -> bool:
+        """True when the gate judges rows of this implementation."""
+        return any(fnmatchcase(str(impl), p) for p in self.impls)
+
+    def excuses(self, key: tuple[str, ...]) -> bool:
+        """True when `allow_missing` names this row's case or implementation."""
+        _suite, case, impl, _mode = key
+        return any(fnmatchcase(str(case), p) or fnmatchcase(str(impl), p)
+                   for p in self.allow_missing)
 
 
 @dataclass(frozen=True)
@@ -97,7 +127,7 @@ class RowChange:
     change: float = math.nan  # relative, signed: (new - base) / base
     speedup: float = math.nan  # base latency / new latency (> 1 is faster)
     noise: float = math.nan  # the noise bound, metric units
-    perf: str = "n/a"  # faster | slower | noise | same | n/a
+    perf: str = "n/a"  # faster | slower | noise | same | noisy | n/a
     base_err: float = math.nan
     new_err: float = math.nan
     tolerance: float = math.nan
@@ -107,17 +137,38 @@ class RowChange:
     reasons: tuple[str, ...] = ()  # why it is worse (set for ungated implementations too)
 
 
+Key = tuple[str, str, str, str]
+
+
 @dataclass(frozen=True)
 class Comparison:
     rule: GateRule
     rows: tuple[RowChange, ...]
-    appeared: tuple[tuple[str, str, str, str], ...] = ()
-    vanished: tuple[tuple[str, str, str, str], ...] = ()
+    appeared: tuple[Key, ...] = ()
+    vanished: tuple[Key, ...] = ()  # every base row absent from the new run
     notes: tuple[str, ...] = field(default=())
+    # what the new run lacks entirely ("the new run has no rows", "suite x: no ok row", an empty
+    # run file): each fails the gate
+    empty: tuple[str, ...] = ()
 
     @property
     def regressions(self) -> list[RowChange]:
         return [r for r in self.rows if r.regression]
+
+    @property
+    def missing(self) -> list[Key]:
+        """Vanished rows of gated implementations not excused by `allow_missing`: regressions."""
+        return [k for k in self.vanished if self.rule.gates(k[2]) and not self.rule.excuses(k)]
+
+    @property
+    def excused(self) -> list[Key]:
+        """Vanished rows that `allow_missing` names."""
+        return [k for k in self.vanished if self.rule.excuses(k)]
+
+    @property
+    def noisy(self) -> list[RowChange]:
+        """Matched rows noisy on either side: listed, never judged."""
+        return [r for r in self.rows if r.perf == "noisy"]
 
     @property
     def drift(self) -> list[RowChange]:
@@ -131,17 +182,34 @@ class Comparison:
     @property
     def failed(self) -> bool:
         """True when the gate refuses the new run."""
-        return bool(self.regressions) or (self.rule.strict and bool(self.vanished))
+        strict_vanished = self.rule.strict and any(not self.rule.excuses(k)
+                                                   for k in self.vanished)
+        return bool(self.regressions or self.missing or self.empty) or strict_vanished
 
     def counts(self) -> dict[str, int]:
-        out = {k: 0 for k in ("faster", "slower", "noise", "same", "n/a")}
+        out = {k: 0 for k in ("faster", "slower", "noise", "same", "noisy", "n/a")}
         for r in self.rows:
             out[r.perf] = out.get(r.perf, 0) + 1
         out["accuracy regressions"] = sum(r.accuracy == "regressed" for r in self.rows)
         out["regressions"] = len(self.regressions)
         out["appeared"] = len(self.appeared)
         out["vanished"] = len(self.vanished)
+        out["missing"] = len(self.missing)
+        out["excused"] = len(self.excused)
         return out
+
+    def failures(self) -> list[str]:
+        """Why the gate refuses the new run, one phrase per cause; [] when it passes."""
+        if not self.failed:
+            return []
+        c = self.counts()
+        why = [f"{c['regressions']} regression(s)"] if c["regressions"] else []
+        if c["missing"]:
+            why.append(f"{c['missing']} gated row(s) missing from the new run")
+        why += list(self.empty)
+        if self.rule.strict and c["vanished"] > c["missing"] + c["excused"]:
+            why.append("vanished rows (strict)")
+        return why
 
 
 def compare(base: pd.DataFrame, new: pd.DataFrame, rule: GateRule | None = None) -> Comparison:
@@ -154,11 +222,64 @@ def compare(base: pd.DataFrame, new: pd.DataFrame, rule: GateRule | None = None)
             notes.append(f"{name}: {dup} repeated row(s); the latest measurement of each is used")
     base = dedupe_latest(base).set_index(list(KEY))
     new = dedupe_latest(new).set_index(list(KEY))
+    stale = _not_remeasured(base, new)
+    if stale:
+        new = new.drop(index=stale)
+        for suite in sorted({k[0] for k in stale}):
+            n = sum(k[0] == suite for k in stale)
+            notes.append(
+                f"suite {suite}: {n} row(s) of the new run are not newer than the base's: "
+                "an earlier run's rows filling in for cases the newest run did not reach "
+                "(a day's file keeps every run of the day); counted as absent"
+            )
     common = base.index.intersection(new.index, sort=False)
     rows = tuple(_classify(k, base.loc[k], new.loc[k], rule) for k in sorted(common))
-    appeared = tuple(sorted(new.index.difference(base.index)))
-    vanished = tuple(sorted(base.index.difference(new.index)))
-    return Comparison(rule, rows, appeared, vanished, tuple(notes))
+    appeared = tuple(sorted(_keys(new.index.difference(base.index))))
+    vanished = tuple(sorted(_keys(base.index.difference(new.index))))
+    return Comparison(rule, rows, appeared, vanished, tuple(notes), _empty(new))
+
+
+def _not_remeasured(base: pd.DataFrame, new: pd.DataFrame) -> list:
+    """Keys of suites run again since the base whose new row is no newer than the base's row.
+
+    A day's result file gathers every run of that day and the latest row of each key counts, so
+    a run cut short leaves earlier rows (often the very rows the baseline was promoted from)
+    standing in for the cases it did not reach. A suite counts as run again when the new run
+    has a row measured after the base's newest row of that suite; its rows that are no newer
+    than their base row were then not measured by that run. (Just after a promotion the new
+    rows are the base's own rows, none newer: nothing is flagged.)
+    """
+    common = base.index.intersection(new.index, sort=False)
+    if common.empty:
+        return []
+    base_when, new_when = _when(base), _when(new)
+    base_last = base_when.groupby(level="suite").max()
+    new_suites = new.index.get_level_values("suite")
+    after = new_when.to_numpy() > base_last.reindex(new_suites).to_numpy()  # NaT: False
+    rerun = set(new_suites[after])
+    stale = new_when.loc[common].to_numpy() <= base_when.loc[common].to_numpy()
+    return [k for k, old in zip(common, stale, strict=True) if old and k[0] in rerun]
+
+
+def _when(frame: pd.DataFrame) -> pd.Series:
+    return pd.to_datetime(frame["timestamp"], utc=True, errors="coerce", format="ISO8601")
+
+
+def _keys(index: pd.Index) -> list[Key]:
+    return [tuple(str(v) for v in k) for k in index]
+
+
+def _empty(new: pd.DataFrame) -> tuple[str, ...]:
+    """What the new run did not measure at all: no row, no ok row, or a suite without one."""
+    if new.empty:
+        return ("the new run has no rows",)
+    status = new["status"].astype(str)
+    ok_suites = set(new.loc[status == "ok"].index.get_level_values("suite"))
+    if not ok_suites:
+        return (f"the new run has no ok rows (of {len(new)})",)
+    suites = new.index.get_level_values("suite")
+    return tuple(f"suite {s}: no ok rows in the new run (of {int((suites == s).sum())})"
+                 for s in sorted(set(suites) - ok_suites))
 
 
 def _f(value) -> float:
@@ -184,36 +305,22 @@ def _classify(key, b: pd.Series, n: pd.Series, rule: GateRule) -> RowChange:
     reasons: list[str] = []
     fields: dict = {}
     status_change = f"{b_status} -> {n_status}" if b_status != n_status else ""
-    if b_status == "ok" and n_status in ("failed", "error"):
+    if b_status in RAN and n_status in ("failed", "error"):
         reasons.append(f"status {status_change}")
-    if b_status == "ok" and n_status == "skipped" and rule.strict:
+    if b_status in RAN and n_status == "skipped" and rule.strict:
         reasons.append(f"status {status_change} (strict)")
 
-    if b_status == "ok" and n_status == "ok":
+    if b_status in RAN and n_status in RAN:
         bv, bs = _metric(b, rule.metric)
         nv, ns = _metric(n, rule.metric)
         fields.update(base=bv, new=nv, base_spread=bs, new_spread=ns)
         bl, nl = _f(b["latency_ms"]), _f(n["latency_ms"])
         fields["speedup"] = bl / nl if nl > 0 else math.nan
-        if bv > 0 and not math.isnan(nv):
-            noise = rule.noise_k * math.hypot(bs, ns)
-            bound = max(rule.threshold * bv, noise)
-            worse = (nv - bv) if rule.metric == "latency_ms" else (bv - nv)
-            if worse > bound:
-                perf = "slower"
-                reasons.append(
-                    f"{rule.metric} {(nv - bv) / bv:+.1%} (bound {bound / bv:.1%} of base)"
-                )
-            elif -worse > bound:
-                perf = "faster"
-            elif abs(worse) > rule.threshold * bv:
-                perf = "noise"  # beyond the threshold but inside the runs' scatter
-            else:
-                perf = "same"
-            fields.update(change=(nv - bv) / bv, noise=noise, perf=perf)
-        elif math.isnan(nv) or nv <= 0:
-            reasons.append(f"{rule.metric} is {nv} in an ok row")
-            fields["perf"] = "slower"
+        if "noisy" in (b_status, n_status):
+            # shown, never judged: the runner could not measure it tightly
+            fields.update(perf="noisy", change=(nv - bv) / bv if bv > 0 else math.nan)
+        else:
+            fields.update(_judge(bv, bs, nv, ns, rule, reasons))
 
     acc = _accuracy(b, n, b_status, n_status)
     fields.update(acc)
@@ -228,10 +335,33 @@ def _classify(key, b: pd.Series, n: pd.Series, rule: GateRule) -> RowChange:
         base_status=b_status,
         new_status=n_status,
         status_change=status_change,
-        regression=bool(reasons) and any(fnmatchcase(str(key[2]), p) for p in rule.impls),
+        regression=bool(reasons) and rule.gates(str(key[2])),
         reasons=tuple(reasons),
         **fields,
     )
+
+
+def _judge(bv: float, bs: float, nv: float, ns: float, rule: GateRule,
+           reasons: list[str]) -> dict:
+    """The perf verdict of two ok rows under the noise rule; appends why when slower."""
+    if not (bv > 0 and not math.isnan(nv)):
+        if math.isnan(nv) or nv <= 0:
+            reasons.append(f"{rule.metric} is {nv} in an ok row")
+            return {"perf": "slower"}
+        return {}
+    noise = rule.noise_k * math.hypot(bs, ns)
+    bound = max(rule.threshold * bv, noise)
+    worse = (nv - bv) if rule.metric == "latency_ms" else (bv - nv)
+    if worse > bound:
+        perf = "slower"
+        reasons.append(f"{rule.metric} {(nv - bv) / bv:+.1%} (bound {bound / bv:.1%} of base)")
+    elif -worse > bound:
+        perf = "faster"
+    elif abs(worse) > rule.threshold * bv:
+        perf = "noise"  # beyond the threshold but inside the runs' scatter
+    else:
+        perf = "same"
+    return {"change": (nv - bv) / bv, "noise": noise, "perf": perf}
 
 
 def _accuracy(b: pd.Series, n: pd.Series, b_status: str, n_status: str) -> dict:
@@ -267,34 +397,27 @@ def _key_text(key: tuple[str, ...]) -> str:
 def comparison_markdown(cmp: Comparison, base_label: str, new_label: str, limit: int = 25) -> str:
     """A short markdown summary of a comparison, fit for a pull-request comment."""
     c = cmp.counts()
-    verdict = "**FAIL**: regressions beyond the noise rule" if cmp.failed else "**PASS**"
+    verdict = f"**FAIL**: {'; '.join(cmp.failures())}" if cmp.failed else "**PASS**"
     lines = [
         f"Gate {verdict} - `{new_label}` against `{base_label}` "
         f"({cmp.rule.metric}, threshold {cmp.rule.threshold:.0%}, noise k={cmp.rule.noise_k:g})",
         "",
         f"{c['faster']} faster, {c['slower']} slower, {c['noise']} inside the noise, "
-        f"{c['same']} unchanged, {c['accuracy regressions']} accuracy regressions, "
-        f"{c['appeared']} appeared, {c['vanished']} vanished.",
+        f"{c['same']} unchanged, {c['noisy']} noisy (not judged), "
+        f"{c['accuracy regressions']} accuracy regressions, "
+        f"{c['appeared']} appeared, {c['vanished']} vanished ({c['missing']} of them gated "
+        f"rows missing, {c['excused']} excused by --allow-missing).",
     ]
+    lines += [f"- {e}" for e in cmp.empty]
     regs = cmp.regressions
     if regs:
         lines += ["", "| regression | base | new | change | why |", "|---|---:|---:|---:|---|"]
-        for r in regs[:limit]:
-            lines.append(
-                f"| {_key_text(r.key)} | {_num(r.base)} | {_num(r.new)} | {_pct(r.change)} | "
-                f"{'; '.join(r.reasons)} |"
-            )
-        if len(regs) > limit:
-            lines.append(f"| ... {len(regs) - limit} more | | | | |")
+        lines += _change_rows(regs, limit)
     drift = cmp.drift
     if drift:
         lines += ["", "| drift, not gated (reference implementations) | base | new | change | why |",
                   "|---|---:|---:|---:|---|"]
-        for r in drift[:limit]:
-            lines.append(
-                f"| {_key_text(r.key)} | {_num(r.base)} | {_num(r.new)} | {_pct(r.change)} | "
-                f"{'; '.join(r.reasons)} |"
-            )
+        lines += _change_rows(drift, limit)
     best = sorted(cmp.faster, key=lambda r: -r.speedup)[:limit]
     if best:
         lines += ["", "| faster | base | new | speedup |", "|---|---:|---:|---:|"]
@@ -302,12 +425,26 @@ def comparison_markdown(cmp: Comparison, base_label: str, new_label: str, limit:
             lines.append(
                 f"| {_key_text(r.key)} | {_num(r.base)} | {_num(r.new)} | {r.speedup:.2f}x |"
             )
-    for title, keys in (("Appeared", cmp.appeared), ("Vanished", cmp.vanished)):
+    for title, keys in (
+        ("Missing (gated rows absent from the new run: regressions)", cmp.missing),
+        ("Noisy (spread above the runner's threshold; not judged)", [r.key for r in cmp.noisy]),
+        ("Excused by --allow-missing", cmp.excused),
+        ("Appeared", cmp.appeared),
+        ("Vanished", [k for k in cmp.vanished if k not in set(cmp.missing + cmp.excused)]),
+    ):
         if keys:
             shown = ", ".join(f"`{_key_text(k)}`" for k in keys[:limit])
             more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
             lines += ["", f"{title}: {shown}{more}"]
     return "\n".join(lines) + "\n"
+
+
+def _change_rows(rows: list[RowChange], limit: int) -> list[str]:
+    out = [f"| {_key_text(r.key)} | {_num(r.base)} | {_num(r.new)} | {_pct(r.change)} | "
+           f"{'; '.join(r.reasons)} |" for r in rows[:limit]]
+    if len(rows) > limit:
+        out.append(f"| ... {len(rows) - limit} more | | | | |")
+    return out
 
 
 def _num(v: float) -> str:

@@ -147,12 +147,26 @@ def _wait_plots(browser: Browser, want: int, timeout: float = 30) -> int:
     return drawn
 
 
+# What a reader sees first: the headline table above the first plot, with the GPU suites'
+# rows before the local CPU run's, each run labelled by origin.
+LAYOUT = """(() => {
+  const head = document.querySelector('table.headline');
+  const plot = document.querySelector('.js-plotly-plot');
+  const gpu = document.getElementById('gpu-h100'), cpu = document.getElementById('gpu-cpu');
+  const rows = [...head.querySelectorAll('tr')].slice(1).map(r => r.cells[0].innerText);
+  return {headFirst: !!(head.compareDocumentPosition(plot) & 4),
+          gpuFirst: !!(gpu.compareDocumentPosition(cpu) & 4), rows,
+          origins: [...head.querySelectorAll('.origin')].map(o => o.innerText)};
+})()"""
+
+
 def test_dashboard_loads_with_plots_and_no_console_errors(browser, tmp_path):
-    from test_report import make_results
+    from test_report import add_local_cpu_run, make_results
 
     from attnbench.report.build import build_report
 
     results = make_results(tmp_path / "results", np.random.default_rng(31))
+    add_local_cpu_run(results, np.random.default_rng(32))
     out = build_report(results, tmp_path / "dash")
     assert out.figures >= 5
     browser.open(out.html.as_uri())
@@ -162,6 +176,10 @@ def test_dashboard_loads_with_plots_and_no_console_errors(browser, tmp_path):
     (ARTIFACTS / "dashboard.png").write_bytes(base64.b64decode(shot["data"]))
     assert drawn == out.figures, f"{drawn} of {out.figures} plots drawn"
     assert browser.evaluate("document.title") == "attnbench dashboard"
+    layout = browser.evaluate(LAYOUT)
+    assert layout["headFirst"] and layout["gpuFirst"], layout
+    assert layout["rows"] == ["H100", "H100", "CPU"]
+    assert layout["origins"] == ["committed", "committed", "local"]
     assert browser.errors() == []
     outside = [u for u in browser.requests() if not u.startswith(("file:", "data:", "blob:"))]
     assert outside == [], f"the dashboard fetched {outside}"

@@ -20,7 +20,8 @@ def add_parser(subparsers) -> None:
     sub = p.add_subparsers(dest="baseline_command", metavar="ACTION")
     sub.required = True
     pr = sub.add_parser("promote", help="make a run file the baseline of its GPU "
-                        "(replaces that GPU's rows for the run's suites)")
+                        "(replaces that GPU's rows for the run's suites; noisy rows are "
+                        "left out and the previous baseline row of their key is kept)")
     pr.add_argument("run_file", type=Path, metavar="RUN", help="a result CSV under results/runs")
     pr.add_argument("--gpu", help="override the GPU slug read from the run's rows")
     pr.add_argument("--results", type=Path, default=DEFAULT_RESULTS)
@@ -33,12 +34,14 @@ def add_parser(subparsers) -> None:
 
 def _promote(args: argparse.Namespace) -> int:
     try:
-        path, rows = promote(args.run_file, args.results, args.gpu)
+        done = promote(args.run_file, args.results, args.gpu)
     except (ResultFileError, ValueError) as exc:
         print(f"attnbench baseline: {exc}", file=sys.stderr)
         return 2
-    suites = ", ".join(sorted(set(rows["suite"])))
-    print(f"baseline {path}: {len(rows)} rows (suites: {suites}); promoted {args.run_file}")
+    suites = ", ".join(sorted(set(done.rows["suite"])))
+    print(f"baseline {done.path}: {len(done.rows)} rows (suites: {suites}); promoted "
+          f"{done.promoted} row(s) of {args.run_file}; left out {done.noisy} noisy row(s) "
+          f"(kept the previous baseline row for {done.kept} of them)")
     return 0
 
 

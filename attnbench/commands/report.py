@@ -1,4 +1,5 @@
-"""`attnbench report [--out DIR]`: build the static dashboard from the committed results."""
+"""`attnbench report [--out DIR]`: build the static dashboard from results/runs (committed)
+and results/local (this machine's runs)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import sys
 from pathlib import Path
 
 from attnbench.baseline import DEFAULT_RESULTS
-from attnbench.commands.compare import parse_threshold
+from attnbench.commands.compare import add_rule_arguments
 from attnbench.compare import GateRule
 from attnbench.results.read import ResultFileError
 
@@ -16,18 +17,18 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "report",
         help="build the HTML dashboard and a markdown summary",
-        description="Reads results/runs and results/baseline and writes DIR/index.html (one "
-        "self-contained file: opens from disk, no server, no network) and DIR/summary.md (for a "
-        "pull-request comment).",
+        description="Reads results/runs (committed), results/local (this machine's runs, "
+        "labelled local) and results/baseline, and writes DIR/index.html (one self-contained "
+        "file: opens from disk, no server, no network) and DIR/summary.md (for a pull-request "
+        "comment). The page opens with a headline table per suite, GPU suites first; the "
+        "committed runs of each GPU are gated against its baseline as `attnbench compare "
+        "--against-baseline` does.",
     )
     p.add_argument("--out", type=Path, default=Path("artifacts/dashboard"),
                    help="output folder (default artifacts/dashboard)")
     p.add_argument("--results", type=Path, default=DEFAULT_RESULTS,
                    help="results folder (default ./results)")
-    p.add_argument("--threshold", type=parse_threshold, default=0.05,
-                   help="gate threshold shown on the page (default 5%%)")
-    p.add_argument("--noise-k", type=float, default=1.0)
-    p.add_argument("--metric", choices=("latency_ms", "tflops"), default="latency_ms")
+    add_rule_arguments(p)  # the gate shown on the page
     p.set_defaults(func=run)
 
 

@@ -33,17 +33,23 @@ def _mode_order(modes) -> list[str]:
     return sorted(set(modes), key=lambda m: (_MODES.index(m) if m in _MODES else 9, m))
 
 
+NOISY = "noisy (not trusted)"  # legend name of the grey points of noisy rows
+_GREY = "#a3a8b3"
+
+
 def tflops_over_seqlen(rows: pd.DataFrame, title: str):
-    """TFLOP/s of every implementation over sequence length, one panel per (config, mode)."""
+    """TFLOP/s of every implementation over sequence length, one panel per (config, mode);
+    noisy rows are grey points outside the implementations' lines."""
     go, make_subplots = _go()
-    ok = rows[(rows["status"] == "ok") & rows["tflops"].notna()]
-    if ok.empty:
+    ran = rows[rows["status"].isin(("ok", "noisy")) & rows["tflops"].notna()]
+    if ran.empty:
         return None
     # Panels: rows = dtype/shape/head-dim combinations, columns = modes.
-    ok = ok.assign(_panel=ok["dtype"].astype(str) + " " + ok["shape"].astype(str) + " D"
-                   + ok["head_dim"].astype(str))
-    panels = sorted(ok["_panel"].unique())
-    modes = _mode_order(ok["mode"])
+    ran = ran.assign(_panel=ran["dtype"].astype(str) + " " + ran["shape"].astype(str) + " D"
+                     + ran["head_dim"].astype(str))
+    ok, noisy = ran[ran["status"] == "ok"], ran[ran["status"] == "noisy"]
+    panels = sorted(ran["_panel"].unique())
+    modes = _mode_order(ran["mode"])
     fig = make_subplots(rows=len(panels), cols=len(modes), shared_xaxes=True,
                         subplot_titles=[f"{p} {m}" for p in panels for m in modes],
                         vertical_spacing=min(0.12, 0.3 / max(1, len(panels))))
@@ -65,6 +71,10 @@ def tflops_over_seqlen(rows: pd.DataFrame, title: str):
                                    "<br>%{customdata[0]}<extra></extra>"),
                 ), row=r, col=c)
                 seen.add(impl)
+            grey = noisy[(noisy["_panel"] == panel) & (noisy["mode"] == mode)]
+            if not grey.empty:
+                fig.add_trace(_noisy_trace(go, grey, NOISY not in seen), row=r, col=c)
+                seen.add(NOISY)
             fig.update_xaxes(type="log", title_text="sequence length" if r == len(panels)
                              else None, row=r, col=c)
             fig.update_yaxes(title_text="TFLOP/s" if c == 1 else None, rangemode="tozero",
@@ -72,6 +82,17 @@ def tflops_over_seqlen(rows: pd.DataFrame, title: str):
     fig.update_layout(title=title, height=260 + 260 * len(panels), template="plotly_white",
                       margin={"t": 70, "l": 60, "r": 20, "b": 50})
     return fig
+
+
+def _noisy_trace(go, rows: pd.DataFrame, legend: bool):
+    return go.Scatter(
+        x=rows["seqlen_q"], y=rows["tflops"], mode="markers", name=NOISY, legendgroup=NOISY,
+        showlegend=legend, marker={"color": _GREY, "symbol": "x", "size": 9},
+        customdata=rows[["impl", "latency_ms", "latency_spread_ms", "case"]].to_numpy(),
+        hovertemplate=("%{customdata[0]} (noisy)<br>seqlen %{x}: %{y:.1f} TFLOP/s, "
+                       "%{customdata[1]:.3f} ± %{customdata[2]:.3f} ms<br>%{customdata[3]}"
+                       "<extra></extra>"),
+    )
 
 
 def engine_speedup_bars(rows: pd.DataFrame, engine: str, title: str):
@@ -111,12 +132,14 @@ def history(rows: pd.DataFrame, title: str):
     runs = (ok.groupby("source")
             .agg(when=("timestamp", "max"), sha=("git_sha", "first"))
             .sort_values(["when"], na_position="first"))
+    local = (set(ok.loc[ok["origin"] == "local", "source"]) if "origin" in ok
+             else set())
     labels: dict[str, str] = {}
     for n, (source, r) in enumerate(runs.iterrows()):
         day = str(r["when"])[:10] if pd.notna(r["when"]) else "?"
         sha = str(r["sha"])[:7] if pd.notna(r["sha"]) else "?"
-        labels[source] = f"{day} {sha}" + ("" if f"{day} {sha}" not in labels.values()
-                                          else f" #{n}")
+        label = f"{day} {sha}" + (" local" if source in local else "")
+        labels[source] = label + ("" if label not in labels.values() else f" #{n}")
     modes = _mode_order(ok["mode"])
     fig = make_subplots(rows=1, cols=len(modes), subplot_titles=modes, shared_yaxes=True)
     colors = _colors(sorted(ok["impl"].unique()))

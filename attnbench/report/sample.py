@@ -41,6 +41,7 @@ class SampleSpec:
     impls: tuple[str, ...] = ("engine", "fa3", "sdpa-cudnn", "flex", "reference")
     baseline: str = "sdpa-cudnn"
     gpu: str = "NVIDIA H100 80GB HBM3"
+    device: str = "cuda"  # cpu for a local CPU run (gpu "cpu")
     git_sha: str = "0123456789abcdef0123456789abcdef01234567"
     timestamp: str = "2026-11-22T10:00:00Z"
     tokens: int = 16384  # batch * seqlen, as in FlashAttention's benchmark grid
@@ -69,7 +70,21 @@ def sample_rows(rng: np.random.Generator, spec: SampleSpec = SampleSpec()) -> pd
                     base_ms = times.get(spec.baseline, math.nan)
                     for row in rows[-len(spec.impls):]:
                         row["speedup"] = base_ms / row["latency_ms"]
+    rows = [_fill(row) for row in rows]
     return pd.DataFrame(rows, columns=list(COLUMN_NAMES)).astype(dict(COLUMNS))
+
+
+def _fill(row: dict) -> dict:
+    """Schema columns these samples do not draw (added by a later schema version): attempts 1
+    for a measured row and 0 otherwise, NaN for numbers (as on a machine without NVML)."""
+    for name, dtype in COLUMNS:
+        if name in row:
+            continue
+        if name == "attempts":
+            row[name] = 1 if row["status"] in ("ok", "noisy") else 0
+        else:
+            row[name] = {"float64": math.nan, "int64": 0, "boolean": False}.get(dtype, "")
+    return row
 
 
 def _row(rng, spec, variant, case, causal, dtype, seqlen, batch, mode, impl, flops, heads, dim,
@@ -80,7 +95,7 @@ def _row(rng, spec, variant, case, causal, dtype, seqlen, batch, mode, impl, flo
         "seqlen_q": seqlen, "seqlen_kv": seqlen, "head_dim": dim, "head_dim_v": dim,
         "dtype": dtype, "causal": causal, "mask": "causal" if causal else "none", "mode": mode,
         "impl": impl, "baseline": spec.baseline, "flops": flops, "status": "ok", "reason": "",
-        "device": "cuda", "gpu": spec.gpu, "driver": "580.95.05", "cuda": "13.0",
+        "device": spec.device, "gpu": spec.gpu, "driver": "580.95.05", "cuda": "13.0",
         "torch": "2.11.0+cu130", "triton": "3.6.0", "tilelang": "0.1.15",
         "git_sha": spec.git_sha, "seed": 0, "timestamp": spec.timestamp,
         "compile_s": float(rng.uniform(2, 40)) if impl == "engine" else 0.0,
