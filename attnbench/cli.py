@@ -18,11 +18,28 @@ COMMANDS: dict[str, str] = {
 }
 
 
+class _VersionAction(argparse.Action):
+    """--version, worked out only when asked for (it imports torch)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                 help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from attnbench.version_info import version_text
+
+        print(version_text())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="attnbench",
         description="Benchmark, tune and compare attention kernels on NVIDIA Hopper GPUs.",
     )
+    parser.add_argument("--version", action=_VersionAction,
+                        help="print the versions of attnbench, torch, TileLang and nvcc, the GPU, "
+                        "and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for module in COMMANDS.values():

@@ -11,7 +11,9 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-SHAPES_FILE = Path(__file__).parent / "data" / "shapes.toml"
+from attnbench.resources import package_file
+
+SHAPES_FILE = package_file("shapes.toml")
 
 _KEYS = {"heads_q", "heads_kv", "head_dim", "head_dim_v", "state_dim", "source"}
 

@@ -35,10 +35,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from attnbench.resources import data_dir
 from attnbench.results.schema import MODES
 from attnbench.shapes import ShapePreset, load_shapes
 
-SUITES_DIR = Path(__file__).resolve().parents[1] / "suites"
+SUITES_DIR = data_dir("suites")  # the checkout's suites/, or the wheel's copy
 KINDS = ("attention", "linear", "decode")
 DTYPE_ALIASES = {
     "float16": "float16", "fp16": "float16", "half": "float16",

@@ -8,10 +8,11 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from attnbench.resources import data_dir
 from engine.plan.config import KernelConfig
 from engine.plan.templates import get_template
 
-SPACES_DIR = Path(__file__).resolve().parents[2] / "search_spaces"
+SPACES_DIR = data_dir("search_spaces")  # the checkout's search_spaces/, or the wheel's copy
 _CONFIG_FIELDS = {f.name: f for f in fields(KernelConfig)}
 
 
