@@ -9,6 +9,8 @@
 #     file, copied to $OUT/tune)
 #   tune-bwd: the same cases' backward kernel, 10 trials each (attention_bwd tune file)
 #   tune-suite:SUITE: every engine case of SUITE, forward and backward kernels, 8 trials each
+#   user-loop: tune=True on three custom variants, then both modules timed in a user loop
+#     (scripts/tune_user_loop.py; record and tune files to $OUT/tune)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -53,6 +55,9 @@ for step in "${steps[@]}"; do
     tune_suite llama3 fwd 16 540 --filter llama3-8b
   elif [ "$step" = tune-bwd ]; then
     tune_suite llama3 bwd 10 300 --filter llama3-8b
+  elif [ "$step" = user-loop ]; then
+    mkdir -p "$OUT/tune"
+    python scripts/tune_user_loop.py "$OUT/tune" 2>&1 | grep -v "^\[I \|INFO" | tail -30
   elif [ "${step%%:*}" = tune-suite ]; then
     tune_suite "${step#*:}" both 8 380
   else
