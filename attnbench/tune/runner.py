@@ -1,20 +1,26 @@
 """Run one study end to end: create or resume it, seed it, start one worker per GPU, show
 progress, and write the best config to the tune file.
 
-Tune-file rule: every run first measures the config the engine would run for the problem now
-(the baseline: its tune-file entry for this or the nearest tuned shape, else its default), and
-writes only the fastest config measured in this same run, which is therefore never slower than
-what the engine ran before; an existing entry for the same key that is faster is kept
-(tune_file.store_if_faster). An interrupted run whose baseline was not measured writes nothing.
+Tune-file rule: the candidate is the best config of the whole study (every run and process of
+it, so a resumed study writes what its earlier runs found too). Before it is written it is timed
+against the baseline, the config the engine would run for the problem now (its tune-file entry
+for this or the nearest tuned shape, else its default), alternately in this run through the
+same benchmark worker (attnbench.tune.confirm). It is written only when it beats the baseline
+beyond the measured noise; otherwise the baseline is recorded (an existing entry is kept), so
+the tune file is never slower than what the engine ran before. The first Ctrl-C stops the
+search after the trials in flight, applies the rule to the best so far and then raises
+StudyInterrupted; a second Ctrl-C aborts at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import logging
 import math
 import os
+import signal
 import socket
 import threading
 import time
@@ -27,8 +33,9 @@ from typing import Literal
 import optuna
 from optuna.trial import TrialState
 
+from attnbench.tune.confirm import MARGIN, ROUNDS, Confirmation, confirm
 from attnbench.tune.loop import LoopSettings, StudyWorker, make_sampler, study_state
-from attnbench.tune.objective import Objective
+from attnbench.tune.objective import Objective, TrialFailed
 from attnbench.tune.problem import study_name
 from attnbench.tune.progress import ProgressDisplay, Snapshot
 from attnbench.tune.space import SearchSpace
@@ -58,10 +65,16 @@ class TuneOptions:
     write_tune_file: bool = True
     progress: bool = True
     heartbeat_s: int = 30
+    confirm_rounds: int = ROUNDS  # A/B rounds of the winner against the baseline
+    confirm_margin: float = MARGIN  # least relative gain a written winner must show
 
     def __post_init__(self) -> None:
         if self.trials < 1:
             raise ValueError(f"trials={self.trials}: expected >= 1")
+        if self.confirm_rounds < 1:
+            raise ValueError(f"confirm_rounds={self.confirm_rounds}: expected >= 1")
+        if not 0 <= self.confirm_margin < 1:
+            raise ValueError(f"confirm_margin={self.confirm_margin}: expected a fraction in [0, 1)")
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise ValueError(f"timeout={self.timeout_s}: expected > 0 seconds")
         if not self.devices:
@@ -96,6 +109,16 @@ class TuneResult:
     run_best_trial: int | None = None
     tune_file_note: str = ""  # what happened to the tune file, and why
     interrupted: bool = False  # stopped by --timeout or Ctrl-C before reaching its target
+    confirmation: dict | None = None  # the A/B timings of winner and baseline (confirm.py)
+    entry: dict | None = None  # the tune file's entry for the problem after this run
+
+
+class StudyInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped a study; `result` holds what it measured and what the tune file got."""
+
+    def __init__(self, result: TuneResult) -> None:
+        super().__init__("interrupted")
+        self.result = result
 
 
 def _n_jobs(requested: int) -> int:
@@ -175,6 +198,19 @@ def snapshot(study: optuna.Study, target: int) -> Snapshot:
 
 
 def run_study(objective: Objective, space: SearchSpace, opts: TuneOptions) -> TuneResult:
+    """Create or resume the study of `objective`'s problem, run it to its target (or time
+    limit), and apply the tune-file rule. Ctrl-C: see the module docstring."""
+    stop = threading.Event()
+    interrupted = threading.Event()  # the first Ctrl-C: stop, write the best so far, re-raise
+    with _first_sigint_stops(stop, interrupted):
+        result = _run_study(objective, space, opts, stop, interrupted)
+    if interrupted.is_set():
+        raise StudyInterrupted(result)
+    return result
+
+
+def _run_study(objective: Objective, space: SearchSpace, opts: TuneOptions,
+               stop: threading.Event, interrupted: threading.Event) -> TuneResult:
     problem = objective.problem
     if space.template != problem.template:
         raise ValueError(
@@ -231,7 +267,6 @@ def run_study(objective: Objective, space: SearchSpace, opts: TuneOptions) -> Tu
         deadline=deadline,
         run_id=run_id,
     )
-    stop = threading.Event()
     compile_pool = CompilePool(jobs, opts.compile_timeout_s)
     benches: list[BenchWorker] = []
     threads: list[threading.Thread] = []
@@ -263,18 +298,17 @@ def run_study(objective: Objective, space: SearchSpace, opts: TuneOptions) -> Tu
             th = threading.Thread(target=_run, name=f"tune-gpu{device}", daemon=True)
             threads.append(th)
             th.start()
-        title = f"tune {problem.template} {problem.variant} {problem.dtype} {problem.mode}"
-        with ProgressDisplay(title, target, opts.timeout_s, opts.progress) as display:
-            try:
-                while any(t.is_alive() for t in threads):
-                    display.update(snapshot(study, target))
-                    time.sleep(0.5)
-            except KeyboardInterrupt:
-                stop.set()
-                for t in threads:
-                    t.join()
-                raise
-            display.update(snapshot(study, target))
+        _watch(threads, study, problem, target, opts)
+        if errors:
+            raise errors[0]
+        result = summarize(study, name, storage_url, gpu, len(valid), exhaustive, target, run_id)
+        result.interrupted = interrupted.is_set() or (
+            result.evaluated < target and deadline is not None and time.monotonic() >= deadline
+        )
+        if opts.write_tune_file:
+            # The search is over: the GPU is free for the A/B confirmation.
+            write_best(result, study, objective, baseline, opts,
+                       timer=bench_timer(benches[0], objective))
     finally:
         stop.set()
         for t in threads:
@@ -282,15 +316,45 @@ def run_study(objective: Objective, space: SearchSpace, opts: TuneOptions) -> Tu
         compile_pool.close()
         for b in benches:
             b.close()
-    if errors:
-        raise errors[0]
-    result = summarize(study, name, storage_url, gpu, len(valid), exhaustive, target, run_id)
-    result.interrupted = (
-        result.evaluated < target and deadline is not None and time.monotonic() >= deadline
-    )
-    if opts.write_tune_file:
-        write_best(result, objective, opts.tune_file)
     return result
+
+
+def _watch(threads: list[threading.Thread], study: optuna.Study, problem, target: int,
+           opts: TuneOptions) -> None:
+    """Show progress until every worker thread has finished."""
+    title = f"tune {problem.template} {problem.variant} {problem.dtype} {problem.mode}"
+    with ProgressDisplay(title, target, opts.timeout_s, opts.progress) as display:
+        while any(t.is_alive() for t in threads):
+            display.update(snapshot(study, target))
+            time.sleep(0.5)
+        display.update(snapshot(study, target))
+
+
+@contextlib.contextmanager
+def _first_sigint_stops(stop: threading.Event, interrupted: threading.Event):
+    """While a study runs in the main thread under Python's default SIGINT handling: the first
+    Ctrl-C sets `stop` and `interrupted` (the workers finish the trials in flight and the best
+    so far is written), a second one raises KeyboardInterrupt as usual (abort, nothing written).
+    Worker processes ignore SIGINT (pebble), so a terminal's Ctrl-C reaches only this process."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+
+    def on_sigint(signum, frame) -> None:
+        if interrupted.is_set():
+            raise KeyboardInterrupt
+        interrupted.set()
+        stop.set()
+        # os.write, not print: a signal handler may interrupt a print to stderr.
+        os.write(2, b"\nattnbench tune: interrupted; finishing the trials in flight, then "
+                    b"writing the best config so far (Ctrl-C again to abort)\n")
+
+    signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def summarize(
@@ -348,17 +412,63 @@ def _redact(url: str) -> str:
     return url
 
 
-def write_best(result: TuneResult, objective: Objective, path: Path | None) -> None:
-    """Apply the tune-file rule (module docstring); records the outcome in `result`."""
-    problem = objective.problem
-    if result.baseline_latency_ms is None or result.run_best_config is None:
-        result.tune_file_note = (
-            "tune file not written: the default config was not measured in this run"
-        )
-        log.warning("study %s: %s", result.study_name, result.tune_file_note)
+def bench_timer(bench: BenchWorker, objective: Objective):
+    """One measurement (ms) of a config per call, through the benchmark worker and the
+    objective's own evaluate: the call path the trials were timed on."""
+
+    def time_ms(cfg: KernelConfig) -> float:
+        outcome = bench.run(objective, cfg)
+        if not outcome.ok:
+            raise TrialFailed(f"{cfg.key()}: {(outcome.reason.splitlines() or [''])[0]}")
+        return outcome.measurement.latency_ms
+
+    return time_ms
+
+
+def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
+    """The study's best measured trial over all its runs (None when nothing succeeded)."""
+    try:
+        return study.best_trial
+    except ValueError:
+        return None
+
+
+def write_best(result: TuneResult, study: optuna.Study, objective: Objective,
+               baseline: KernelConfig | None, opts: TuneOptions, timer) -> None:
+    """Apply the tune-file rule (module docstring): confirm the study's best config against
+    `baseline` with `timer` and write the entry; records the outcome in `result`."""
+    best = best_trial(study)
+    if best is None or baseline is None:
+        why = ("no config of the study was measured successfully" if best is None else
+               "the engine's current config is not in the search space, so no winner can be "
+               "confirmed against it")
+        _note(result, f"tune file not written: {why}", logging.WARNING)
         return
-    p = Path(path) if path else tune_file.default_path(result.gpu, problem.template)
-    entry = {
+    winner = KernelConfig(**best.params)
+    conf = None
+    if winner != baseline:
+        try:
+            conf = confirm(winner, baseline, timer, rounds=opts.confirm_rounds,
+                           margin=opts.confirm_margin)
+        except TrialFailed as exc:
+            _note(result, f"tune file not written: the A/B timing of the winner against the "
+                          f"baseline failed ({exc})", logging.WARNING)
+            return
+        result.confirmation = conf.to_dict() | {"winner_config": winner.to_dict(),
+                                                "baseline_config": baseline.to_dict()}
+    path = Path(opts.tune_file) if opts.tune_file else tune_file.default_path(
+        result.gpu, objective.problem.template)
+    if conf is not None and conf.faster:
+        _store_winner(result, objective, path, best, winner, baseline, conf)
+    else:
+        _store_baseline(result, objective, path, best, baseline, conf)
+
+
+def _entry(result: TuneResult, objective: Objective, best, cfg: KernelConfig, latency_ms: float,
+           baseline: KernelConfig, baseline_ms: float, outcome: str) -> dict:
+    problem = objective.problem
+    flops = problem.flops(objective.unmasked_fraction())
+    return {
         "template": problem.template,
         "variant": problem.variant,
         "spec_hash": objective.spec_hash(),
@@ -366,29 +476,78 @@ def write_best(result: TuneResult, objective: Objective, path: Path | None) -> N
         "mode": problem.mode,
         "gpu": result.gpu,
         "shape": problem.shape(),
-        "config": result.run_best_config,
-        "latency_ms": result.run_best_latency_ms,
-        "tflops": result.run_best_tflops,
-        "default_config": result.baseline_config,
-        "default_latency_ms": result.baseline_latency_ms,
+        "config": cfg.to_dict(),
+        "latency_ms": latency_ms,
+        "tflops": flops / (latency_ms * 1e-3) / 1e12,
+        "default_config": baseline.to_dict(),  # the baseline: what the engine ran before
+        "default_latency_ms": baseline_ms,
+        "outcome": outcome,  # "tuned": a confirmed winner; "baseline": the engine's choice kept
+        "trial_latency_ms": best.value,  # the study's best trial, as the search timed it
+        "confirm": result.confirmation,  # the A/B rounds (None: the winner was the baseline)
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "tilelang_version": tune_file.tilelang_version(),
         "study": result.study_name,
         "trials": result.evaluated,
-        "best_trial": result.run_best_trial,
+        "best_trial": best.number,
     }
-    written, old = tune_file.store_if_faster(p, entry)
+
+
+def _config_of(entry) -> KernelConfig | None:
+    try:
+        return KernelConfig.from_dict(dict(entry["config"]))
+    except Exception:  # a hand-edited or foreign entry: compared as "another config"
+        return None
+
+
+def _key_of(entry) -> str:
+    cfg = _config_of(entry)
+    return cfg.key() if cfg is not None else "an unreadable config"
+
+
+def _store_winner(result, objective, path: Path, best, winner: KernelConfig,
+                  baseline: KernelConfig, conf: Confirmation) -> None:
+    entry = _entry(result, objective, best, winner, conf.winner_median_ms, baseline,
+                   conf.baseline_median_ms, "tuned")
+
+    def keep_old(old, new) -> bool:
+        # The old entry is the baseline just beaten (or this winner): replace it. A different
+        # config means another tuner wrote meanwhile: the faster recorded latency stays.
+        if _config_of(old) in (baseline, winner):
+            return False
+        try:
+            return float(old["latency_ms"]) <= float(new["latency_ms"])
+        except (KeyError, TypeError, ValueError):
+            return False
+
+    written, old = tune_file.store_unless(path, entry, keep_old)
     if written:
-        result.tune_file = str(p)
-        result.tune_file_note = (
-            f"wrote {KernelConfig(**result.run_best_config).key()} "
-            f"({result.run_best_latency_ms:.4g} ms; default {result.baseline_latency_ms:.4g} ms"
-            + (f"; replaced an entry at {old['latency_ms']:.4g} ms" if old else "") + f") to {p}"
-        )
+        result.tune_file, result.entry = str(path), entry
+        _note(result, f"wrote {winner.key()} to {path}: {conf.reason()}"
+              + (f"; replaced {_key_of(old)}" if old else ""))
     else:
-        result.tune_file_note = (
-            f"kept the existing entry of {p} ({old['latency_ms']:.4g} ms, "
-            f"{KernelConfig.from_dict(dict(old['config'])).key()}): faster than this run's best "
-            f"({result.run_best_latency_ms:.4g} ms)"
-        )
-    log.info("study %s: %s", result.study_name, result.tune_file_note)
+        result.entry = old
+        _note(result, f"kept the entry of {path} that another tuner wrote meanwhile "
+              f"({_key_of(old)}, {old.get('latency_ms')} ms): faster than this run's confirmed "
+              f"winner {winner.key()} ({conf.winner_median_ms:.4g} ms)")
+
+
+def _store_baseline(result, objective, path: Path, best, baseline: KernelConfig,
+                    conf: Confirmation | None) -> None:
+    why = (conf.reason() if conf is not None
+           else "the study's best config is the one the engine runs now")
+    ms = conf.baseline_median_ms if conf is not None else best.value
+    entry = _entry(result, objective, best, baseline, ms, baseline, ms, "baseline")
+    # An existing entry stays: it is the baseline itself, or newer than it.
+    written, old = tune_file.store_unless(path, entry, lambda old, new: True)
+    if written:
+        result.tune_file, result.entry = str(path), entry
+        _note(result, f"recorded the engine's current config {baseline.key()} ({ms:.4g} ms) in "
+                      f"{path}: {why}")
+    else:
+        result.entry = old
+        _note(result, f"kept the entry of {path} ({_key_of(old)}): {why}")
+
+
+def _note(result: TuneResult, text: str, level: int = logging.INFO) -> None:
+    result.tune_file_note = text
+    log.log(level, "study %s: %s", result.study_name, text)
