@@ -132,7 +132,7 @@ def test_study_whose_best_is_only_noise_records_the_baseline(tmp_path, caplog):
 
     default = default_forward_config(128, 128)
     obj = FakeObjective(PROBLEM, flat=True, noise=0.08)
-    with caplog.at_level("INFO", logger="attnbench.tune.runner"):
+    with caplog.at_level("INFO", logger="attnbench.tune.publish"):
         res = run_study(obj, parse_space(SPACE), _opts(tmp_path))
     assert res.confirmation is not None, "the lucky winner must not be the default itself"
     assert res.confirmation["faster"] is False

@@ -11,7 +11,7 @@ Trial bookkeeping (user attributes), shared by every worker of a study wherever 
 - on success: `latency_ms`, `tflops` and whatever the objective reports (e.g. `rel_err`);
 - `run`: the id of the tuner run that asked the trial; `baseline`: True on the run's measurement
   of the config the engine runs now (measured first in every run; before the tune file is
-  written, runner.write_best times it against the winner again, see confirm.py);
+  written, publish.write_best times it against the winner again, see confirm.py);
   `baseline_rerun`: a baseline whose config the study had already measured (not counted, not
   `evaluated`).
 
