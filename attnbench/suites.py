@@ -35,17 +35,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from attnbench.dtypes import ALIASES, dtype_name
 from attnbench.resources import data_dir
 from attnbench.results.schema import MODES
 from attnbench.shapes import ShapePreset, load_shapes
 
 SUITES_DIR = data_dir("suites")  # the checkout's suites/, or the wheel's copy
 KINDS = ("attention", "linear", "decode")
-DTYPE_ALIASES = {
-    "float16": "float16", "fp16": "float16", "half": "float16",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-    "float32": "float32", "fp32": "float32", "float": "float32",
-}
+DTYPE_ALIASES = ALIASES  # float16/fp16/half, bfloat16/bf16, float32/fp32/float (attnbench.dtypes)
 CASE_KEYS = {
     "name", "variants", "shapes", "seqlens", "seqlen_q", "seqlen_kv", "batch", "tokens",
     "dtypes", "modes", "impls", "baseline", "kind",
@@ -274,10 +271,10 @@ def _expand_block(label, block, spec, suite_name, shape_override, variants_known
             errors.append(f"{label}: unknown mode {m!r}; known modes: {', '.join(MODES)}")
     dtypes = []
     for d in need("dtypes"):
-        if d not in DTYPE_ALIASES:
-            errors.append(f"{label}: unknown dtype {d!r}; known dtypes: float16, bfloat16, float32")
-        else:
-            dtypes.append(DTYPE_ALIASES[d])
+        try:
+            dtypes.append(dtype_name(d))
+        except ValueError as exc:
+            errors.append(f"{label}: {exc}")
     kind = spec.get("kind", "attention")
     if kind not in KINDS:
         errors.append(f"{label}: unknown kind {kind!r}; known kinds: {', '.join(KINDS)}")

@@ -80,9 +80,12 @@ def test_resume_after_sigkill_loses_no_finished_trial(tmp_path):
     slow = ["--fake-options", json.dumps({"delay_s": 0.6})]
     proc = _start(_cmd(storage, 10, tmp_path, *slow), tmp_path / "run1.log")
     try:
-        _wait_for(lambda: len(_evaluated(_only_study(storage))) >= 3, 120, "3 finished trials")
+        _wait_for(lambda: len(_evaluated(_only_study(storage))) >= 1, 120, "a finished trial")
         workers = _children(proc.pid)
         assert workers, "the tuner runs its compiles and benchmarks in worker processes"
+        # Late in the study, so that its best config is (almost surely) among the killed
+        # run's trials and the resumed run's own few trials do not reach it.
+        _wait_for(lambda: len(_evaluated(_only_study(storage))) >= 7, 120, "7 finished trials")
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
     finally:
@@ -91,7 +94,7 @@ def test_resume_after_sigkill_loses_no_finished_trial(tmp_path):
     # Workers die with the tuner: nothing keeps running against the study.
     _wait_for(lambda: not [p for p in workers if _alive(p)], 15, "orphaned workers to exit")
     before = {t.number: (t.state, t.value) for t in _evaluated(_only_study(storage))}
-    assert 3 <= len(before) < 10
+    assert 7 <= len(before) < 10
 
     done = subprocess.run(_cmd(storage, 10, tmp_path), cwd=REPO, capture_output=True, text=True,
                           timeout=240)
@@ -103,7 +106,42 @@ def test_resume_after_sigkill_loses_no_finished_trial(tmp_path):
     assert not [t for t in study.get_trials() if t.state == TrialState.RUNNING]
     reaped = [t for t in study.get_trials() if "died" in t.user_attrs.get("fail_reason", "")]
     assert all(t.state == TrialState.FAIL and not t.user_attrs.get("evaluated") for t in reaped)
-    assert (tmp_path / "tune.json").exists()
+    # The tune file holds the best of the whole study, the killed run's trials included.
+    _assert_entry_is_the_study_best(tmp_path)
+
+
+def _assert_entry_is_the_study_best(tmp_path: Path) -> None:
+    best = _only_study(f"sqlite:///{tmp_path / 's.db'}").best_trial
+    (entry,) = json.loads((tmp_path / "tune.json").read_text())["entries"].values()
+    assert entry["config"] == best.params and entry["best_trial"] == best.number
+    assert entry["trial_latency_ms"] == best.value
+    # The fake objective is deterministic, so the A/B rounds re-time the winner exactly.
+    assert entry["latency_ms"] == pytest.approx(best.value)
+    assert entry["outcome"] == "tuned" and entry["confirm"]["faster"]
+    assert entry["latency_ms"] < entry["default_latency_ms"]
+
+
+def test_ctrl_c_writes_the_best_so_far_then_exits_130(tmp_path):
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    slow = ["--fake-options", json.dumps({"delay_s": 0.4})]
+    log = tmp_path / "run.log"
+    # Its own process group, which a terminal's Ctrl-C signals as a whole (workers included).
+    proc = subprocess.Popen(_cmd(storage, 40, tmp_path, *slow), cwd=REPO, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_for(lambda: len(_evaluated(_only_study(storage))) >= 3, 120, "3 finished trials")
+        os.killpg(proc.pid, signal.SIGINT)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = log.read_text()
+    assert rc == 130, out
+    assert "interrupted" in out and "wrote" in out
+    study = _only_study(storage)
+    assert 3 <= len(_evaluated(study)) < 40
+    assert not [t for t in study.get_trials() if t.state == TrialState.RUNNING]
+    _assert_entry_is_the_study_best(tmp_path)
 
 
 def _two_tuners_share_one_study(storage: str, tmp_path: Path) -> None:
@@ -174,6 +212,66 @@ def test_bad_tune_arguments_are_clear_errors(capsys, monkeypatch):
     monkeypatch.setattr(tilelang_backend, "KERNEL_BACKWARD", False)
     assert cli.main(["tune", "--shape", "llama3-8b", "--mode", "bwd", "--seqlens", "1k"]) == 2
     assert "ATTNBENCH_KERNEL_BACKWARD=0" in capsys.readouterr().err
+
+
+def _tune(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "attnbench", "tune", "--shape", "llama3-8b",
+                           "--seqlens", "1k", "--tune-file", str(tmp_path / "tune.json"),
+                           *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--variant", "nosuch", "--objective", "fake"],
+     "attnbench tune: --variant: unknown variant 'nosuch'; known: alibi, "),
+    (["--storage", "notaurl", "--objective", "fake"],
+     "attnbench tune: --storage: 'notaurl' is not a storage URL; expected a SQLAlchemy URL"),
+    (["--storage", "sqlite:////proc/nope/s.db", "--objective", "fake"],
+     "attnbench tune: --storage: 'sqlite:////proc/nope/s.db': cannot create the database file"),
+])
+def test_bad_arguments_fail_in_one_line_before_any_file_is_written(tmp_path, args, expected):
+    if "--storage" not in args:
+        args = [*args, "--storage", f"sqlite:///{tmp_path / 's.db'}"]
+    done = _tune(tmp_path, *args)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(expected) and done.stderr.count("\n") == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no study, no tune file
+
+
+def test_tuning_the_engine_without_a_gpu_is_a_one_line_error(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    done = _tune(tmp_path, "--storage", f"sqlite:///{tmp_path / 's.db'}")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "no CUDA GPU found" in done.stderr and "--objective fake" in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_bad_seqlens_names_its_flag_once(tmp_path):
+    done = _tune(tmp_path, "--seqlens", "abc", "--objective", "fake")
+    assert done.returncode == 2
+    assert "argument --seqlens: 'abc' is not a positive length" in done.stderr
+    assert "--seqlens: --seqlens" not in done.stderr
+
+
+@pytest.mark.parametrize("spelling, name", [("bf16", "bf16"), ("bfloat16", "bf16"),
+                                            ("fp16", "fp16"), ("float16", "fp16")])
+def test_dtype_takes_both_spellings(spelling, name):
+    from attnbench import cli
+
+    args = cli.build_parser().parse_args(["tune", "--dtype", spelling])
+    assert args.dtype == name
+
+
+def test_dtype_outside_the_kernels_is_an_argument_error(capsys):
+    from attnbench import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.build_parser().parse_args(["tune", "--dtype", "float32"])
+    assert exc.value.code == 2
+    assert "argument --dtype: 'float32': expected bf16 or fp16" in capsys.readouterr().err
 
 
 def test_tune_a_suites_engine_cases(tmp_path, capsys):

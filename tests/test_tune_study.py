@@ -244,30 +244,55 @@ def test_default_config_is_measured_first_and_gates_the_tune_file(tmp_path):
     assert len(_evaluated(study)) == 8
 
 
-def test_faster_existing_entry_is_kept_and_failed_default_writes_nothing(tmp_path, caplog):
+def test_entry_of_the_baseline_is_replaced_by_a_confirmed_winner(tmp_path):
+    """An exact entry is what the engine runs now: the baseline. A winner that beats it in this
+    run's A/B rounds replaces it, whatever latency the entry recorded in an older run."""
+    from engine.tuning.tune_file import store
+
+    space = load_space("attention_fwd")
+    slow = KernelConfig(64, 64, 2, 128)
+    assert space.contains(slow)
+    store(tmp_path / "tune.json", {
+        "template": "attention_fwd", "spec_hash": "fake-spec", "dtype": "bf16", "mode": "fwd",
+        "gpu": "Fake GPU", "shape": PROBLEM.shape(), "config": slow.to_dict(),
+        "latency_ms": 1e-3, "tflops": 1e6, "date": "2026-11-22T00:00:00+00:00"})
+    res = run_study(FakeObjective(PROBLEM), space, _opts(tmp_path, trials=4, search="tpe"))
+    assert res.baseline_config == slow.to_dict()
+    cfg, meta = lookup(tmp_path / "tune.json", template="attention_fwd", spec_hash="fake-spec",
+                       dtype="bf16", mode="fwd", gpu="Fake GPU", shape=PROBLEM.shape())
+    assert cfg.to_dict() == res.best_config != slow.to_dict() and meta["outcome"] == "tuned"
+    assert meta["default_latency_ms"] == pytest.approx(fake_latency_ms(slow, PROBLEM))
+    assert "replaced M64_N64" in res.tune_file_note
+
+
+def test_other_tuners_faster_entry_is_kept_and_failed_default_writes_nothing(tmp_path, caplog):
     from engine.plan.defaults import default_forward_config
     from engine.tuning.tune_file import store
 
     space = load_space("attention_fwd")
-    fast = KernelConfig(64, 64, 1, 128)
+    # An entry the baseline is not (outside this space: another tuner's, written meanwhile)
+    # with a faster recorded latency stays.
+    other_cfg = KernelConfig(128, 128, 2, 256, swizzle_panel=16)
+    assert not space.contains(other_cfg)
     store(tmp_path / "tune.json", {
         "template": "attention_fwd", "spec_hash": "fake-spec", "dtype": "bf16", "mode": "fwd",
-        "gpu": "Fake GPU", "shape": PROBLEM.shape(), "config": fast.to_dict(),
+        "gpu": "Fake GPU", "shape": PROBLEM.shape(), "config": other_cfg.to_dict(),
         "latency_ms": 1e-3, "tflops": 1e6, "date": "2026-11-22T00:00:00+00:00"})
     with caplog.at_level("INFO"):
         res = run_study(FakeObjective(PROBLEM), space, _opts(tmp_path, trials=4, search="tpe"))
-    assert res.tune_file is None and "kept the existing entry" in res.tune_file_note
+    assert res.tune_file is None and "kept the entry" in res.tune_file_note
     assert "kept the existing entry" in caplog.text
     cfg, meta = lookup(tmp_path / "tune.json", template="attention_fwd", spec_hash="fake-spec",
                        dtype="bf16", mode="fwd", gpu="Fake GPU", shape=PROBLEM.shape())
-    assert cfg == fast and meta["latency_ms"] == 1e-3
-    # The default fails (wrong output): nothing measured against it, nothing written.
+    assert cfg == other_cfg and meta["latency_ms"] == 1e-3
+    # The default fails (wrong output): the winner cannot be timed against it, nothing written.
     other = tmp_path / "other"
     other.mkdir()
     bad = FakeObjective(PROBLEM, wrong_keys=(default_forward_config(128, 128).key(),))
     res = run_study(bad, space, _opts(other, trials=4, search="tpe"))
     assert res.best_latency_ms is not None and res.baseline_latency_ms is None
-    assert not (other / "tune.json").exists() and "not measured" in res.tune_file_note
+    assert not (other / "tune.json").exists() and "A/B timing" in res.tune_file_note
+    assert "mismatch" in res.tune_file_note
 
 
 def test_baseline_is_the_nearest_tuned_entry_the_engine_would_use(tmp_path):

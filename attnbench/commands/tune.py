@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import re
 import sys
 import time
 from pathlib import Path
 
 MODES = ("fwd", "bwd", "both")
+KERNEL_DTYPES = ("bf16", "fp16")  # what the engine's kernels (and so the tuner) take
 
 
 def parse_seqlens(text: str) -> list[int]:
@@ -19,9 +21,7 @@ def parse_seqlens(text: str) -> list[int]:
     for part in text.split(","):
         m = re.fullmatch(r"\s*(\d+)\s*([kK]?)\s*", part)
         if not m or int(m.group(1)) <= 0:
-            raise argparse.ArgumentTypeError(
-                f"--seqlens: {part!r} is not a positive length like 4096 or 4k"
-            )
+            raise argparse.ArgumentTypeError(f"{part!r} is not a positive length like 4096 or 4k")
         out.append(int(m.group(1)) * (1024 if m.group(2) else 1))
     return out
 
@@ -32,8 +32,23 @@ def parse_gpus(text: str) -> list[int]:
     except ValueError:
         gpus = []
     if not gpus or any(g < 0 for g in gpus) or len(set(gpus)) != len(gpus):
-        raise argparse.ArgumentTypeError(f"--gpus: {text!r}: expected distinct indices like 0,1,2")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected distinct indices like 0,1,2")
     return gpus
+
+
+def parse_dtype(text: str) -> str:
+    """'bf16' or 'bfloat16' -> 'bf16'; 'fp16' or 'float16' -> 'fp16' (the kernels' dtypes)."""
+    from attnbench.dtypes import short_dtype_name
+
+    try:
+        name = short_dtype_name(text)
+    except ValueError:
+        name = None
+    if name not in KERNEL_DTYPES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected bf16 or fp16 (also spelled bfloat16, float16): the engine's "
+            "kernels are half precision")
+    return name
 
 
 def _positive(kind):
@@ -42,11 +57,21 @@ def _positive(kind):
             v = kind(text)
         except ValueError:
             v = None
-        if v is None or v <= 0:
+        if v is None or not math.isfinite(v) or v <= 0:
             raise argparse.ArgumentTypeError(f"{text!r}: expected a positive {kind.__name__}")
         return v
 
     return parse
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = -1
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an int >= 0")
+    return v
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -71,7 +96,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="sequence lengths, one study each (default 2k,4k,8k,16k)")
     p.add_argument("--batch", type=_positive(int),
                    help="batch size (default: 16k tokens per batch, i.e. 16384 // seqlen)")
-    p.add_argument("--dtype", choices=("bf16", "fp16"), help="default bf16")
+    p.add_argument("--dtype", type=parse_dtype,
+                   help="bf16 (default) or fp16; bfloat16 and float16 are accepted too")
     p.add_argument("--mode", default="fwd", choices=MODES,
                    help="fwd times the forward; bwd times forward+backward")
     p.add_argument("--trials", type=_positive(int), default=64,
@@ -92,12 +118,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "Under --timeout the grid gets 70%% of the time and Optuna the rest; "
                         "an interrupted comparison is still written, marked incomplete")
     p.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
-    p.add_argument("--compile-jobs", type=int, default=0, help="parallel compiles (0: all cores)")
+    p.add_argument("--compile-jobs", type=_non_negative_int, default=0,
+                   help="parallel compiles (0: all cores)")
     p.add_argument("--compile-timeout", type=_positive(float), default=900.0,
                    help="seconds per compile before the trial fails (default 900)")
     p.add_argument("--bench-timeout", type=_positive(float), default=180.0,
                    help="seconds per benchmark before the trial fails and its worker is "
                    "replaced (default 180)")
+    p.add_argument("--confirm-rounds", type=_positive(int), default=4,
+                   help="A/B rounds that time the winner against the engine's current config "
+                   "before a tune-file entry is written (default 4)")
     p.add_argument("--no-progress", action="store_true", help="no live progress display")
     p.add_argument("--json-out", type=Path, help="also write the study summaries as JSON here")
     p.add_argument("--objective", default="engine", choices=("engine", "fake"),
@@ -115,7 +145,10 @@ def _geometry(args) -> dict[str, int]:
     if args.shape:
         from attnbench.shapes import get_shape
 
-        preset = get_shape(args.shape)
+        try:
+            preset = get_shape(args.shape)
+        except ValueError as exc:
+            raise ValueError(f"--shape: {exc}") from None
         geo = {k: getattr(preset, k) for k in geo}
     for k in geo:
         if getattr(args, k) is not None:
@@ -130,6 +163,9 @@ def _geometry(args) -> dict[str, int]:
             f"--shape or --{'/--'.join(m.replace('_', '-') for m in missing)}: the head geometry "
             "is needed (e.g. --shape llama3-8b)"
         )
+    if geo["heads_q"] % geo["heads_kv"]:
+        raise ValueError(f"--heads-q {geo['heads_q']} / --heads-kv {geo['heads_kv']}: the query "
+                         "heads must be a multiple of the key/value heads")
     return geo  # type: ignore[return-value]
 
 
@@ -147,14 +183,18 @@ def _problems(args, mode: str) -> list:
         if given:
             raise ValueError(f"--suite takes variants, shapes, lengths and dtypes from the suite; "
                              f"drop {', '.join(given)}")
+        from attnbench.dtypes import short_dtype_name
         from attnbench.suites import load_suite
-        from engine.tuning.tune_file import normalize_dtype
 
+        try:
+            cases = load_suite(args.suite).filtered(args.filter).cases
+        except ValueError as exc:
+            raise ValueError(f"--suite: {exc}") from None
         out = []
-        for c in load_suite(args.suite).filtered(args.filter).cases:
-            dtype = normalize_dtype(c.dtype)
+        for c in cases:
+            dtype = short_dtype_name(c.dtype)
             engine = any(i in c.impls for i in ("engine", "engine-dynamic"))
-            if not engine or c.kind != "attention" or dtype not in ("bf16", "fp16"):
+            if not engine or c.kind != "attention" or dtype not in KERNEL_DTYPES:
                 continue
             prob = Problem(variant=c.variant, batch=c.batch, heads_q=c.heads_q,
                            heads_kv=c.heads_kv, seqlen_q=c.seqlen_q, seqlen_kv=c.seqlen_kv,
@@ -175,40 +215,31 @@ def _problems(args, mode: str) -> list:
 
 
 def run(args) -> int:
-    from attnbench.tune.compare import compare_grid, format_record
-    from attnbench.tune.runner import TuneOptions, run_study
-    from attnbench.tune.space import load_space
-
-    modes = ["fwd", "bwd"] if args.mode == "both" else [args.mode]
-    if "bwd" in modes and args.objective == "engine":
-        from engine.runtime.tilelang_backend import KERNEL_BACKWARD
-
-        if not KERNEL_BACKWARD:
-            print("attnbench tune: --mode bwd tunes the backward kernels, which are off; unset "
-                  "ATTNBENCH_KERNEL_BACKWARD=0", file=sys.stderr)
-            return 2
     try:
-        work = [(p, load_space(p.template)) for mode in modes for p in _problems(args, mode)]
-    except ValueError as exc:
+        work = _checked_work(args)
+    except ValueError as exc:  # a bad argument: one line, before any study or file is written
         print(f"attnbench tune: {exc}", file=sys.stderr)
         return 2
+    from attnbench.tune.compare import compare_grid, format_record
+    from attnbench.tune.runner import StudyInterrupted, TuneOptions, run_study
+
     deadline = time.monotonic() + args.timeout if args.timeout else None
-    summaries = []
-    for problem, space in work:
+    summaries: list[dict] = []
+    status = 0
+    for objective, space in work:
         left = None
         if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0:
                 print("attnbench tune: --timeout reached", file=sys.stderr)
                 break
-        objective = _objective(args, problem)
         opts = TuneOptions(
             trials=args.trials, timeout_s=left, storage=args.storage,
             devices=tuple(args.gpus), compile_jobs=args.compile_jobs,
             compile_timeout_s=args.compile_timeout, bench_timeout_s=args.bench_timeout,
             seed=args.seed, search="grid" if args.grid else "auto",
             tune_file=args.tune_file, write_tune_file=not args.no_tune_file,
-            progress=not args.no_progress,
+            progress=not args.no_progress, confirm_rounds=args.confirm_rounds,
         )
         if args.compare_grid:
             rec = compare_grid(objective, space, opts)
@@ -216,28 +247,102 @@ def run(args) -> int:
             print(f"comparison written to {rec['path']}")
             summaries.append(rec)
             continue
-        res = run_study(objective, space, opts)
+        try:
+            res = run_study(objective, space, opts)
+        except StudyInterrupted as exc:  # Ctrl-C: the best so far was written; stop here
+            res, status = exc.result, 130
         summaries.append(dataclasses.asdict(res))
-        best = (f"{res.best_latency_ms:.4g} ms, {res.best_tflops:.0f} TFLOP/s, "
-                f"{res.best_config}" if res.best_latency_ms is not None else "none")
-        print(f"{res.study_name}: {res.evaluated}/{res.target} trials "
-              f"({res.failed} failed{', exhaustive' if res.exhaustive else ''}); best {best}"
-              + (f"; default {res.baseline_latency_ms:.4g} ms"
-                 if res.baseline_latency_ms is not None else ""))
-        if res.tune_file_note:
-            print(f"  {res.tune_file_note}")
+        _print_result(res)
+        if status:
+            print("attnbench tune: interrupted", file=sys.stderr)
+            break
     if args.json_out:
         from engine.tuning.tune_file import atomic_write_json
 
         atomic_write_json(args.json_out, summaries)
-    return 0
+    return status
+
+
+def _print_result(res) -> None:
+    best = (f"{res.best_latency_ms:.4g} ms, {res.best_tflops:.0f} TFLOP/s, "
+            f"{res.best_config}" if res.best_latency_ms is not None else "none")
+    print(f"{res.study_name}: {res.evaluated}/{res.target} trials "
+          f"({res.failed} failed{', exhaustive' if res.exhaustive else ''}); best {best}"
+          + (f"; default {res.baseline_latency_ms:.4g} ms"
+             if res.baseline_latency_ms is not None else ""))
+    if res.tune_file_note:
+        print(f"  {res.tune_file_note}")
+
+
+def _checked_work(args) -> list[tuple]:
+    """(objective, search space) per study, after every argument check (ValueError: one line
+    naming the argument). Nothing is measured or written before this returns."""
+    from attnbench.tune.space import load_space
+    from attnbench.tune.storage import check_storage_url, default_storage_url, file_problem
+
+    try:  # the cheap checks first
+        check_storage_url(args.storage or default_storage_url())
+    except ValueError as exc:
+        raise ValueError(f"--storage: {exc}") from None
+    for flag, path in (("--tune-file", args.tune_file), ("--json-out", args.json_out)):
+        problem = file_problem(path) if path is not None else None
+        if problem:
+            raise ValueError(f"{flag}: cannot write {path}: {problem}")
+    modes = ["fwd", "bwd"] if args.mode == "both" else [args.mode]
+    if "bwd" in modes and args.objective == "engine":
+        from engine.runtime.tilelang_backend import KERNEL_BACKWARD
+
+        if not KERNEL_BACKWARD:
+            raise ValueError("--mode bwd tunes the backward kernels, which are off; unset "
+                             "ATTNBENCH_KERNEL_BACKWARD=0")
+    problems = [p for mode in modes for p in _problems(args, mode)]
+    _check_variants(args, problems)
+    work = []
+    for p in problems:
+        space = load_space(p.template)
+        if not space.valid_configs(p.head_dim, p.head_dim_v, p.elem_bytes):
+            raise ValueError(f"--head-dim/--head-dim-v: no config of {space.source} is valid for "
+                             f"D={p.head_dim}, Dv={p.head_dim_v}, dtype {p.dtype} ({p.mode})")
+        work.append((_objective(args, p), space))
+    if args.objective == "engine":
+        _check_gpus(args.gpus)
+    return work
+
+
+def _check_variants(args, problems) -> None:
+    from engine.variants import get_variant
+
+    for name in dict.fromkeys(p.variant for p in problems):
+        try:
+            get_variant(name)
+        except ValueError as exc:
+            flag = "--suite" if args.suite else "--variant"
+            raise ValueError(f"{flag}: {exc}") from None
+
+
+def _check_gpus(gpus: list[int]) -> None:
+    import torch
+
+    n = torch.cuda.device_count()
+    if n == 0:
+        raise ValueError("no CUDA GPU found: --objective engine (the default) builds and times "
+                         "kernels on a GPU; --objective fake runs the tuner without one")
+    missing = [g for g in gpus if g >= n]
+    if missing:
+        raise ValueError(f"--gpus: no GPU {missing} on this machine (it has {n}: 0..{n - 1})")
 
 
 def _objective(args, problem):
     if args.objective == "fake":
+        import inspect
+
         from attnbench.tune.objective import FakeObjective
 
         opts = {k: tuple(v) if isinstance(v, list) else v for k, v in args.fake_options.items()}
+        try:
+            inspect.signature(FakeObjective).bind(problem, **opts)
+        except TypeError as exc:
+            raise ValueError(f"--fake-options: {exc}") from None
         return FakeObjective(problem=problem, **opts)
     from attnbench.tune.engine_objective import EngineObjective
 

@@ -93,7 +93,10 @@ class EngineObjective:
                 with torch.no_grad():
                     mod(**inputs)
 
-        med, n = median_ms(step, self.reps, self.warmup)
+        from attnbench.tune.timing import working_set_bytes
+
+        med, n = median_ms(step, self.reps, self.warmup,
+                           working_set_bytes(self.problem, inputs.values()))
         return Measurement(med, {"rel_err": rel_err, "reps": n,
                                  "gpu_env": os.environ.get("CUDA_VISIBLE_DEVICES", "")})
 
@@ -221,22 +224,11 @@ def check_close(pairs, rtol: float, where: str) -> float:
     return worst
 
 
-def median_ms(step, reps: int, warmup: int) -> tuple[float, int]:
-    """Median time of `step` in ms: attnbench.timing.time_cuda (the suite runner's timer) when
-    it exists, else attnbench.tune.timing's."""
-    import statistics
+def median_ms(step, reps: int, warmup: int, working_set_bytes: int) -> tuple[float, int]:
+    """Median time of `step` in ms and the repetitions: the suite runner's timer and L2 policy
+    (attnbench.tune.timing, over attnbench.timing.measure)."""
+    from attnbench.tune.timing import time_step
 
-    try:
-        from attnbench.timing import time_cuda  # type: ignore[import-not-found]
-    except ImportError:
-        from attnbench.tune.timing import time_cuda
-    try:
-        res = time_cuda(step, reps=reps, warmup=warmup)
-    except TypeError:  # a timer with its own defaults
-        res = time_cuda(step)
-    if isinstance(res, int | float):
-        return float(res), reps
-    if hasattr(res, "median_ms"):
-        return float(res.median_ms), reps
-    times = list(res)
-    return float(statistics.median(times)), len(times)
+    t = time_step(step, reps=reps, warmup=warmup, working_set_bytes=working_set_bytes)
+    return t.median_ms, t.repeats
+

@@ -10,9 +10,10 @@ Trial bookkeeping (user attributes), shared by every worker of a study wherever 
   already measured (its value is reused; nothing runs); `fail_reason`: why a trial FAILed;
 - on success: `latency_ms`, `tflops` and whatever the objective reports (e.g. `rel_err`);
 - `run`: the id of the tuner run that asked the trial; `baseline`: True on the run's measurement
-  of the engine's default config (measured first in every run, so the tune file is only ever
-  written against a default measured in the same run); `baseline_rerun`: a baseline whose config
-  the study had already measured (kept for the comparison, not counted, not `evaluated`).
+  of the config the engine runs now (measured first in every run; before the tune file is
+  written, publish.write_best times it against the winner again, see confirm.py);
+  `baseline_rerun`: a baseline whose config the study had already measured (not counted, not
+  `evaluated`).
 
 Pipeline: a worker keeps up to `batch` configs compiling on the CPU pool while its GPU
 benchmarks the ones already compiled, and asks for new candidates as soon as a slot frees (after

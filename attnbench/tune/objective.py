@@ -12,9 +12,11 @@ tests and `--objective fake`; it goes through exactly the same workers and study
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -60,6 +62,9 @@ class FakeObjective:
     their worker process (SIGKILL-like exit), to exercise timeouts and worker replacement.
     `delay_s` makes each step take that long (tests of resume and sharing); `trace_path`, when
     set, gets one JSON line per step with its start and end time (tests of the pipeline).
+    `noise` multiplies each measurement by 1 + noise * u, u uniform in [-1, 1) and reproducible
+    (seeded by the config and the count of this process's measurements); `flat` gives every
+    config the same latency, so that only the noise tells them apart (tests of confirm.py).
     """
 
     problem: Problem
@@ -71,6 +76,8 @@ class FakeObjective:
     wrong_keys: tuple[str, ...] = ()
     trace_path: str = ""
     unpicklable_keys: tuple[str, ...] = ()  # compile raises an UnpicklableError
+    noise: float = 0.0
+    flat: bool = False
 
     def spec_hash(self) -> str:
         return self.spec
@@ -112,7 +119,14 @@ class FakeObjective:
             os._exit(139)  # what a segfaulting CUDA process looks like to its parent
         if key in self.wrong_keys:
             raise TrialFailed("output mismatch: rel err 3.1e-01 >= 1e-02 against the reference")
-        return Measurement(fake_latency_ms(cfg, self.problem), {"rel_err": 1e-3})
+        ms = fake_latency_ms(KernelConfig() if self.flat else cfg, self.problem)
+        if self.noise:
+            u = random.Random(f"{key}:{next(_MEASUREMENTS)}").uniform(-1.0, 1.0)
+            ms *= 1.0 + self.noise * u
+        return Measurement(ms, {"rel_err": 1e-3})
+
+
+_MEASUREMENTS = itertools.count()  # per process: the fake's noise differs between re-timings
 
 
 def fake_latency_ms(cfg: KernelConfig, problem: Problem) -> float:

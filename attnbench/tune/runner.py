@@ -1,20 +1,22 @@
 """Run one study end to end: create or resume it, seed it, start one worker per GPU, show
-progress, and write the best config to the tune file.
+progress, then apply the tune-file rule (publish.py), with the benchmark worker as the timer
+of its A/B confirmation.
 
-Tune-file rule: every run first measures the config the engine would run for the problem now
-(the baseline: its tune-file entry for this or the nearest tuned shape, else its default), and
-writes only the fastest config measured in this same run, which is therefore never slower than
-what the engine ran before; an existing entry for the same key that is faster is kept
-(tune_file.store_if_faster). An interrupted run whose baseline was not measured writes nothing.
+Every run first measures the baseline, the config the engine would run for the problem now
+(its tune-file entry for this or the nearest tuned shape, else its default). Ctrl-C: the first
+stops the search after the trials in flight, applies the tune-file rule to the best so far and
+raises StudyInterrupted; a second aborts at once, writing nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import logging
 import math
 import os
+import signal
 import socket
 import threading
 import time
@@ -27,10 +29,12 @@ from typing import Literal
 import optuna
 from optuna.trial import TrialState
 
+from attnbench.tune.confirm import MARGIN, ROUNDS
 from attnbench.tune.loop import LoopSettings, StudyWorker, make_sampler, study_state
-from attnbench.tune.objective import Objective
+from attnbench.tune.objective import Objective, TrialFailed
 from attnbench.tune.problem import study_name
 from attnbench.tune.progress import ProgressDisplay, Snapshot
+from attnbench.tune.publish import write_best
 from attnbench.tune.space import SearchSpace
 from attnbench.tune.storage import default_storage_url, make_storage, reap_dead_trials
 from attnbench.tune.workers import BenchWorker, CompilePool
@@ -58,10 +62,16 @@ class TuneOptions:
     write_tune_file: bool = True
     progress: bool = True
     heartbeat_s: int = 30
+    confirm_rounds: int = ROUNDS  # A/B rounds of the winner against the baseline
+    confirm_margin: float = MARGIN  # least relative gain a written winner must show
 
     def __post_init__(self) -> None:
         if self.trials < 1:
             raise ValueError(f"trials={self.trials}: expected >= 1")
+        if self.confirm_rounds < 1:
+            raise ValueError(f"confirm_rounds={self.confirm_rounds}: expected >= 1")
+        if not 0 <= self.confirm_margin < 1:
+            raise ValueError(f"confirm_margin={self.confirm_margin}: expected a fraction in [0, 1)")
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise ValueError(f"timeout={self.timeout_s}: expected > 0 seconds")
         if not self.devices:
@@ -96,6 +106,16 @@ class TuneResult:
     run_best_trial: int | None = None
     tune_file_note: str = ""  # what happened to the tune file, and why
     interrupted: bool = False  # stopped by --timeout or Ctrl-C before reaching its target
+    confirmation: dict | None = None  # the A/B timings of winner and baseline (confirm.py)
+    entry: dict | None = None  # the tune file's entry for the problem after this run
+
+
+class StudyInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped a study; `result` holds what it measured and what the tune file got."""
+
+    def __init__(self, result: TuneResult) -> None:
+        super().__init__("interrupted")
+        self.result = result
 
 
 def _n_jobs(requested: int) -> int:
@@ -175,6 +195,19 @@ def snapshot(study: optuna.Study, target: int) -> Snapshot:
 
 
 def run_study(objective: Objective, space: SearchSpace, opts: TuneOptions) -> TuneResult:
+    """Create or resume the study of `objective`'s problem, run it to its target (or time
+    limit), and apply the tune-file rule. Ctrl-C: see the module docstring."""
+    stop = threading.Event()
+    interrupted = threading.Event()  # the first Ctrl-C: stop, write the best so far, re-raise
+    with _first_sigint_stops(stop, interrupted):
+        result = _run_study(objective, space, opts, stop, interrupted)
+    if interrupted.is_set():
+        raise StudyInterrupted(result)
+    return result
+
+
+def _run_study(objective: Objective, space: SearchSpace, opts: TuneOptions,
+               stop: threading.Event, interrupted: threading.Event) -> TuneResult:
     problem = objective.problem
     if space.template != problem.template:
         raise ValueError(
@@ -231,7 +264,6 @@ def run_study(objective: Objective, space: SearchSpace, opts: TuneOptions) -> Tu
         deadline=deadline,
         run_id=run_id,
     )
-    stop = threading.Event()
     compile_pool = CompilePool(jobs, opts.compile_timeout_s)
     benches: list[BenchWorker] = []
     threads: list[threading.Thread] = []
@@ -263,18 +295,19 @@ def run_study(objective: Objective, space: SearchSpace, opts: TuneOptions) -> Tu
             th = threading.Thread(target=_run, name=f"tune-gpu{device}", daemon=True)
             threads.append(th)
             th.start()
-        title = f"tune {problem.template} {problem.variant} {problem.dtype} {problem.mode}"
-        with ProgressDisplay(title, target, opts.timeout_s, opts.progress) as display:
-            try:
-                while any(t.is_alive() for t in threads):
-                    display.update(snapshot(study, target))
-                    time.sleep(0.5)
-            except KeyboardInterrupt:
-                stop.set()
-                for t in threads:
-                    t.join()
-                raise
-            display.update(snapshot(study, target))
+        _watch(threads, study, problem, target, opts)
+        if errors:
+            raise errors[0]
+        result = summarize(study, name, storage_url, gpu, len(valid), exhaustive, target, run_id)
+        result.interrupted = interrupted.is_set() or (
+            result.evaluated < target and deadline is not None and time.monotonic() >= deadline
+        )
+        if opts.write_tune_file:
+            # The search is over: the GPU is free for the A/B confirmation.
+            path = opts.tune_file or tune_file.default_path(gpu, problem.template)
+            write_best(result, study, objective, baseline, Path(path),
+                       bench_timer(benches[0], objective), rounds=opts.confirm_rounds,
+                       margin=opts.confirm_margin)
     finally:
         stop.set()
         for t in threads:
@@ -282,15 +315,45 @@ def run_study(objective: Objective, space: SearchSpace, opts: TuneOptions) -> Tu
         compile_pool.close()
         for b in benches:
             b.close()
-    if errors:
-        raise errors[0]
-    result = summarize(study, name, storage_url, gpu, len(valid), exhaustive, target, run_id)
-    result.interrupted = (
-        result.evaluated < target and deadline is not None and time.monotonic() >= deadline
-    )
-    if opts.write_tune_file:
-        write_best(result, objective, opts.tune_file)
     return result
+
+
+def _watch(threads: list[threading.Thread], study: optuna.Study, problem, target: int,
+           opts: TuneOptions) -> None:
+    """Show progress until every worker thread has finished."""
+    title = f"tune {problem.template} {problem.variant} {problem.dtype} {problem.mode}"
+    with ProgressDisplay(title, target, opts.timeout_s, opts.progress) as display:
+        while any(t.is_alive() for t in threads):
+            display.update(snapshot(study, target))
+            time.sleep(0.5)
+        display.update(snapshot(study, target))
+
+
+@contextlib.contextmanager
+def _first_sigint_stops(stop: threading.Event, interrupted: threading.Event):
+    """While a study runs in the main thread under Python's default SIGINT handling: the first
+    Ctrl-C sets `stop` and `interrupted` (the workers finish the trials in flight and the best
+    so far is written), a second one raises KeyboardInterrupt as usual (abort, nothing written).
+    Worker processes ignore SIGINT (pebble), so a terminal's Ctrl-C reaches only this process."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+
+    def on_sigint(signum, frame) -> None:
+        if interrupted.is_set():
+            raise KeyboardInterrupt
+        interrupted.set()
+        stop.set()
+        # os.write, not print: a signal handler may interrupt a print to stderr.
+        os.write(2, b"\nattnbench tune: interrupted; finishing the trials in flight, then "
+                    b"writing the best config so far (Ctrl-C again to abort)\n")
+
+    signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def summarize(
@@ -348,47 +411,14 @@ def _redact(url: str) -> str:
     return url
 
 
-def write_best(result: TuneResult, objective: Objective, path: Path | None) -> None:
-    """Apply the tune-file rule (module docstring); records the outcome in `result`."""
-    problem = objective.problem
-    if result.baseline_latency_ms is None or result.run_best_config is None:
-        result.tune_file_note = (
-            "tune file not written: the default config was not measured in this run"
-        )
-        log.warning("study %s: %s", result.study_name, result.tune_file_note)
-        return
-    p = Path(path) if path else tune_file.default_path(result.gpu, problem.template)
-    entry = {
-        "template": problem.template,
-        "variant": problem.variant,
-        "spec_hash": objective.spec_hash(),
-        "dtype": problem.dtype,
-        "mode": problem.mode,
-        "gpu": result.gpu,
-        "shape": problem.shape(),
-        "config": result.run_best_config,
-        "latency_ms": result.run_best_latency_ms,
-        "tflops": result.run_best_tflops,
-        "default_config": result.baseline_config,
-        "default_latency_ms": result.baseline_latency_ms,
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "tilelang_version": tune_file.tilelang_version(),
-        "study": result.study_name,
-        "trials": result.evaluated,
-        "best_trial": result.run_best_trial,
-    }
-    written, old = tune_file.store_if_faster(p, entry)
-    if written:
-        result.tune_file = str(p)
-        result.tune_file_note = (
-            f"wrote {KernelConfig(**result.run_best_config).key()} "
-            f"({result.run_best_latency_ms:.4g} ms; default {result.baseline_latency_ms:.4g} ms"
-            + (f"; replaced an entry at {old['latency_ms']:.4g} ms" if old else "") + f") to {p}"
-        )
-    else:
-        result.tune_file_note = (
-            f"kept the existing entry of {p} ({old['latency_ms']:.4g} ms, "
-            f"{KernelConfig.from_dict(dict(old['config'])).key()}): faster than this run's best "
-            f"({result.run_best_latency_ms:.4g} ms)"
-        )
-    log.info("study %s: %s", result.study_name, result.tune_file_note)
+def bench_timer(bench: BenchWorker, objective: Objective):
+    """One measurement (ms) of a config per call, through the benchmark worker and the
+    objective's own evaluate: the call path the trials were timed on."""
+
+    def time_ms(cfg: KernelConfig) -> float:
+        outcome = bench.run(objective, cfg)
+        if not outcome.ok:
+            raise TrialFailed(f"{cfg.key()}: {(outcome.reason.splitlines() or [''])[0]}")
+        return outcome.measurement.latency_ms
+
+    return time_ms

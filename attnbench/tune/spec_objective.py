@@ -114,7 +114,10 @@ class SpecObjective:
             with torch.no_grad():
                 mod(*args)
 
-        med, n = median_ms(step, self.reps, self.warmup)
+        from attnbench.tune.timing import working_set_bytes
+
+        med, n = median_ms(step, self.reps, self.warmup,
+                           working_set_bytes(self.problem, args))
         return Measurement(med, {"rel_err": err, "reps": n,
                                  "gpu_env": os.environ.get("CUDA_VISIBLE_DEVICES", "")})
 

@@ -14,6 +14,7 @@ import fcntl
 import os
 import random
 import socket
+import tempfile
 import threading
 import time
 import warnings
@@ -21,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import optuna
+import sqlalchemy.engine
 import sqlalchemy.exc
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 from optuna.trial import TrialState
@@ -37,14 +39,59 @@ def owner_tag() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
+_URL_EXAMPLE = "sqlite:///results/tune/studies.db or postgresql+psycopg://user@host/db"
+
+
+def check_storage_url(url: str) -> None:
+    """A one-line ValueError unless Optuna can open `url` here: a SQLAlchemy URL whose backend
+    and driver are installed and, for a SQLite file, whose file can be created. Connects to
+    nothing (a server's reachability shows when the study starts)."""
+    try:
+        parsed = sqlalchemy.engine.make_url(url)
+    except sqlalchemy.exc.ArgumentError:
+        raise ValueError(f"{url!r} is not a storage URL; expected a SQLAlchemy URL "
+                         f"dialect+driver://..., such as {_URL_EXAMPLE}") from None
+    shown = parsed.render_as_string(hide_password=True)
+    try:
+        dialect = parsed.get_dialect()
+    except sqlalchemy.exc.NoSuchModuleError:
+        raise ValueError(f"{shown!r}: unknown database {parsed.drivername!r}; expected a URL "
+                         f"such as {_URL_EXAMPLE}") from None
+    try:
+        dialect.import_dbapi()
+    except ImportError as exc:
+        raise ValueError(f"{shown!r}: its driver {parsed.get_driver_name()!r} is not installed "
+                         f"({exc}); install it, e.g. pip install \"psycopg[binary]\" for "
+                         "postgresql+psycopg") from None
+    path = _sqlite_file(url)
+    problem = file_problem(Path(path)) if path else None
+    if problem:
+        raise ValueError(f"{shown!r}: cannot create the database file: {problem}")
+
+
+def file_problem(path: Path) -> str | None:
+    """Why a file cannot be written at `path` (its missing folders created), or None."""
+    if path.is_dir():
+        return f"{path} is a folder"
+    if path.exists():
+        return None if os.access(path, os.W_OK) else f"{path} is not writable"
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is not a folder"
+    try:  # really try: os.access says yes to root even where nothing can be created (/proc)
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as exc:
+        return f"cannot create files in {parent} ({exc.strerror})"
+    return None
+
+
 def make_storage(url: str | None, *, heartbeat_s: int = 30) -> RDBStorage:
     """An RDBStorage for `url` (None: the default SQLite file, its folder created)."""
     url = url or default_storage_url()
-    if "://" not in url:
-        raise ValueError(
-            f"--storage={url!r}: expected a SQLAlchemy URL such as sqlite:///results/tune/"
-            "studies.db or postgresql+psycopg://user@host/db"
-        )
+    check_storage_url(url)
     engine_kwargs: dict = {}
     if url.startswith("sqlite"):
         path = _sqlite_file(url)

@@ -50,7 +50,15 @@ def _init_bench_worker(device: int | None) -> None:
     os.environ["ATTNBENCH_TUNE_ROLE"] = "bench"
     if device is not None:
         # Before CUDA initialises in this process: the worker sees its GPU as cuda:0.
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(device)
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_device(
+            device, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def visible_device(index: int, visible: str | None) -> str:
+    """The CUDA_VISIBLE_DEVICES entry of the parent's GPU `index` (what `--gpus` and torch in
+    the parent count): with CUDA_VISIBLE_DEVICES=2,3, index 0 is GPU 2, not GPU 0."""
+    ids = [x.strip() for x in (visible or "").split(",") if x.strip()]
+    return ids[index] if index < len(ids) else str(index)
 
 
 MAX_REASON_CHARS = 4000

@@ -8,6 +8,10 @@ One JSON file per GPU and kernel template (`results/tune/<gpu-slug>/<template>.j
                           "latency_ms": ..., "tflops": ..., "date": ..., "tilelang_version": ...,
                           ...}}}
 
+Entries written by `attnbench tune` also carry what the A/B confirmation found (`outcome`,
+`default_config`, `default_latency_ms`, `trial_latency_ms`, `best_trial`, `confirm`: see
+attnbench/tune/runner.py); readers need only the keys above, so older entries stay readable.
+
 Reading never raises into the user's program: a missing file is silent, a corrupt file or one
 written by another format or TileLang version gives a `TuneFileWarning` and is ignored (the
 engine falls back to its default config). Writing is atomic (temp file in the same folder,
@@ -24,7 +28,7 @@ import math
 import os
 import re
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -269,7 +273,7 @@ def store(path: str | os.PathLike, entry: Mapping[str, Any]) -> str:
     keeping all other entries. Returns the entry's key. A corrupt file or one of another
     format/TileLang version is moved aside to `<name>.bak` (with a warning) and a new one started.
     """
-    key, _, _ = _store(path, entry, keep_faster=False)
+    key, _, _ = _store(path, entry, keep_old=None)
     return key
 
 
@@ -279,12 +283,21 @@ def store_if_faster(
     """Like `store`, but an existing entry for the same key with a lower `latency_ms` is kept
     (checked under the file lock, so two tuners never overwrite a faster entry). Returns
     (written, the previous entry or None)."""
-    _, written, old = _store(path, entry, keep_faster=True)
+    return store_unless(path, entry, _faster_or_equal)
+
+
+def store_unless(
+    path: str | os.PathLike, entry: Mapping[str, Any],
+    keep_old: Callable[[Mapping[str, Any], Mapping[str, Any]], bool],
+) -> tuple[bool, dict | None]:
+    """Like `store`, but an existing entry for the same key is kept when `keep_old(old, new)`
+    says so (decided under the file lock). Returns (written, the previous entry or None)."""
+    _, written, old = _store(path, entry, keep_old=keep_old)
     return written, old
 
 
 def _store(
-    path: str | os.PathLike, entry: Mapping[str, Any], *, keep_faster: bool
+    path: str | os.PathLike, entry: Mapping[str, Any], *, keep_old
 ) -> tuple[str, bool, dict | None]:
     missing = [k for k in (*REQUIRED_ENTRY_KEYS, "latency_ms", "tflops", "date") if k not in entry]
     if missing:
@@ -322,10 +335,10 @@ def _store(
             }
         old = data["entries"].get(key)
         old = dict(old) if isinstance(old, dict) else None
-        if keep_faster and old is not None and _faster_or_equal(old, entry):
+        if keep_old is not None and old is not None and keep_old(old, entry):
             log.info(
-                "tune file %s: kept the existing entry for %s (%.4g ms) over the new one "
-                "(%.4g ms): it is faster", p, key, old["latency_ms"], entry["latency_ms"],
+                "tune file %s: kept the existing entry for %s (%s ms) over the new one "
+                "(%.4g ms)", p, key, old.get("latency_ms"), entry["latency_ms"],
             )
             return key, False, old
         data["entries"][key] = entry
