@@ -77,7 +77,7 @@ class AttentionEngine(torch.nn.Module):
     deterministic: True runs the atomic-free backward kernels (bitwise identical gradients
     run to run): dK/dV stored per query head and summed per group, custom gradients per key
     row, and dQ from a second kernel that recomputes the scores per query block.
-    Attribute `dynamic_shapes` (default engine.plan.defaults.DYNAMIC_SHAPES): compile the
+    Attribute `dynamic_shapes` (default engine.kernels.attention_fwd.plan.DYNAMIC_SHAPES): compile the
     forward with batch and lengths as runtime symbols, one kernel for every length. tune=True
     tunes the forward kernel; the backward's config comes from its tune file (attnbench tune
     --mode bwd) or backward_config=.
@@ -128,9 +128,9 @@ class AttentionEngine(torch.nn.Module):
         self.tune = tune
         self.tune_file = tune_file
         self.deterministic = deterministic
-        from engine.plan.defaults import DYNAMIC_SHAPES
+        from engine.kernels.attention_fwd.plan import DYNAMIC_SHAPES
 
-        self.dynamic_shapes = DYNAMIC_SHAPES  # see engine.plan.defaults
+        self.dynamic_shapes = DYNAMIC_SHAPES  # see engine.kernels.attention_fwd.plan
         self._kernels: Any = None
         self._tune_checked = False
 

@@ -9,9 +9,8 @@ import torch
 
 from attnbench.impls import registry
 from attnbench.suites import load_suite
-from engine.runtime.backward_kernels import backward_kernels_for
 from engine.runtime.precompile import precompile
-from engine.runtime.tilelang_backend import kernel_backward_problem, kernels_for
+from engine.runtime.tilelang_backend import backward_kernels_for, kernel_backward_problem, kernels_for
 from engine.variants import get_variant
 
 ENGINE_IMPLS = ("engine", "engine-dynamic", "engine-deterministic")

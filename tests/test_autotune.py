@@ -13,8 +13,8 @@ import torch
 
 from attnbench.tune.objective import FakeObjective
 from attnbench.tune.spec_objective import SpecObjective
+from engine.kernels.attention_fwd.plan import default_forward_config
 from engine.plan.config import KernelConfig
-from engine.plan.defaults import default_forward_config
 from engine.runtime.tilelang_backend import kernels_for
 from engine.tuning import autotune
 from engine.tuning.autotune import TuneBudget, ensure_tuned
@@ -102,10 +102,10 @@ def test_compile_step_compiles_the_timed_kernel(objective, tmp_path, monkeypatch
     times to TileLang."""
     from attnbench.tune.engine_objective import EngineObjective
     from attnbench.tune.problem import Problem
-    from engine.runtime import tilelang_backend
+    from engine.kernels.attention_fwd import launch
 
     seen: list[str] = []
-    monkeypatch.setattr(tilelang_backend, "compile_source", lambda src: seen.append(src))
+    monkeypatch.setattr(launch, "compile_source", lambda src: seen.append(src))
     cfg = default_forward_config(128, 128)
     problem = Problem(variant="softmax_causal", dtype="bf16", **SIZES)
     mod = _module("softmax_causal", tmp_path / "t.json", config=cfg)

@@ -9,17 +9,14 @@ import shutil
 import pytest
 import torch
 
-from engine.mask.analysis import EMPTY, FULL, PARTIAL, classify
-from engine.plan.backward import (
+from engine.kernels.attention_bwd.launch import transposed_tables
+from engine.kernels.attention_bwd.plan import (
     backward_config_problems,
     default_backward_config,
 )
+from engine.mask.analysis import EMPTY, FULL, PARTIAL, classify
 from engine.plan.config import KernelConfig
-from engine.runtime.backward_kernels import (
-    backward_kernel_call,
-    backward_kernels_for,
-    transposed_tables,
-)
+from engine.runtime.tilelang_backend import backward_kernel_call, backward_kernels_for
 from engine.variants import VARIANTS
 
 SHAPE = dict(batch=2, heads_q=8, heads_kv=2, seqlen_q=1000, seqlen_kv=1000)  # GQA 4
@@ -235,7 +232,7 @@ def test_deterministic_backward_compiles_without_atomics(name, tmp_path, monkeyp
 
 
 def test_fold_rows_matches_broadcast_sums():
-    from engine.runtime.backward_kernels import fold_rows
+    from engine.kernels.attention_bwd.launch import fold_rows
 
     rows = torch.randn(2, 8, 100, dtype=torch.float64)
     torch.testing.assert_close(fold_rows(rows, ("h",), (8,)), rows.sum((0, 2)))
@@ -250,7 +247,7 @@ def test_schedule_follows_the_register_model():
     dS reads the raw score beside two row vectors and gets the fused loop (split spilled 588
     bytes there). Both in the warp-specialised schedule and in the automatic pipeline (where
     split holds the dO stage until dK's wait)."""
-    from engine.plan.backward import split_schedule_fits
+    from engine.kernels.attention_bwd.plan import split_schedule_fits
 
     cfg = KernelConfig(block_M=64, block_N=128, num_stages=2, threads=256)
     assert split_schedule_fits(cfg, 128, 128, n_rows=2, ds_reads_score=False)
@@ -281,7 +278,7 @@ def test_custom_reads_by_one_position_are_hoisted():
 
 
 def _source(name: str, cfg: KernelConfig | None = None, **kw) -> str:
-    from engine.codegen.backward import generate_backward
+    from engine.kernels.attention_bwd.codegen import generate_backward
     from engine.plan.shape import KernelShape
 
     mod = _module(name)
@@ -294,7 +291,7 @@ def _source(name: str, cfg: KernelConfig | None = None, **kw) -> str:
 def test_warp_specialised_tuner_configs_compile(tmp_path, monkeypatch):
     """Other points of the tuner's space that take the warp-specialised schedule: one consumer
     warpgroup with 64 keys, rasterised in panels, one stage."""
-    from engine.plan.backward import ws_schedule_fits
+    from engine.kernels.attention_bwd.plan import ws_schedule_fits
     from engine.runtime.compile import compile_source
 
     monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
@@ -309,7 +306,7 @@ def test_warp_specialised_schedule_model():
     (about 226 KiB of rings and barriers); not in the deterministic mode (no dQ), with
     32-query steps (dQ is no wgmma) or head dims that are not whole 64-column tiles; asked
     for where it does not apply, the generator refuses."""
-    from engine.plan.backward import ws_schedule_fits
+    from engine.kernels.attention_bwd.plan import ws_schedule_fits
 
     cfg = default_backward_config(128, 128)
     assert ws_schedule_fits(cfg, 128, 128)
@@ -330,7 +327,7 @@ def test_dq_fragment_order_round_trip():
     """The kernel's flat dQ order (dq_fragment_index, evaluated here on index grids: its text
     is Python too) is a permutation of each query block, and the postprocess kernel's reading
     of it (dq_fragment_position) is its inverse."""
-    from engine.codegen.backward import dq_fragment_index, dq_fragment_position
+    from engine.kernels.attention_bwd.codegen import dq_fragment_index, dq_fragment_position
 
     for bM, D in ((64, 128), (128, 64), (64, 256)):
         i, j = torch.meshgrid(torch.arange(bM), torch.arange(D), indexing="ij")
@@ -351,7 +348,7 @@ def test_heads_loop_schedule():
     registers and stored once in the input dtype (launched in panels of 4 kv heads,
     test_panel_launch_order). Not with too few blocks, without GQA, with
     custom gradients, or in the deterministic mode; asked for there, the generator refuses."""
-    from engine.codegen.backward import HEADS_LOOP_MIN_BLOCKS, heads_loop_default
+    from engine.kernels.attention_bwd.codegen import HEADS_LOOP_MIN_BLOCKS, heads_loop_default
     from engine.plan.shape import KernelShape
 
     def mod(name, **kw):
@@ -411,8 +408,8 @@ def test_panel_launch_order():
     each: every block of a group runs at once)."""
     from types import SimpleNamespace
 
-    from engine.codegen.backward import panel_default
-    from engine.codegen.launch import panel_order
+    from engine.kernels.attention_bwd.codegen import panel_default
+    from engine.kernels.attention_bwd.panels import panel_order
     from engine.plan.shape import KernelShape
 
     for nkb, heads, batch, panel in ((32, 8, 2, 4), (7, 3, 5, 18), (8, 8, 16, 16), (5, 2, 3, 4)):

@@ -15,7 +15,8 @@ from attnbench.tune.objective import FakeObjective, fake_latency_ms
 from attnbench.tune.problem import Problem
 from attnbench.tune.runner import TuneOptions, run_study
 from attnbench.tune.space import SearchSpaceError, load_space, parse_space
-from engine.plan.config import KernelConfig, config_problems
+from engine.kernels.attention_fwd.plan import config_problems
+from engine.plan.config import KernelConfig
 from engine.tuning.tune_file import lookup
 
 # The tuner beats for its own trials (ask/tell); Optuna's hint about Study.optimize is noise here.
@@ -221,7 +222,7 @@ def test_compile_of_next_trial_overlaps_benchmark_of_current(tmp_path):
 
 
 def test_default_config_is_measured_first_and_gates_the_tune_file(tmp_path):
-    from engine.plan.defaults import default_forward_config
+    from engine.kernels.attention_fwd.plan import default_forward_config
 
     space = load_space("attention_fwd")
     default = default_forward_config(128, 128)
@@ -245,7 +246,7 @@ def test_default_config_is_measured_first_and_gates_the_tune_file(tmp_path):
 
 
 def test_faster_existing_entry_is_kept_and_failed_default_writes_nothing(tmp_path, caplog):
-    from engine.plan.defaults import default_forward_config
+    from engine.kernels.attention_fwd.plan import default_forward_config
     from engine.tuning.tune_file import store
 
     space = load_space("attention_fwd")
@@ -273,7 +274,7 @@ def test_faster_existing_entry_is_kept_and_failed_default_writes_nothing(tmp_pat
 def test_baseline_is_the_nearest_tuned_entry_the_engine_would_use(tmp_path):
     """A study of a shape without its own entry measures the nearest tuned shape's config first
     (what the engine runs now), not the bare default, so what it writes is never slower."""
-    from engine.plan.defaults import default_forward_config
+    from engine.kernels.attention_fwd.plan import default_forward_config
     from engine.tuning.tune_file import store
 
     space = load_space("attention_fwd")
@@ -311,8 +312,8 @@ def test_backward_space_tunes_the_backward_kernel_the_engine_then_uses(tmp_path)
     spec and shape builds its backward kernel with it."""
     import torch
 
-    from engine.plan.backward import backward_config_problems, default_backward_config
-    from engine.runtime.backward_kernels import backward_kernels_for
+    from engine.kernels.attention_bwd.plan import backward_config_problems, default_backward_config
+    from engine.runtime.tilelang_backend import backward_kernels_for
     from engine.variants import VARIANTS
 
     space = load_space("attention_bwd")

@@ -22,7 +22,7 @@ from attnbench.suites import Case
 
 class _EngineBase(Impl):
     backend = ""
-    dynamic_shapes: bool | None = None  # None: the engine's default (engine.plan.defaults)
+    dynamic_shapes: bool | None = None  # None: the engine's default (engine.kernels.attention_fwd.plan)
     deterministic = False
 
     def check(self, case: Case, variant, device: DeviceInfo) -> str | None:

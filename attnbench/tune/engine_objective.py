@@ -47,7 +47,9 @@ class EngineObjective:
 
     def _build(self, problem: Problem, cfg: KernelConfig | None, backend: str = "tilelang"):
         # 'bwd' studies tune the backward's main kernel; the forward keeps its own config.
-        which = "backward_config" if problem.template == "attention_bwd" else "config"
+        from engine.kernels.registry import get_kind
+
+        which = get_kind(problem.template).config_arg
         return self._variant().build(
             **problem.shape(), dtype=_torch_dtype(problem.dtype), backend=backend,
             **{which: cfg},
@@ -172,8 +174,7 @@ def compile_kernels(mod, mode: str) -> None:
     """nvcc-compile `mod`'s kernels in this (compile worker) process. TileLang's disk cache
     then makes the benchmark worker's build a cache hit, so compiles run in parallel on the
     CPU cores instead of serially on the GPU's worker. Building a module compiles nothing."""
-    from engine.runtime.backward_kernels import backward_kernels_for
-    from engine.runtime.tilelang_backend import kernels_for
+    from engine.runtime.tilelang_backend import backward_kernels_for, kernels_for
 
     try:
         kernels_for(mod).forward.compiled()

@@ -5,10 +5,10 @@ from __future__ import annotations
 import hashlib
 from dataclasses import asdict, dataclass
 
+from engine.kernels.registry import kind_for_mode
 from engine.tuning.tune_file import gpu_slug, normalize_dtype, shape_tag, tilelang_version
 
 MODES = ("fwd", "bwd")
-TEMPLATE_OF_MODE = {"fwd": "attention_fwd", "bwd": "attention_bwd"}
 ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 
 
@@ -44,7 +44,8 @@ class Problem:
 
     @property
     def template(self) -> str:
-        return TEMPLATE_OF_MODE[self.mode]
+        """The kernel kind this problem's study tunes (engine.kernels.registry)."""
+        return kind_for_mode(self.mode).name
 
     @property
     def elem_bytes(self) -> int:

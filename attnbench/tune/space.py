@@ -8,8 +8,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from engine.kernels.registry import KINDS, get_kind
 from engine.plan.config import KernelConfig
-from engine.plan.templates import get_template
 
 SPACES_DIR = Path(__file__).resolve().parents[2] / "search_spaces"
 _CONFIG_FIELDS = {f.name: f for f in fields(KernelConfig)}
@@ -59,7 +59,7 @@ class SearchSpace:
         self, cfg: KernelConfig, head_dim: int, head_dim_v: int, elem_bytes: int = 2
     ) -> list[str]:
         """Why the template's validity model rejects `cfg` (empty list: valid)."""
-        return get_template(self.template).problems(cfg, head_dim, head_dim_v, elem_bytes)
+        return get_kind(self.template).problems(cfg, head_dim, head_dim_v, elem_bytes)
 
     def valid_configs(
         self, head_dim: int, head_dim_v: int, elem_bytes: int = 2
@@ -71,6 +71,9 @@ class SearchSpace:
 
 
 def space_path(template: str, spaces_dir: Path | None = None) -> Path:
+    """A kind's search space as the registry names it, or `template`.toml in `spaces_dir`."""
+    if spaces_dir is None and template in KINDS:
+        return KINDS[template].search_space
     return (spaces_dir or SPACES_DIR) / f"{template}.toml"
 
 

@@ -49,3 +49,9 @@ class MaskTables:
             self._cache.clear()
         self._cache[key] = out
         return out
+
+
+def forward_layout(bc: BlockClasses) -> tuple[torch.Tensor, ...]:
+    """Per query block: first and one-past-last non-empty key block, and the class table."""
+    lo, hi = bc.loop_bounds()
+    return lo, hi, bc.classes

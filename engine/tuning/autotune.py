@@ -22,12 +22,11 @@ from typing import Any
 
 import torch
 
+from engine.kernels.registry import ATTENTION_FWD
 from engine.tuning import tune_file
 from engine.tuning.select import dtype_tag, problem_shape, tuned_entry
 
 log = logging.getLogger("engine")
-
-TEMPLATE = "attention_fwd"
 
 
 @dataclass(frozen=True)
@@ -42,7 +41,7 @@ DEFAULT_BUDGET = TuneBudget()
 
 
 def has_exact_entry(mod, gpu: str) -> bool:
-    hit = tuned_entry(mod, TEMPLATE, "fwd", gpu)
+    hit = tuned_entry(mod, ATTENTION_FWD, gpu)
     return hit is not None and bool(hit[1].get("exact"))
 
 

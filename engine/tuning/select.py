@@ -1,13 +1,18 @@
-"""A module's tuned kernel config: its tune-file entry for (template, spec, dtype, mode, GPU,
+"""A module's tuned kernel config: its tune-file entry for (kind, spec, dtype, mode, GPU,
 shape), the nearest tuned shape when the exact one is missing (see tune_file.lookup)."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.plan.config import KernelConfig
 from engine.plan.shape import KERNEL_DTYPES
 from engine.tuning import tune_file
+
+if TYPE_CHECKING:
+    from engine.kernels.registry import KernelKind
 
 
 def gpu_name() -> str:
@@ -25,14 +30,14 @@ def dtype_tag(mod) -> str:
     return tune_file.normalize_dtype(KERNEL_DTYPES.get(mod.dtype, str(mod.dtype)))
 
 
-def tuned_entry(mod, template: str, mode: str, gpu: str | None = None
+def tuned_entry(mod, kind: KernelKind, gpu: str | None = None
                 ) -> tuple[KernelConfig, dict] | None:
     """(config, entry metadata with `exact`) from the module's tune file, or None."""
-    return tune_file.lookup(mod.tune_file, template=template, spec_hash=mod.spec_hash,
-                            dtype=dtype_tag(mod), mode=mode, gpu=gpu or gpu_name(),
+    return tune_file.lookup(mod.tune_file, template=kind.name, spec_hash=mod.spec_hash,
+                            dtype=dtype_tag(mod), mode=kind.mode, gpu=gpu or gpu_name(),
                             shape=problem_shape(mod))
 
 
-def tuned_config(mod, template: str, mode: str) -> KernelConfig | None:
-    hit = tuned_entry(mod, template, mode)
+def tuned_config(mod, kind: KernelKind) -> KernelConfig | None:
+    hit = tuned_entry(mod, kind)
     return hit[0] if hit is not None else None

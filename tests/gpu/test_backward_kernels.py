@@ -11,11 +11,11 @@ import math
 import pytest
 import torch
 
-from engine.plan.backward import backward_config_problems, ws_schedule_fits
+from engine.kernels.attention_bwd.plan import backward_config_problems, ws_schedule_fits
 from engine.plan.config import KernelConfig
 from engine.reference import executor
 from engine.reference.executor import rel_err
-from engine.runtime.backward_kernels import backward_kernel_call, backward_kernels_for
+from engine.runtime.tilelang_backend import backward_kernel_call, backward_kernels_for
 from engine.variants import VARIANTS
 
 from .cases import BF16, FP16, case_id, cross_product
@@ -132,7 +132,7 @@ HEADS_LOOP = [
 
 @pytest.mark.parametrize("case", HEADS_LOOP, ids=case_id)
 def test_heads_loop_matches_reference(case, monkeypatch):
-    from engine.runtime import backward_kernels
+    from engine.kernels.attention_bwd import launch as backward_kernels
 
     monkeypatch.setattr(backward_kernels, "heads_loop_default",
                         lambda shape, cfg, ws, grads=(): ws and shape.heads_q > shape.heads_kv)

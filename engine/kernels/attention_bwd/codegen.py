@@ -16,7 +16,7 @@ Kernels mirroring the reference executor's `backward()`:
   (explicit producer, dQ-writer and consumer roles; dQ in the accumulator's fragment order)
   and TileLang's automatic pipeline (dQ in a [B, Hq, Sq, D] buffer).
 - dQ postprocess (warp-specialised schedule): fragment order -> rows, in the input dtype.
-- The caller (engine.runtime.backward_kernels) casts the automatic pipeline's dQ. dK / dV are
+- The launcher (launch.py) casts the automatic pipeline's dQ. dK / dV are
   stored once in the input dtype where each element has one writer (no GQA, or a thread block
   per kv head walking its group's query heads: kv_stored_once); otherwise they are fp32
   atomics into the kv head, so GQA needs no extra reduction.
@@ -25,12 +25,12 @@ Kernels mirroring the reference executor's `backward()`:
 from __future__ import annotations
 
 from engine.codegen.emit import Emitter, custom_decl
-from engine.codegen.launch import H100_SMS, panel_order, wave_panel
 from engine.dsl.expr import Expr, leaf, leaves, topo
 from engine.ir.diff import diff, score_mod_derivatives
 from engine.ir.rewrite import substitute
 from engine.ir.spec import TracedSpec
-from engine.plan.backward import (
+from engine.kernels.attention_bwd.panels import H100_SMS, panel_order, wave_panel
+from engine.kernels.attention_bwd.plan import (
     DQ_ROW,
     WS_CONSUMER_BARRIER,
     WS_CONSUMER_REGS,

@@ -1,6 +1,6 @@
-"""Compile and launch the generated backward kernels (used by TileLangAttention.backward).
+"""Build and launch the generated backward kernels (used by TileLangAttention.backward).
 
-backward_kernel_call(mod, q, k, v, o, finals, do, custom, custom_grads) -> (dq, dk, dv, dC) runs
+launch_backward(bk, q, k, v, o, finals, do, custom) -> (dq, dk, dv, dC) runs
   preprocess (Delta = rowsum(dO * O), only when the spec's bwd reads doosum),
   main (one thread block per kv block x query head x batch, or x kv head walking the GQA
     group's query heads; dQ by TMA reduce-adds into an fp32 buffer, dK and dV by fp32
@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from engine.codegen.backward import (
+from engine.ir.spec import TracedSpec
+from engine.kernels.attention_bwd.codegen import (
     generate_backward,
     generate_backward_dq,
     generate_dq_postprocess,
@@ -27,18 +28,12 @@ from engine.codegen.backward import (
     kv_stored_once,
     warp_specialized_default,
 )
+from engine.kernels.attention_bwd.plan import DQ_ROW, default_dq_config
 from engine.mask.analysis import FULL, PARTIAL, BlockClasses
-from engine.plan.backward import (
-    DQ_ROW,
-    check_backward_config,
-    default_backward_config,
-    default_dq_config,
-)
 from engine.plan.config import KernelConfig
-from engine.plan.shape import KERNEL_DTYPES, KernelShape
+from engine.plan.shape import KernelShape
 from engine.runtime.compile import compile_source
-from engine.runtime.mask_tables import MaskTables
-from engine.tuning.select import tuned_config
+from engine.runtime.mask_tables import MaskTables, forward_layout
 
 
 @dataclass
@@ -92,32 +87,12 @@ class BackwardKernels:
         return self._main, self._prep
 
 
-def backward_kernels_for(
-    mod,
-    config: KernelConfig | None = None,
-    custom_grads: tuple[str, ...] = (),
-    deterministic: bool | None = None,
-) -> BackwardKernels:
-    """Generate (not compile) the backward kernels of an AttentionEngine module, producing the
-    gradients of the CustomIO tensors named in `custom_grads` too; cached on the module.
-    `deterministic` defaults to the module's setting."""
-    custom_grads = tuple(custom_grads)
-    det = bool(mod.deterministic if deterministic is None else deterministic)
-    cache = mod.__dict__.setdefault("_bwd_kernels", {})
-    key = (config, custom_grads, det)
-    if key in cache:
-        return cache[key]
-    if mod.dtype not in KERNEL_DTYPES:
-        raise ValueError(f"dtype {mod.dtype}: backward kernels support {sorted(map(str, KERNEL_DTYPES))}")
-    p = mod.problem
-    spec = mod.spec
-    n_rows = len(spec.final_names) + int(spec.uses_doosum)
-    cfg = config or mod.backward_config or tuned_config(mod, "attention_bwd", "bwd")
-    if cfg is None:
-        cfg = default_backward_config(p.head_dim, p.head_dim_v)
-    else:
-        cfg = check_backward_config(cfg, p.head_dim, p.head_dim_v, n_rows=n_rows)
-    shape = KernelShape.of(mod)
+def build_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
+                   custom_grads: tuple[str, ...] = (), deterministic: bool = False
+                   ) -> BackwardKernels:
+    """The backward kernels of `spec` at `shape` and `cfg` (already checked), generated (not
+    compiled), also producing the gradients of the CustomIO tensors named in `custom_grads`."""
+    det = deterministic
     tables = MaskTables(spec.mask, shape, cfg.block_M, cfg.block_N,
                         lambda bc: transposed_tables(bc, shape.seqlen_q, cfg.block_M))
     # One decision for the main kernel's schedule and the dQ layout its caller expects.
@@ -136,13 +111,10 @@ def backward_kernels_for(
         heads_loop=heads_loop,
     )
     if det:
-        from engine.runtime.tilelang_backend import forward_layout
-
-        dq_cfg = default_dq_config(p.head_dim, p.head_dim_v)
+        dq_cfg = default_dq_config(shape.head_dim, shape.head_dim_v)
         bk.dq_source = generate_backward_dq(spec, shape, dq_cfg)
         bk.dq_config = dq_cfg
         bk.dq_tables = MaskTables(spec.mask, shape, dq_cfg.block_M, dq_cfg.block_N, forward_layout)
-    cache[key] = bk
     return bk
 
 
@@ -163,38 +135,25 @@ def transposed_tables(
     return lo, hi, clsT, torch.sort(lo - hi, dim=-1, stable=True).indices.to(torch.int32)
 
 
-def backward_kernel_call(
-    mod,
+def launch_backward(
+    bk: BackwardKernels,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     o: torch.Tensor,
-    finals: list[torch.Tensor] | dict[str, torch.Tensor],
+    finals: list[torch.Tensor],
     do: torch.Tensor,
-    custom: list[torch.Tensor],
-    custom_grads: tuple[str, ...] = (),
+    custom: dict[str, torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """dq, dk, dv (input dtype and layouts) of `mod`'s attention for output gradient `do`, and
-    the gradients of the CustomIO tensors named in `custom_grads` (each in its tensor's dtype).
+    """dq, dk, dv (input dtype and layouts) for output gradient `do`, and the gradients of the
+    CustomIO tensors named in bk.custom_grads (each in its tensor's dtype).
 
-    `finals` are the forward's final row scales ([B, Hq, Sq] fp32, in spec.final_names order or
-    by name); `custom` the CustomIO tensors in mod.custom_io.names() order."""
-    names = list(mod.custom_io.names())
-    if len(custom) != len(names):
-        raise ValueError(f"custom: {len(custom)} tensors; expected {len(names)} ({names})")
-    unknown = sorted(set(custom_grads) - set(names))
-    if unknown:
-        raise ValueError(f"custom_grads: {unknown} are not CustomIO inputs ({names})")
-    spec = mod.spec
-    if isinstance(finals, dict):
-        finals = [finals[n] for n in spec.final_names]
-    if len(finals) != len(spec.final_names):
-        raise ValueError(f"finals: {len(finals)} tensors; expected {list(spec.final_names)}")
-    bk = backward_kernels_for(mod, custom_grads=tuple(custom_grads))
+    `finals` are the forward's final row scales ([B, Hq, Sq] fp32, in spec.final_names order);
+    `custom` the CustomIO tensors by name, in declaration order."""
     main, prep = bk.compiled()
-    cdict = dict(zip(names, custom, strict=True))
+    cdict = custom
     tables = bk.tables.get(cdict, q.device)
-    p, dev = mod.problem, q.device
+    p, dev = bk.shape, q.device
     q, k, v, o, do = (t.contiguous() for t in (q, k, v, o, do))
     f32 = [f.detach().float().contiguous() for f in finals]
     extra: list[torch.Tensor] = []
@@ -202,7 +161,7 @@ def backward_kernel_call(
         delta = torch.empty(p.batch, p.heads_q, p.seqlen_q, dtype=torch.float32, device=dev)
         prep(o, do, delta)
         extra.append(delta)
-    c32 = [t.detach().float().contiguous() for t in custom]
+    c32 = [t.detach().float().contiguous() for t in cdict.values()]
     f32 = [*f32, *extra]
     z = lambda *shape: torch.zeros(shape, dtype=torch.float32, device=dev)  # noqa: E731
     dc = {n: z(*cdict[n].shape) for n in bk.custom_grads}

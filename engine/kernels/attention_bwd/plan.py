@@ -1,6 +1,6 @@
 """The backward kernels' configs: validity models and defaults (the main kernel, and the dQ
-kernel of the deterministic mode). Template "attention_bwd" in search_spaces/ and tune files
-is the main kernel's config."""
+kernel of the deterministic mode). The kind's search space and tune files hold the main
+kernel's config."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def backward_resources(
     return {"smem_bytes": smem, "regs_per_thread": regs}
 
 
-# The warp-specialised schedule of the fast backward (engine.codegen.backward): a producer
+# The warp-specialised schedule of the fast backward (codegen.py beside this): a producer
 # warpgroup (warp 0 loads Q and dO, warp 1 adds dQ to global memory) beside the consumers.
 WS_PRODUCER_THREADS = 128
 WS_PRODUCER_REGS = 24
