@@ -277,13 +277,17 @@ def test_custom_reads_by_one_position_are_hoisted():
         assert len(reads) == 2 and (any(ln.startswith("Cqs") for ln in reads) == ws)
 
 
-def _source(name: str, cfg: KernelConfig | None = None, **kw) -> str:
+def _source(name: str, cfg: KernelConfig | None = None, custom_grads=(), deterministic=False,
+            **forced) -> str:
     from engine.kernels.attention_bwd.codegen import generate_backward
+    from engine.kernels.attention_bwd.plan import plan_backward
     from engine.plan.shape import KernelShape
 
     mod = _module(name)
     cfg = cfg or default_backward_config(128, 128)
-    return generate_backward(mod.spec, KernelShape.of(mod), cfg, **kw)
+    shape = KernelShape.of(mod)
+    plan = plan_backward(mod.spec, shape, cfg, custom_grads, deterministic, **forced)
+    return generate_backward(mod.spec, shape, plan)
 
 
 @pytest.mark.compile
@@ -348,7 +352,7 @@ def test_heads_loop_schedule():
     registers and stored once in the input dtype (launched in panels of 4 kv heads,
     test_panel_launch_order). Not with too few blocks, without GQA, with
     custom gradients, or in the deterministic mode; asked for there, the generator refuses."""
-    from engine.kernels.attention_bwd.codegen import HEADS_LOOP_MIN_BLOCKS, heads_loop_default
+    from engine.kernels.attention_bwd.plan import HEADS_LOOP_MIN_BLOCKS, heads_loop_default
     from engine.plan.shape import KernelShape
 
     def mod(name, **kw):
@@ -408,8 +412,8 @@ def test_panel_launch_order():
     each: every block of a group runs at once)."""
     from types import SimpleNamespace
 
-    from engine.kernels.attention_bwd.codegen import panel_default
     from engine.kernels.attention_bwd.panels import panel_order
+    from engine.kernels.attention_bwd.plan import panel_default
     from engine.plan.shape import KernelShape
 
     for nkb, heads, batch, panel in ((32, 8, 2, 4), (7, 3, 5, 18), (8, 8, 16, 16), (5, 2, 3, 4)):

@@ -137,9 +137,10 @@ def _backward_sources(mod, cfg_fields, deterministic: bool, grads: tuple[str, ..
     bk = backward_kernels_for(mod, config=cfg, custom_grads=grads, deterministic=deterministic)
     if automatic:
         from engine.kernels.attention_bwd.codegen import generate_backward
+        from engine.kernels.attention_bwd.plan import plan_backward
 
-        return {"main": generate_backward(mod.spec, bk.shape, bk.config, grads,
-                                          warp_specialized=False)}
+        plan = plan_backward(mod.spec, bk.shape, bk.config, grads, warp_specialized=False)
+        return {"main": generate_backward(mod.spec, bk.shape, plan)}
     roles = {"main": bk.source, "preprocess": bk.preprocess_source, "dq": bk.dq_source,
              "post": bk.post_source}
     return {r: s for r, s in roles.items() if s is not None}

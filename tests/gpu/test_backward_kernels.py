@@ -132,9 +132,9 @@ HEADS_LOOP = [
 
 @pytest.mark.parametrize("case", HEADS_LOOP, ids=case_id)
 def test_heads_loop_matches_reference(case, monkeypatch):
-    from engine.kernels.attention_bwd import launch as backward_kernels
+    from engine.kernels.attention_bwd import plan
 
-    monkeypatch.setattr(backward_kernels, "heads_loop_default",
+    monkeypatch.setattr(plan, "heads_loop_default",
                         lambda shape, cfg, ws, grads=(): ws and shape.heads_q > shape.heads_kv)
     _check_against_reference(case, check=lambda bk: bk.heads_loop)
 

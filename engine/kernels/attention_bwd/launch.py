@@ -24,11 +24,8 @@ from engine.kernels.attention_bwd.codegen import (
     generate_backward_dq,
     generate_dq_postprocess,
     generate_preprocess,
-    heads_loop_default,
-    kv_stored_once,
-    warp_specialized_default,
 )
-from engine.kernels.attention_bwd.plan import DQ_ROW, default_dq_config
+from engine.kernels.attention_bwd.plan import DQ_ROW, BackwardPlan, plan_backward
 from engine.mask.analysis import FULL, PARTIAL, BlockClasses
 from engine.plan.config import KernelConfig
 from engine.plan.shape import KernelShape
@@ -38,38 +35,49 @@ from engine.runtime.mask_tables import MaskTables, forward_layout
 
 @dataclass
 class BackwardKernels:
+    """The kernels of one backward plan: their sources and block tables, compiled on first
+    use."""
+
     shape: KernelShape
-    config: KernelConfig
-    source: str
-    preprocess_source: str | None
+    plan: BackwardPlan
+    source: str  # the main kernel
     tables: MaskTables
-    custom_grads: tuple[str, ...] = ()
-    # (name, index) of each custom read whose gradient the main kernel produces, in the order
-    # of its outputs (derived once: it takes a symbolic derivative of score_mod).
-    custom_reads: tuple[tuple[str, tuple], ...] = ()
-    # Warp-specialised main kernel: the pass that turns its fragment-order dQ into rows.
-    post_source: str | None = None
-    # Warp-specialised with GQA: a thread block per kv head walks the group's query heads and
-    # stores dK and dV once, in the input dtype.
-    heads_loop: bool = False
-    # Deterministic mode: the dQ kernel, its config and its (forward-layout) tables.
-    dq_source: str | None = None
-    dq_config: KernelConfig | None = None
-    dq_tables: MaskTables | None = None
+    preprocess_source: str | None = None  # Delta, when the spec's bwd reads doosum
+    post_source: str | None = None  # fragment-order dQ into rows (warp-specialised)
+    dq_source: str | None = None  # the deterministic mode's dQ kernel
+    dq_tables: MaskTables | None = None  # and its (forward-layout) tables
     _main: Any = None
     _prep: Any = None
     _dq: Any = None
     _post: Any = None
 
     @property
+    def config(self) -> KernelConfig:
+        return self.plan.config
+
+    @property
     def deterministic(self) -> bool:
-        return self.dq_source is not None
+        return self.plan.deterministic
 
     @property
     def warp_specialized(self) -> bool:
-        """The main kernel's schedule; it accumulates dQ in fragment order, which the
-        postprocess kernel turns into rows."""
-        return self.post_source is not None
+        return self.plan.warp_specialized
+
+    @property
+    def heads_loop(self) -> bool:
+        return self.plan.heads_loop
+
+    @property
+    def custom_grads(self) -> tuple[str, ...]:
+        return self.plan.custom_grads
+
+    @property
+    def custom_reads(self) -> tuple[tuple[str, tuple], ...]:
+        return self.plan.custom_reads
+
+    @property
+    def dq_config(self) -> KernelConfig | None:
+        return self.plan.dq_config
 
     def sources(self) -> list[str]:
         return [s for s in (self.source, self.preprocess_source, self.dq_source, self.post_source)
@@ -88,32 +96,22 @@ class BackwardKernels:
 
 
 def build_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
-                   custom_grads: tuple[str, ...] = (), deterministic: bool = False
-                   ) -> BackwardKernels:
+                   custom_grads: tuple[str, ...] = (), deterministic: bool = False,
+                   **forced) -> BackwardKernels:
     """The backward kernels of `spec` at `shape` and `cfg` (already checked), generated (not
-    compiled), also producing the gradients of the CustomIO tensors named in `custom_grads`."""
-    det = deterministic
+    compiled), also producing the gradients of the CustomIO tensors named in `custom_grads`.
+    `forced`: plan decisions to force (plan_backward's keyword arguments; tests)."""
+    plan = plan_backward(spec, shape, cfg, tuple(custom_grads), deterministic, **forced)
     tables = MaskTables(spec.mask, shape, cfg.block_M, cfg.block_N,
                         lambda bc: transposed_tables(bc, shape.seqlen_q, cfg.block_M))
-    # One decision for the main kernel's schedule and the dQ layout its caller expects.
-    ws = warp_specialized_default(spec, shape, cfg, det)
-    heads_loop = heads_loop_default(shape, cfg, ws, custom_grads)
-    bk = BackwardKernels(
-        shape,
-        cfg,
-        generate_backward(spec, shape, cfg, custom_grads, deterministic=det, warp_specialized=ws,
-                          heads_loop=heads_loop),
-        generate_preprocess(shape) if spec.uses_doosum else None,
-        tables,
-        custom_grads,
-        tuple(dc_reads(spec, custom_grads)),
-        post_source=generate_dq_postprocess(shape, cfg) if ws else None,
-        heads_loop=heads_loop,
-    )
-    if det:
-        dq_cfg = default_dq_config(shape.head_dim, shape.head_dim_v)
+    bk = BackwardKernels(shape, plan, generate_backward(spec, shape, plan), tables)
+    if plan.preprocess:
+        bk.preprocess_source = generate_preprocess(shape)
+    if plan.dq_layout == "fragment":
+        bk.post_source = generate_dq_postprocess(shape, cfg)
+    if plan.dq_config is not None:
+        dq_cfg = plan.dq_config
         bk.dq_source = generate_backward_dq(spec, shape, dq_cfg)
-        bk.dq_config = dq_cfg
         bk.dq_tables = MaskTables(spec.mask, shape, dq_cfg.block_M, dq_cfg.block_N, forward_layout)
     return bk
 
@@ -167,7 +165,7 @@ def launch_backward(
     dc = {n: z(*cdict[n].shape) for n in bk.custom_grads}
     G = p.heads_q // p.heads_kv
     kv = ((lambda *shape: torch.empty(shape, dtype=q.dtype, device=dev))
-          if kv_stored_once(bk.shape, bk.heads_loop) else z)
+          if bk.plan.kv_store == "once" else z)
     if bk.deterministic:
         dkh = kv(p.batch, p.seqlen_kv, p.heads_q, p.head_dim)
         dvh = kv(p.batch, p.seqlen_kv, p.heads_q, p.head_dim_v)
@@ -198,14 +196,6 @@ def launch_backward(
     if dq.dtype != q.dtype:
         dq = torch.empty_like(q).copy_(dq)  # cast (and, fast mode, transpose) in one pass
     return dq, dk.to(q.dtype), dv.to(q.dtype), cg  # .to: no copy when stored once
-
-
-def dc_reads(spec, custom_grads: tuple[str, ...]) -> list[tuple[str, tuple]]:
-    """(name, index) of each custom read whose gradient the kernel produces, in kernel order."""
-    from engine.ir.diff import score_mod_derivatives
-
-    return [(leaf.attr[0], leaf.attr[2]) for leaf, _ in score_mod_derivatives(spec)[1].values()
-            if leaf.attr[0] in custom_grads]
 
 
 def fold_rows(rows: torch.Tensor, index: tuple, shape: tuple[int, ...]) -> torch.Tensor:
