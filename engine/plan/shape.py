@@ -86,7 +86,7 @@ class KernelShape:
 
     @property
     def preamble(self) -> str:
-        """Module-level source lines that declare the symbols (empty when static)."""
+        """The module-level source line that declares the symbols (empty when static)."""
         if not self.dynamic:
             return ""
-        return 'B, Sq, Skv, NQB, NKB = T.dynamic("B, Sq, Skv, NQB, NKB")\n\n'
+        return 'B, Sq, Skv, NQB, NKB = T.dynamic("B, Sq, Skv, NQB, NKB")'
