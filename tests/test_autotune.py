@@ -102,10 +102,10 @@ def test_compile_step_compiles_the_timed_kernel(objective, tmp_path, monkeypatch
     times to TileLang."""
     from attnbench.tune.engine_objective import EngineObjective
     from attnbench.tune.problem import Problem
-    from engine.kernels.attention_fwd import launch
+    from engine.runtime import kernel
 
     seen: list[str] = []
-    monkeypatch.setattr(launch, "compile_source", lambda src: seen.append(src))
+    monkeypatch.setattr(kernel, "compile_source", lambda src: seen.append(src))
     cfg = default_forward_config(128, 128)
     problem = Problem(variant="softmax_causal", dtype="bf16", **SIZES)
     mod = _module("softmax_causal", tmp_path / "t.json", config=cfg)

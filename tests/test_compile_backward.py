@@ -35,17 +35,17 @@ def test_backward_compiles_for_sm90a(name, tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
     mod = _module(name)
     bk = backward_kernels_for(mod)
-    assert (bk.preprocess_source is not None) == mod.spec.uses_doosum
-    main, prep = bk.compiled()
-    cuda = main.get_kernel_source()
+    assert (bk.preprocess is not None) == mod.spec.uses_doosum
+    bk.compile()
+    cuda = bk.main.compiled().get_kernel_source()
     assert "wgmma" in cuda, "S^T, dP^T, dV and dK products must use Hopper wgmma"
     assert "tma_load" in cuda and "__global__" in cuda
     _check_do_stage_outlives_its_wgmmas(cuda)
     _check_warp_specialised_protocol(cuda)
-    if prep is not None:
-        assert "__global__" in prep.get_kernel_source()
+    if bk.preprocess is not None:
+        assert "__global__" in bk.preprocess.compiled().get_kernel_source()
     if bk.warp_specialized:
-        assert "__global__" in bk._post.get_kernel_source()
+        assert "__global__" in bk.post.compiled().get_kernel_source()
 
 
 @pytest.mark.compile
@@ -117,7 +117,7 @@ def test_backward_source_follows_the_spec():
     assert "ClsT[0, 0, bx, qb]" in src and "if qcls == 2:" in src
     assert "by // 4" in src, "GQA: query head by reads kv head by // 4"
     sig = backward_kernels_for(_module("sigmoid"))
-    assert sig.preprocess_source is None and "Delta" not in sig.source
+    assert sig.preprocess is None and "Delta" not in sig.source
     assert "T.sigmoid" in sig.source
 
 
@@ -182,8 +182,7 @@ def test_backward_with_custom_gradients_compiles(name, tmp_path, monkeypatch):
     assert f"dC_{cname}: T.Tensor((8,)" in bk.source
     assert "T.reduce_sum(cg_tile, cg_row, dim=1)" in bk.source
     assert f"T.atomic_add(dC_{cname}[by], cg_acc0[i])" in bk.source
-    main, _ = bk.compiled()
-    assert "AtomicAdd" in main.get_kernel_source()
+    assert "AtomicAdd" in bk.main.compiled().get_kernel_source()
 
 
 def _query_indexed_bias_module():
@@ -219,16 +218,16 @@ def test_deterministic_backward_compiles_without_atomics(name, tmp_path, monkeyp
     monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
     grads = tuple(VARIANTS[name].learnable)
     bk = backward_kernels_for(_module(name), custom_grads=grads, deterministic=True)
-    assert bk.deterministic and bk.dq_source is not None
-    for src in (bk.source, bk.dq_source):
+    assert bk.deterministic and bk.dq is not None
+    for src in (bk.source, bk.dq.source):
         assert "atomic_add" not in src
     # dK/dV per query head (8), summed per group afterwards; custom gradients per key row.
     assert 'dK: T.Tensor((2, 1000, 8, 128), "float32")' in bk.source
     if grads:
         assert "dCrow0[bz, by, bx * 128 + i] = cg_acc0[i]" in bk.source
-    bk.compiled()
-    assert "wgmma" in bk._dq.get_kernel_source()
-    assert "AtomicAdd" not in bk._main.get_kernel_source() + bk._dq.get_kernel_source()
+    bk.compile()
+    assert "wgmma" in bk.dq.compiled().get_kernel_source()
+    assert "AtomicAdd" not in bk.main.compiled().get_kernel_source() + bk.dq.compiled().get_kernel_source()
 
 
 def test_fold_rows_matches_broadcast_sums():
@@ -287,7 +286,7 @@ def _source(name: str, cfg: KernelConfig | None = None, custom_grads=(), determi
     cfg = cfg or default_backward_config(128, 128)
     shape = KernelShape.of(mod)
     plan = plan_backward(mod.spec, shape, cfg, custom_grads, deterministic, **forced)
-    return generate_backward(mod.spec, shape, plan)
+    return generate_backward(mod.spec, shape, plan).source
 
 
 @pytest.mark.compile

@@ -177,10 +177,10 @@ def compile_kernels(mod, mode: str) -> None:
     from engine.runtime.tilelang_backend import backward_kernels_for, kernels_for
 
     try:
-        kernels_for(mod).forward.compiled()
+        kernels_for(mod).forward.compile()
         if mode == "bwd":
             require_kernel_backward(mod, mode)
-            backward_kernels_for(mod).compiled()
+            backward_kernels_for(mod).compile()
     except TrialFailed:
         raise
     except Exception as exc:

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from engine.codegen.params import KernelParam
+
 INDENT = "    "
 
 
@@ -52,7 +54,7 @@ class SourceWriter:
         return "\n".join(self._lines) + "\n"
 
 
-def write_header(w: SourceWriter, comment: str, params: list[str], preamble: str = "",
+def write_header(w: SourceWriter, comment: str, params: list[KernelParam], preamble: str = "",
                  blank_lines: int = 1) -> None:
     """The program around a kernel's body: `comment` (what generated it), the import,
     `preamble` (module-level lines: symbols, pass configs) and `def main(<params>):`.
@@ -67,5 +69,5 @@ def write_header(w: SourceWriter, comment: str, params: list[str], preamble: str
     w.line("@T.prim_func")
     w.line("def main(")
     with w.indented():
-        w.lines([p + "," for p in params])
+        w.lines([p.declaration() + "," for p in params])
     w.line("):")

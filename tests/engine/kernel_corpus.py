@@ -140,10 +140,9 @@ def _backward_sources(mod, cfg_fields, deterministic: bool, grads: tuple[str, ..
         from engine.kernels.attention_bwd.plan import plan_backward
 
         plan = plan_backward(mod.spec, bk.shape, bk.config, grads, warp_specialized=False)
-        return {"main": generate_backward(mod.spec, bk.shape, plan)}
-    roles = {"main": bk.source, "preprocess": bk.preprocess_source, "dq": bk.dq_source,
-             "post": bk.post_source}
-    return {r: s for r, s in roles.items() if s is not None}
+        return {"main": generate_backward(mod.spec, bk.shape, plan).source}
+    roles = {"main": bk.main, "preprocess": bk.preprocess, "dq": bk.dq, "post": bk.post}
+    return {r: k.source for r, k in roles.items() if k is not None}
 
 
 def _cases() -> Iterator[tuple[str, object]]:

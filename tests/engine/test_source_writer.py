@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from engine.codegen.params import custom_param, param
 from engine.codegen.source import SourceWriter, write_header
 
 
@@ -25,8 +26,10 @@ def test_blocks_nest_and_snippets_indent_as_a_whole():
 
 def test_header_declares_main_with_its_parameters():
     w = SourceWriter()
-    write_header(w, "# made here", ["A: T.Tensor((4,), \"float32\")"], preamble="X = 1")
+    write_header(w, "# made here", [param("A", (4, "S"), "int8"),
+                                    custom_param("C_x", ("heads",), 2, 8, 16, 16)], preamble="X = 1")
     with w.indented():
         w.line("pass")
     assert w.text() == ('# made here\nimport tilelang.language as T\n\nX = 1\n\n@T.prim_func\n'
-                        'def main(\n    A: T.Tensor((4,), "float32"),\n):\n    pass\n')
+                        'def main(\n    A: T.Tensor((4, S), "int8"),\n'
+                        '    C_x: T.Tensor((8,), "float32"),\n):\n    pass\n')

@@ -14,7 +14,6 @@ of non-empty query blocks, and a query block's tail (rows past Sq) counts as par
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -29,27 +28,22 @@ from engine.kernels.attention_bwd.plan import DQ_ROW, BackwardPlan, plan_backwar
 from engine.mask.analysis import FULL, PARTIAL, BlockClasses
 from engine.plan.config import KernelConfig
 from engine.plan.shape import KernelShape
-from engine.runtime.compile import compile_source
-from engine.runtime.mask_tables import MaskTables, forward_layout
+from engine.runtime.kernel import Kernel
+from engine.runtime.mask_tables import FORWARD_TABLES, MaskTables, forward_layout
 
 
 @dataclass
 class BackwardKernels:
-    """The kernels of one backward plan: their sources and block tables, compiled on first
-    use."""
+    """The kernels of one backward plan and their block tables, each compiled on first use."""
 
     shape: KernelShape
     plan: BackwardPlan
-    source: str  # the main kernel
+    main: Kernel
     tables: MaskTables
-    preprocess_source: str | None = None  # Delta, when the spec's bwd reads doosum
-    post_source: str | None = None  # fragment-order dQ into rows (warp-specialised)
-    dq_source: str | None = None  # the deterministic mode's dQ kernel
+    preprocess: Kernel | None = None  # Delta, when the spec's bwd reads doosum
+    post: Kernel | None = None  # fragment-order dQ into rows (warp-specialised)
+    dq: Kernel | None = None  # the deterministic mode's dQ kernel
     dq_tables: MaskTables | None = None  # and its (forward-layout) tables
-    _main: Any = None
-    _prep: Any = None
-    _dq: Any = None
-    _post: Any = None
 
     @property
     def config(self) -> KernelConfig:
@@ -79,20 +73,19 @@ class BackwardKernels:
     def dq_config(self) -> KernelConfig | None:
         return self.plan.dq_config
 
-    def sources(self) -> list[str]:
-        return [s for s in (self.source, self.preprocess_source, self.dq_source, self.post_source)
-                if s]
+    @property
+    def source(self) -> str:
+        return self.main.source
 
-    def compiled(self) -> tuple[Any, Any]:
-        if self._main is None:
-            self._main = compile_source(self.source)
-        if self.preprocess_source is not None and self._prep is None:
-            self._prep = compile_source(self.preprocess_source)
-        if self.dq_source is not None and self._dq is None:
-            self._dq = compile_source(self.dq_source)
-        if self.post_source is not None and self._post is None:
-            self._post = compile_source(self.post_source)
-        return self._main, self._prep
+    def kernels(self) -> list[Kernel]:
+        return [k for k in (self.main, self.preprocess, self.dq, self.post) if k is not None]
+
+    def sources(self) -> list[str]:
+        return [k.source for k in self.kernels()]
+
+    def compile(self) -> None:
+        for k in self.kernels():
+            k.compiled()
 
 
 def build_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
@@ -103,16 +96,18 @@ def build_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
     `forced`: plan decisions to force (plan_backward's keyword arguments; tests)."""
     plan = plan_backward(spec, shape, cfg, tuple(custom_grads), deterministic, **forced)
     tables = MaskTables(spec.mask, shape, cfg.block_M, cfg.block_N,
-                        lambda bc: transposed_tables(bc, shape.seqlen_q, cfg.block_M))
-    bk = BackwardKernels(shape, plan, generate_backward(spec, shape, plan), tables)
+                        lambda bc: transposed_tables(bc, shape.seqlen_q, cfg.block_M),
+                        ("LoT", "HiT", "ClsT", "OrdT"))
+    bk = BackwardKernels(shape, plan, Kernel(generate_backward(spec, shape, plan)), tables)
     if plan.preprocess:
-        bk.preprocess_source = generate_preprocess(shape)
+        bk.preprocess = Kernel(generate_preprocess(shape))
     if plan.dq_layout == "fragment":
-        bk.post_source = generate_dq_postprocess(shape, cfg)
+        bk.post = Kernel(generate_dq_postprocess(shape, cfg))
     if plan.dq_config is not None:
         dq_cfg = plan.dq_config
-        bk.dq_source = generate_backward_dq(spec, shape, dq_cfg)
-        bk.dq_tables = MaskTables(spec.mask, shape, dq_cfg.block_M, dq_cfg.block_N, forward_layout)
+        bk.dq = Kernel(generate_backward_dq(spec, shape, dq_cfg))
+        bk.dq_tables = MaskTables(spec.mask, shape, dq_cfg.block_M, dq_cfg.block_N, forward_layout,
+                                  FORWARD_TABLES)
     return bk
 
 
@@ -147,55 +142,62 @@ def launch_backward(
     CustomIO tensors named in bk.custom_grads (each in its tensor's dtype).
 
     `finals` are the forward's final row scales ([B, Hq, Sq] fp32, in spec.final_names order);
-    `custom` the CustomIO tensors by name, in declaration order."""
-    main, prep = bk.compiled()
-    cdict = custom
-    tables = bk.tables.get(cdict, q.device)
+    `custom` the CustomIO tensors by name."""
     p, dev = bk.shape, q.device
     q, k, v, o, do = (t.contiguous() for t in (q, k, v, o, do))
-    f32 = [f.detach().float().contiguous() for f in finals]
-    extra: list[torch.Tensor] = []
-    if prep is not None:
-        delta = torch.empty(p.batch, p.heads_q, p.seqlen_q, dtype=torch.float32, device=dev)
-        prep(o, do, delta)
-        extra.append(delta)
-    c32 = [t.detach().float().contiguous() for t in cdict.values()]
-    f32 = [*f32, *extra]
+    names = [prm.name for prm in bk.main.params if prm.name.startswith("F_")]
+    rows = dict(zip(names, (f.detach().float().contiguous() for f in finals), strict=True))
+    if bk.preprocess is not None:
+        rows["Delta"] = torch.empty(p.batch, p.heads_q, p.seqlen_q, dtype=torch.float32, device=dev)
+        bk.preprocess(O=o, dO=do, Delta=rows["Delta"])
+    inputs = {"Q": q, "K": k, "V": v, "dO": do,
+              **{f"C_{n}": t.detach().float().contiguous() for n, t in custom.items()}, **rows}
     z = lambda *shape: torch.zeros(shape, dtype=torch.float32, device=dev)  # noqa: E731
-    dc = {n: z(*cdict[n].shape) for n in bk.custom_grads}
-    G = p.heads_q // p.heads_kv
+    dc = {n: z(*custom[n].shape) for n in bk.custom_grads}
+    # Stored once: each element has one writer, in the input dtype (no zeroing, no cast).
     kv = ((lambda *shape: torch.empty(shape, dtype=q.dtype, device=dev))
           if bk.plan.kv_store == "once" else z)
+    tables = bk.tables.named(custom, dev)
     if bk.deterministic:
-        dkh = kv(p.batch, p.seqlen_kv, p.heads_q, p.head_dim)
-        dvh = kv(p.batch, p.seqlen_kv, p.heads_q, p.head_dim_v)
-        rows = [z(p.batch, p.heads_q, p.seqlen_kv) for _ in bk.custom_reads]
-        main(q, k, v, do, *c32, *tables, *f32, dkh, dvh, *rows)
-        lo2, hi2, cls2 = bk.dq_tables.get(cdict, dev)
-        dq = z(p.batch, p.seqlen_q, p.heads_q, p.head_dim)
-        bk._dq(q, k, v, do, *c32, lo2, hi2, cls2, *f32, dq)
-        # Fixed-order sums: the query heads of each group, and the rows of each custom read.
-        dk = dkh.view(p.batch, p.seqlen_kv, p.heads_kv, G, p.head_dim).sum(3)
-        dv = dvh.view(p.batch, p.seqlen_kv, p.heads_kv, G, p.head_dim_v).sum(3)
-        for (name, index), row in zip(bk.custom_reads, rows, strict=True):
-            dc[name] += fold_rows(row, index, tuple(cdict[name].shape))
+        dk, dv, dq = _deterministic(bk, inputs, tables, custom, dc, kv, z)
     else:
         dk = kv(p.batch, p.seqlen_kv, p.heads_kv, p.head_dim)
         dv = kv(p.batch, p.seqlen_kv, p.heads_kv, p.head_dim_v)
-        if bk.warp_specialized:
+        grads = {f"dC_{n}": g for n, g in dc.items()}
+        if bk.plan.dq_layout == "fragment":
             bM = bk.config.block_M
             acc = z(p.batch, p.heads_q, -(-p.seqlen_q // bM), bM * p.head_dim // DQ_ROW, DQ_ROW)
-            main(q, k, v, do, *c32, *tables, *f32, acc, dk, dv, *dc.values())
+            bk.main(**inputs, **tables, dQ=acc, dK=dk, dV=dv, **grads)
             dq = torch.empty_like(q)
-            bk._post(acc, dq)
+            bk.post(acc=acc, dQ=dq)
         else:
             dq_bhsd = z(p.batch, p.heads_q, p.seqlen_q, p.head_dim)  # the main kernel's layout
-            main(q, k, v, do, *c32, *tables, *f32, dq_bhsd, dk, dv, *dc.values())
+            bk.main(**inputs, **tables, dQ=dq_bhsd, dK=dk, dV=dv, **grads)
             dq = dq_bhsd.transpose(1, 2)
-    cg = {n: g.to(cdict[n].dtype) for n, g in dc.items()}
+    cg = {n: g.to(custom[n].dtype) for n, g in dc.items()}
     if dq.dtype != q.dtype:
         dq = torch.empty_like(q).copy_(dq)  # cast (and, fast mode, transpose) in one pass
     return dq, dk.to(q.dtype), dv.to(q.dtype), cg  # .to: no copy when stored once
+
+
+def _deterministic(bk: BackwardKernels, inputs: dict, tables: dict, custom: dict, dc: dict,
+                   kv, z) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dk, dv, dq) of the atomic-free kernels: dK/dV per query head and custom gradients per
+    key row from the main kernel, dQ from the dQ kernel, then fixed-order sums."""
+    p, dev = bk.shape, inputs["Q"].device
+    G = p.heads_q // p.heads_kv
+    dkh = kv(p.batch, p.seqlen_kv, p.heads_q, p.head_dim)
+    dvh = kv(p.batch, p.seqlen_kv, p.heads_q, p.head_dim_v)
+    rows = {f"dCrow{r}": z(p.batch, p.heads_q, p.seqlen_kv) for r in range(len(bk.custom_reads))}
+    bk.main(**inputs, **tables, dK=dkh, dV=dvh, **rows)
+    dq = z(p.batch, p.seqlen_q, p.heads_q, p.head_dim)
+    bk.dq(**inputs, **bk.dq_tables.named(custom, dev), dQ=dq)
+    # Fixed-order sums: the query heads of each group, and the rows of each custom read.
+    dk = dkh.view(p.batch, p.seqlen_kv, p.heads_kv, G, p.head_dim).sum(3)
+    dv = dvh.view(p.batch, p.seqlen_kv, p.heads_kv, G, p.head_dim_v).sum(3)
+    for (name, index), row in zip(bk.custom_reads, rows.values(), strict=True):
+        dc[name] += fold_rows(row, index, tuple(custom[name].shape))
+    return dk, dv, dq
 
 
 def fold_rows(rows: torch.Tensor, index: tuple, shape: tuple[int, ...]) -> torch.Tensor:
