@@ -15,7 +15,6 @@ from attnbench.tune.objective import FakeObjective
 from attnbench.tune.spec_objective import SpecObjective
 from engine.kernels.attention_fwd.plan import default_forward_config
 from engine.plan.config import KernelConfig
-from engine.runtime.tilelang_backend import kernels_for
 from engine.tuning import autotune
 from engine.tuning.autotune import TuneBudget, ensure_tuned
 from engine.tuning.tune_file import lookup
@@ -48,21 +47,21 @@ def test_tune_true_tunes_a_missing_shape_once(tmp_path):
     q, k, v, customs = _inputs("softmax_causal")
     make = functools.partial(_fake, mod.spec_hash)
     budget = TuneBudget(trials=6, timeout_s=240)
-    res = ensure_tuned(mod, q, k, v, customs, gpu=GPU, budget=budget, make_objective=make,
-                       progress=False)
+    res = ensure_tuned(mod.kernel_request(), q, k, v, customs, gpu=GPU, budget=budget,
+                       make_objective=make, progress=False)
     assert res is not None and res["evaluated"] >= 6
     hit = lookup(str(path), template="attention_fwd", spec_hash=mod.spec_hash, dtype="bf16",
-                 mode="fwd", gpu=GPU, shape=autotune.problem_shape(mod))
+                 mode="fwd", gpu=GPU, shape=autotune.problem_shape(mod.problem))
     assert hit is not None and hit[1]["exact"]
     assert hit[0] == KernelConfig.from_dict(res["run_best_config"])
     # The tune-file rule: never slower than the default measured in the same run.
     assert hit[1]["latency_ms"] <= res["baseline_latency_ms"]
     # The module's kernel now uses the tuned config.
-    assert kernels_for(mod).forward.config == hit[0]
+    assert mod.forward_kernel().config == hit[0]
     # An exact entry exists: a second module of the same spec and shape tunes nothing.
     again = _module("softmax_causal", path, tune=True)
-    assert ensure_tuned(again, q, k, v, customs, gpu=GPU, budget=budget, make_objective=make,
-                        progress=False) is None
+    assert ensure_tuned(again.kernel_request(), q, k, v, customs, gpu=GPU, budget=budget,
+                        make_objective=make, progress=False) is None
     data = json.loads(path.read_text())
     assert len(data["entries"]) == 1
 
@@ -82,7 +81,7 @@ def test_spec_objective_pickles_and_compiles_on_cpu(tmp_path):
     q, k, v, customs = _inputs("document")
     path = tmp_path / "inputs.pt"
     torch.save({"q": q, "k": k, "v": v, "doc_ids": customs[0]}, path)
-    problem = Problem(variant="custom", dtype="bf16", **autotune.problem_shape(mod))
+    problem = Problem(variant="custom", dtype="bf16", **autotune.problem_shape(mod.problem))
     obj = pickle.loads(pickle.dumps(SpecObjective(problem, mod.spec, mod.custom_io, str(path))))
     assert obj.spec_hash() == mod.spec_hash
     ids = customs[0]
@@ -91,7 +90,7 @@ def test_spec_objective_pickles_and_compiles_on_cpu(tmp_path):
     assert obj.unmasked_fraction() == pytest.approx(kept.double().mean().item())
     built = obj.module(None, backend="tilelang")
     assert built.spec_hash == mod.spec_hash and built.problem == mod.problem
-    assert kernels_for(built).forward_source == kernels_for(mod).forward_source
+    assert built.kernel_source == mod.kernel_source
     obj.compile(default_forward_config(128, 128))  # nvcc, sm_90a
 
 
@@ -115,4 +114,4 @@ def test_compile_step_compiles_the_timed_kernel(objective, tmp_path, monkeypatch
         q, k, v, _ = _inputs("softmax_causal")
         torch.save({"q": q, "k": k, "v": v}, tmp_path / "in.pt")
         SpecObjective(problem, mod.spec, mod.custom_io, str(tmp_path / "in.pt")).compile(cfg)
-    assert seen == [kernels_for(mod).forward_source]
+    assert seen == [mod.kernel_source]

@@ -16,7 +16,7 @@ from engine.kernels.attention_bwd.plan import (
 )
 from engine.mask.analysis import EMPTY, FULL, PARTIAL, classify
 from engine.plan.config import KernelConfig
-from engine.runtime.tilelang_backend import backward_kernel_call, backward_kernels_for
+from engine.runtime.tilelang_backend import backward_kernel_call
 from engine.variants import VARIANTS
 
 SHAPE = dict(batch=2, heads_q=8, heads_kv=2, seqlen_q=1000, seqlen_kv=1000)  # GQA 4
@@ -34,7 +34,7 @@ def _module(name: str, dtype=torch.bfloat16, D: int = 128, Dv: int = 128):
 def test_backward_compiles_for_sm90a(name, tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
     mod = _module(name)
-    bk = backward_kernels_for(mod)
+    bk = mod.backward_kernels()
     assert (bk.preprocess is not None) == mod.spec.uses_doosum
     bk.compile()
     cuda = bk.main.compiled().get_kernel_source()
@@ -112,11 +112,11 @@ def _check_warp_specialised_protocol(cuda: str) -> None:
 
 
 def test_backward_source_follows_the_spec():
-    src = backward_kernels_for(_module("softcap")).source
+    src = _module("softcap").backward_kernels().source
     assert "T.tanh" in src, "d score_mod / d score of a soft-cap reads tanh"
     assert "ClsT[0, 0, bx, qb]" in src and "if qcls == 2:" in src
     assert "by // 4" in src, "GQA: query head by reads kv head by // 4"
-    sig = backward_kernels_for(_module("sigmoid"))
+    sig = _module("sigmoid").backward_kernels()
     assert sig.preprocess is None and "Delta" not in sig.source
     assert "T.sigmoid" in sig.source
 
@@ -177,7 +177,7 @@ LEARNABLE = {"alibi": "alibi_slopes", "sigmoid": "bias", "retnet": "log_decay"}
 def test_backward_with_custom_gradients_compiles(name, tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
     cname = LEARNABLE[name]
-    bk = backward_kernels_for(_module(name), custom_grads=(cname,))
+    bk = _module(name).backward_kernels(custom_grads=(cname,))
     # Per-head parameter: rows reduced in registers over the query loop, one atomic per key row.
     assert f"dC_{cname}: T.Tensor((8,)" in bk.source
     assert "T.reduce_sum(cg_tile, cg_row, dim=1)" in bk.source
@@ -202,13 +202,14 @@ def test_custom_gradients_the_kernel_cannot_produce_are_refused():
         inp = VARIANTS["alibi"].make_inputs(**SHAPE, head_dim=128, head_dim_v=128,
                                             dtype=torch.bfloat16)
         q = inp["q"]
-        backward_kernel_call(mod, q, inp["k"], inp["v"], q, [torch.zeros(2, 8, 1000)], q,
-                             [inp["alibi_slopes"]], custom_grads=("nope",))
+        backward_kernel_call(mod.kernel_cache, mod.kernel_request(), q, inp["k"], inp["v"], q,
+                             [torch.zeros(2, 8, 1000)], q, [inp["alibi_slopes"]],
+                             custom_grads=("nope",))
     qmod = _query_indexed_bias_module()
     with pytest.raises(NotImplementedError, match="indexed by the query position"):
-        backward_kernels_for(qmod, custom_grads=("qbias",))
+        qmod.backward_kernels(custom_grads=("qbias",))
     # Without its gradient the same spec generates.
-    assert "dC_" not in backward_kernels_for(qmod).source
+    assert "dC_" not in qmod.backward_kernels().source
 
 
 @pytest.mark.compile
@@ -217,7 +218,7 @@ def test_custom_gradients_the_kernel_cannot_produce_are_refused():
 def test_deterministic_backward_compiles_without_atomics(name, tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
     grads = tuple(VARIANTS[name].learnable)
-    bk = backward_kernels_for(_module(name), custom_grads=grads, deterministic=True)
+    bk = _module(name).backward_kernels(custom_grads=grads, deterministic=True)
     assert bk.deterministic and bk.dq is not None
     for src in (bk.source, bk.dq.source):
         assert "atomic_add" not in src
@@ -320,8 +321,8 @@ def test_warp_specialised_schedule_model():
     # Each per-query vector takes 512 bytes of the two-stage ring: four fit beside the tiles.
     assert ws_schedule_fits(cfg, 128, 128, n_vectors=4)
     assert not ws_schedule_fits(cfg, 128, 128, n_vectors=5)
-    assert "warp-specialised" in backward_kernels_for(_module("softmax")).source
-    assert "warp-specialised" not in backward_kernels_for(_module("softmax"), deterministic=True).source
+    assert "warp-specialised" in _module("softmax").backward_kernels().source
+    assert "warp-specialised" not in _module("softmax").backward_kernels(deterministic=True).source
     with pytest.raises(ValueError, match="warp_specialized"):
         _source("softmax", deterministic=True, warp_specialized=True)
 
@@ -359,7 +360,7 @@ def test_heads_loop_schedule():
         return VARIANTS[name].build(**sizes, head_dim=128, head_dim_v=128, dtype=torch.bfloat16,
                                     backend="tilelang")
 
-    bk = backward_kernels_for(mod("softmax_causal"))
+    bk = mod("softmax_causal").backward_kernels()
     assert bk.heads_loop and bk.warp_specialized
     src = bk.source
     assert "with T.Kernel(512, threads=384) as bid:" in src and "by: T.int32 = grp % 8" in src
@@ -369,12 +370,12 @@ def test_heads_loop_schedule():
     assert 'dK: T.Tensor((2, 4096, 8, 128), "bfloat16")' in src
     assert "T.atomic_add(dK" not in src and "T.atomic_add(dV" not in src
     # Too few blocks (8 x 2 x 2), MHA, custom gradients, deterministic: a block per query head.
-    assert not backward_kernels_for(_module("softmax_causal")).heads_loop
-    assert not backward_kernels_for(mod("softmax_causal", heads_kv=32)).heads_loop
+    assert not _module("softmax_causal").backward_kernels().heads_loop
+    assert not mod("softmax_causal", heads_kv=32).backward_kernels().heads_loop
     alibi = mod("alibi")
-    assert not backward_kernels_for(alibi, custom_grads=("alibi_slopes",)).heads_loop
-    assert backward_kernels_for(alibi).heads_loop
-    assert not backward_kernels_for(mod("softmax_causal"), deterministic=True).heads_loop
+    assert not alibi.backward_kernels(custom_grads=("alibi_slopes",)).heads_loop
+    assert alibi.backward_kernels().heads_loop
+    assert not mod("softmax_causal").backward_kernels(deterministic=True).heads_loop
     shape = KernelShape.of(mod("softmax_causal", seqlen_q=1024, seqlen_kv=1024))
     cfg = default_backward_config(128, 128)
     assert 8 * 8 * 2 < HEADS_LOOP_MIN_BLOCKS and not heads_loop_default(shape, cfg, True)
@@ -441,5 +442,5 @@ def test_panel_launch_order():
         shape = KernelShape.of(mod)
         assert panel_default(shape, cfg, True) == want and panel_default(shape, cfg, False) == 1
         assert want * -(-S // 128) <= 132
-    src = backward_kernels_for(_module("softmax_causal", D=128)).source
+    src = _module("softmax_causal", D=128).backward_kernels().source
     assert "as bid:" in src and "bx: T.int32 = OrdT[0, 0, (bid - pn * " in src

@@ -313,7 +313,6 @@ def test_backward_space_tunes_the_backward_kernel_the_engine_then_uses(tmp_path)
     import torch
 
     from engine.kernels.attention_bwd.plan import backward_config_problems, default_backward_config
-    from engine.runtime.tilelang_backend import backward_kernels_for
     from engine.variants import VARIANTS
 
     space = load_space("attention_bwd")
@@ -333,13 +332,13 @@ def test_backward_space_tunes_the_backward_kernel_the_engine_then_uses(tmp_path)
     hit = lookup(tmp_path / "tune.json", template="attention_bwd", spec_hash=mod.spec_hash,
                  dtype="bf16", mode="bwd", gpu="none", shape=sizes)
     assert hit is not None and hit[0] == tuned
-    assert backward_kernels_for(mod).config == tuned
+    assert mod.backward_kernels().config == tuned
     # An explicit backward_config wins over the tune file.
     other = next(c for c in valid if c != tuned)
     pinned = VARIANTS["softmax_causal"].build(**sizes, dtype=torch.bfloat16, backend="reference",
                                               tune_file=str(tmp_path / "tune.json"),
                                               backward_config=other)
-    assert backward_kernels_for(pinned).config == other
+    assert pinned.backward_kernels().config == other
 
 
 def test_reaper_uncounts_a_trial_killed_between_its_attributes_and_tell(tmp_path):

@@ -181,9 +181,9 @@ def run(args) -> int:
 
     modes = ["fwd", "bwd"] if args.mode == "both" else [args.mode]
     if "bwd" in modes and args.objective == "engine":
-        from engine.runtime.tilelang_backend import KERNEL_BACKWARD
+        from engine import kernel_backward_enabled
 
-        if not KERNEL_BACKWARD:
+        if not kernel_backward_enabled():
             print("attnbench tune: --mode bwd tunes the backward kernels, which are off; unset "
                   "ATTNBENCH_KERNEL_BACKWARD=0", file=sys.stderr)
             return 2

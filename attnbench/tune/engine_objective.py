@@ -163,9 +163,7 @@ def require_kernel_backward(mod, mode: str) -> None:
     """A 'bwd' trial must time the generated backward, never the reference rules."""
     if mode != "bwd":
         return
-    from engine.runtime.tilelang_backend import kernel_backward_problem
-
-    reason = kernel_backward_problem(mod)
+    reason = mod.backward_problem()
     if reason is not None:
         raise TrialFailed(f"no backward kernel to time: {reason}")
 
@@ -174,13 +172,9 @@ def compile_kernels(mod, mode: str) -> None:
     """nvcc-compile `mod`'s kernels in this (compile worker) process. TileLang's disk cache
     then makes the benchmark worker's build a cache hit, so compiles run in parallel on the
     CPU cores instead of serially on the GPU's worker. Building a module compiles nothing."""
-    from engine.runtime.tilelang_backend import backward_kernels_for, kernels_for
-
     try:
-        kernels_for(mod).forward.compile()
-        if mode == "bwd":
-            require_kernel_backward(mod, mode)
-            backward_kernels_for(mod).compile()
+        require_kernel_backward(mod, mode)
+        mod.compile_kernels(("fwd", mode))
     except TrialFailed:
         raise
     except Exception as exc:

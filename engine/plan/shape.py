@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from engine.dsl.expr import Expr
 from engine.mask.analysis import mask_reads, table_dims
 
 KERNEL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -30,16 +31,23 @@ class KernelShape:
     mask_by_batch: bool = False  # the mask reads b: its tables have a batch dim (B when dynamic)
 
     @classmethod
-    def of(cls, mod: Any) -> KernelShape:
-        """The shape of an AttentionEngine module (its problem, dtype and mask)."""
-        p = mod.problem
-        if mod.dtype not in KERNEL_DTYPES:
-            raise ValueError(f"dtype {mod.dtype}: kernels support float16 and bfloat16")
-        mb, mh = table_dims(mod.spec.mask, p.batch, p.heads_q)
-        by_batch = mask_reads(mod.spec.mask, "b")
+    def for_problem(cls, p: Any, dtype: torch.dtype, mask: Expr | None,
+                    dynamic: bool = False) -> KernelShape:
+        """The shape of problem `p` (sizes as engine.reference.executor.Problem) in `dtype`
+        with `mask` (the spec's)."""
+        if dtype not in KERNEL_DTYPES:
+            raise ValueError(f"dtype {dtype}: kernels support float16 and bfloat16")
+        mb, mh = table_dims(mask, p.batch, p.heads_q)
         return cls(p.batch, p.heads_q, p.heads_kv, p.seqlen_q, p.seqlen_kv, p.head_dim,
-                   p.head_dim_v, KERNEL_DTYPES[mod.dtype], mb, mh,
-                   bool(getattr(mod, "dynamic_shapes", False)), by_batch)
+                   p.head_dim_v, KERNEL_DTYPES[dtype], mb, mh, bool(dynamic),
+                   mask_reads(mask, "b"))
+
+    @classmethod
+    def of(cls, mod: Any) -> KernelShape:
+        """The shape of an AttentionEngine module (its problem, dtype, mask and dynamic
+        shapes)."""
+        return cls.for_problem(mod.problem, mod.dtype, mod.spec.mask,
+                               bool(getattr(mod, "dynamic_shapes", False)))
 
     # Texts of the sizes in generated source: symbols when dynamic, else constants.
     @property

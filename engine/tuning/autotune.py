@@ -22,7 +22,9 @@ from typing import Any
 
 import torch
 
+from engine.dsl.io import CustomIO
 from engine.kernels.registry import ATTENTION_FWD
+from engine.plan.request import KernelRequest
 from engine.tuning import tune_file
 from engine.tuning.select import dtype_tag, problem_shape, tuned_entry
 
@@ -40,13 +42,13 @@ class TuneBudget:
 DEFAULT_BUDGET = TuneBudget()
 
 
-def has_exact_entry(mod, gpu: str) -> bool:
-    hit = tuned_entry(mod, ATTENTION_FWD, gpu)
+def has_exact_entry(req: KernelRequest, gpu: str) -> bool:
+    hit = tuned_entry(req, ATTENTION_FWD, gpu)
     return hit is not None and bool(hit[1].get("exact"))
 
 
 def ensure_tuned(
-    mod,
+    req: KernelRequest,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -57,11 +59,11 @@ def ensure_tuned(
     make_objective: Any = None,
     progress: bool = True,
 ) -> Any:
-    """Tune `mod`'s forward unless its tune file has an exact entry; returns the study's
+    """Tune the request's forward unless its tune file has an exact entry; returns the study's
     TuneResult as a dict, or None when nothing was tuned. `make_objective(problem, inputs_path)` replaces
     the real objective (tests use attnbench's fake one); `gpu` the detected GPU name."""
     gpu = gpu or torch.cuda.get_device_name(q.device)
-    if has_exact_entry(mod, gpu):
+    if has_exact_entry(req, gpu):
         return None
     try:
         from attnbench.tune.problem import Problem
@@ -73,10 +75,11 @@ def ensure_tuned(
             stacklevel=3,
         )
         return None
-    problem = Problem(variant="custom", dtype=dtype_tag(mod), mode="fwd", **problem_shape(mod))
-    names = list(mod.custom_io.names())
+    problem = Problem(variant="custom", dtype=dtype_tag(req.dtype), mode="fwd",
+                      **problem_shape(req.problem))
+    names = list(req.spec.custom_names)
     log.warning("engine: tune=True: tuning spec %s at %s (at most %d trials or %.0f s)",
-                mod.spec_hash, tune_file.shape_tag(problem.shape()), budget.trials,
+                req.spec.hash, tune_file.shape_tag(problem.shape()), budget.trials,
                 budget.timeout_s)
     with tempfile.TemporaryDirectory(prefix="attnbench-tune-") as tmp:
         inputs_path = os.path.join(tmp, "inputs.pt")
@@ -85,10 +88,11 @@ def ensure_tuned(
         if make_objective is not None:
             objective = make_objective(problem, inputs_path)
         else:
-            objective = SpecObjective(problem, mod.spec, mod.custom_io, inputs_path)
+            objective = SpecObjective(problem, req.spec, CustomIO(dict(req.spec.customs)),
+                                      inputs_path)
         opts = TuneOptions(
             trials=budget.trials, timeout_s=budget.timeout_s, devices=(_device_index(q),),
-            tune_file=mod.tune_file, progress=progress,
+            tune_file=req.options.tune_file, progress=progress,
         )
         job, out = os.path.join(tmp, "job.pkl"), os.path.join(tmp, "result.json")
         with open(job, "wb") as fh:

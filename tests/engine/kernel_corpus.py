@@ -131,10 +131,8 @@ def _forward_sources(mod, cfg_fields, dynamic: bool) -> dict[str, str]:
 def _backward_sources(mod, cfg_fields, deterministic: bool, grads: tuple[str, ...],
                       automatic: bool) -> dict[str, str]:
     """The backward's kernels by role; `automatic` forces TileLang's automatic pipeline."""
-    from engine.runtime.tilelang_backend import backward_kernels_for
-
     cfg = _cfg(cfg_fields)
-    bk = backward_kernels_for(mod, config=cfg, custom_grads=grads, deterministic=deterministic)
+    bk = mod.backward_kernels(config=cfg, custom_grads=grads, deterministic=deterministic)
     if automatic:
         from engine.kernels.attention_bwd.codegen import generate_backward
         from engine.kernels.attention_bwd.plan import plan_backward

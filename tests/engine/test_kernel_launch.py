@@ -16,12 +16,7 @@ from engine.plan.config import KernelConfig
 from engine.plan.shape import KernelShape
 from engine.runtime import kernel as kernel_mod
 from engine.runtime.kernel import TORCH_DTYPES, bind_arguments, check_arguments
-from engine.runtime.tilelang_backend import (
-    backward_kernel_call,
-    backward_kernels_for,
-    forward_kernel_call,
-    kernels_for,
-)
+from engine.runtime.tilelang_backend import backward_kernel_call, forward_kernel_call
 from engine.variants import VARIANTS
 
 SIZES = dict(batch=2, heads_q=4, heads_kv=2, seqlen_q=200, seqlen_kv=200, head_dim=64,
@@ -71,8 +66,9 @@ def _by_kernel(kernels, calls) -> list[dict[str, torch.Tensor]]:
 
 def test_forward_binds_by_name(calls):
     mod, inputs, custom = _module("document")
-    o, finals = forward_kernel_call(mod, inputs["q"], inputs["k"], inputs["v"], custom)
-    fk = kernels_for(mod).forward
+    o, finals = forward_kernel_call(mod.kernel_cache, mod.kernel_request(), inputs["q"],
+                                    inputs["k"], inputs["v"], custom)
+    fk = mod.forward_kernel()
     (got,) = _by_kernel([fk.kernel], calls)
     assert got["Q"] is inputs["q"] and got["K"] is inputs["k"] and got["V"] is inputs["v"]
     assert got["O"] is o and all(got[f"F_{n}"] is f
@@ -95,8 +91,9 @@ def test_backward_binds_by_name(calls, name, cfg, det):
     finals = [torch.randn(2, 4, 200) for _ in mod.spec.final_names]
     do = torch.randn_like(o)
     grads = tuple(VARIANTS[name].learnable)
-    dq, dk, dv, dc = backward_kernel_call(mod, q, k, v, o, finals, do, custom, custom_grads=grads)
-    bk = backward_kernels_for(mod, custom_grads=grads)
+    dq, dk, dv, dc = backward_kernel_call(mod.kernel_cache, mod.kernel_request(), q, k, v, o,
+                                          finals, do, custom, custom_grads=grads)
+    bk = mod.backward_kernels(custom_grads=grads)
     assert len(calls) == len(bk.kernels())
     runs = _by_kernel(bk.kernels(), calls)
     by_source = {src: run for (src, _), run in zip(calls, runs, strict=True)}
