@@ -73,16 +73,17 @@ class AttentionEngine(torch.nn.Module):
 
     backend: "auto" (TileLang kernels on a Hopper GPU, else the reference executor),
     "reference", or "tilelang". config: a KernelConfig overriding defaults and tune files;
-    backward_config: the same for the backward's main kernel (template attention_bwd).
-    tune_file: the tune file to read (default results/tune/<gpu>/attention_fwd.json); a shape
-    it lacks uses its nearest tuned shape. tune=True: on the first call on a Hopper GPU, a shape
-    with no exact entry is tuned first (attnbench's tuner, a few minutes at most, see
-    engine.tuning.autotune) and the result is written to that file.
+    backward_config: the same for the backward's main kernel (kind attention_bwd).
+    tune_file: the tune file to read (default results/tune/<gpu>/<kind>.json); a shape it
+    lacks uses its nearest tuned shape. tune=True: on the first call on a Hopper GPU, a shape
+    with no exact entry is tuned first by the installed tuner (attnbench's, a few minutes at
+    most; see engine.tuning.autotune) and the result is written to that file.
     deterministic: True runs the atomic-free backward kernels (bitwise identical gradients
     run to run): dK/dV stored per query head and summed per group, custom gradients per key
     row, and dQ from a second kernel that recomputes the scores per query block.
-    Attribute `dynamic_shapes` (default engine.kernels.attention_fwd.plan.DYNAMIC_SHAPES): compile the
-    forward with batch and lengths as runtime symbols, one kernel for every length. tune=True
+    Attribute `dynamic_shapes` (default engine.kernels.attention_fwd.plan.DYNAMIC_SHAPES):
+    compile the forward with batch and lengths as runtime symbols, one kernel for every
+    length. Changing an option after construction selects new kernels. tune=True
     tunes the forward kernel; the backward's config comes from its tune file (attnbench tune
     --mode bwd) or backward_config=.
     """

@@ -1,6 +1,7 @@
-"""AttentionEngine(tune=True): a shape missing from the tune file is tuned (through the real
-study, worker processes and tune-file rule, with attnbench's fake objective standing in for the
-GPU), written to the module's tune file, and then used by the module's kernel."""
+"""AttentionEngine(tune=True): a shape missing from the tune file is tuned (through the
+harness's tuner: the real study, worker processes and tune-file rule, with attnbench's fake
+objective standing in for the GPU), written to the module's tune file, and then used by the
+module's kernel. The engine finds the tuner through an entry point; without one it says so."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pickle
 import pytest
 import torch
 
+from attnbench.tune.engine_tuner import EngineTuner
 from attnbench.tune.objective import FakeObjective
 from attnbench.tune.spec_objective import SpecObjective
 from engine.kernels.attention_fwd.plan import default_forward_config
@@ -48,7 +50,7 @@ def test_tune_true_tunes_a_missing_shape_once(tmp_path):
     make = functools.partial(_fake, mod.spec_hash)
     budget = TuneBudget(trials=6, timeout_s=240)
     res = ensure_tuned(mod.kernel_request(), q, k, v, customs, gpu=GPU, budget=budget,
-                       make_objective=make, progress=False)
+                       tuner=EngineTuner(make), progress=False)
     assert res is not None and res["evaluated"] >= 6
     hit = lookup(str(path), template="attention_fwd", spec_hash=mod.spec_hash, dtype="bf16",
                  mode="fwd", gpu=GPU, shape=autotune.problem_shape(mod.problem))
@@ -61,9 +63,48 @@ def test_tune_true_tunes_a_missing_shape_once(tmp_path):
     # An exact entry exists: a second module of the same spec and shape tunes nothing.
     again = _module("softmax_causal", path, tune=True)
     assert ensure_tuned(again.kernel_request(), q, k, v, customs, gpu=GPU, budget=budget,
-                        make_objective=make, progress=False) is None
+                        tuner=EngineTuner(make), progress=False) is None
     data = json.loads(path.read_text())
     assert len(data["entries"]) == 1
+
+
+def test_without_a_tuner_tune_true_says_so_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(autotune.metadata, "entry_points", lambda group: [])
+    autotune.register_tuner(None)
+    mod = _module("softmax", tmp_path / "t.json", tune=True)
+    q, k, v, customs = _inputs("softmax")
+    with pytest.warns(UserWarning) as caught:
+        assert ensure_tuned(mod.kernel_request(), q, k, v, customs, gpu=GPU) is None
+    (msg,) = [str(w.message) for w in caught]
+    assert "no tuner is installed" in msg and autotune.ENTRY_POINT_GROUP in msg
+    assert "\n" not in msg and not (tmp_path / "t.json").exists()
+
+
+def test_the_tuner_is_found_through_the_entry_point(monkeypatch):
+    """pyproject.toml registers the harness's tuner under the engine's entry point group; the
+    engine loads the first one there (a factory called with no arguments)."""
+    import tomllib
+    from importlib import import_module
+    from pathlib import Path
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    (target,) = pyproject["project"]["entry-points"][autotune.ENTRY_POINT_GROUP].values()
+    module, _, attr = target.partition(":")
+    factory = getattr(import_module(module), attr)
+    assert factory is EngineTuner and callable(factory().tune)
+
+    class FakeEntryPoint:
+        value = target
+
+        def load(self):
+            return factory
+
+    seen = []
+    monkeypatch.setattr(autotune.metadata, "entry_points",
+                        lambda group: seen.append(group) or [FakeEntryPoint()])
+    autotune.register_tuner(None)
+    assert isinstance(autotune.find_tuner(), EngineTuner)
+    assert seen == [autotune.ENTRY_POINT_GROUP]
 
 
 def test_tune_true_and_config_exclude_each_other(tmp_path):
