@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
+from attnbench.cases import Case
 from attnbench.impls.base import (
     ALL_DTYPES,
     HALF,
@@ -17,7 +18,6 @@ from attnbench.impls.base import (
     Unsupported,
     grad_leaves,
 )
-from attnbench.suites import Case
 
 
 class _EngineBase(Impl):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import asdict, dataclass
 
-from engine.kernels.registry import kind_for_mode
+from engine.kernels.registry import kind_for
 from engine.tuning.tune_file import gpu_slug, normalize_dtype, shape_tag, tilelang_version
 
 MODES = ("fwd", "bwd")
@@ -26,6 +26,7 @@ class Problem:
     head_dim_v: int
     dtype: str = "bf16"
     mode: str = "fwd"
+    family: str = "attention"  # a suite case's kind: with the mode, it picks the kernel kind
 
     def __post_init__(self) -> None:
         for name in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_kv", "head_dim",
@@ -40,12 +41,13 @@ class Problem:
             )
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r}: expected one of {MODES}")
+        kind_for(self.family, self.mode)  # ValueError naming the kinds there are
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
 
     @property
     def template(self) -> str:
         """The kernel kind this problem's study tunes (engine.kernels.registry)."""
-        return kind_for_mode(self.mode).name
+        return kind_for(self.family, self.mode).name
 
     @property
     def elem_bytes(self) -> int:

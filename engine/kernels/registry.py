@@ -27,7 +27,9 @@ SEARCH_SPACES = Path(__file__).resolve().parents[2] / "search_spaces"
 @dataclass(frozen=True)
 class KernelKind:
     name: str
-    # The pass a tuning study of this kind times: "fwd", or "bwd" (forward and backward).
+    # The problems it serves (a suite case's `kind`: attention, decode, linear) and the pass a
+    # tuning study of it times ("fwd", or "bwd": forward and backward): (family, mode) picks it.
+    family: str
     mode: str
     config_type: type
     # The AttentionEngine argument that fixes this kind's config (tuning trials set it).
@@ -48,13 +50,14 @@ class KernelKind:
 
 
 ATTENTION_FWD = KernelKind(
-    name="attention_fwd", mode="fwd", config_type=KernelConfig, config_arg="config",
+    name="attention_fwd", family="attention", mode="fwd", config_type=KernelConfig, config_arg="config",
     problems=fwd_plan.config_problems, default=fwd_plan.default_forward_config,
     generate=generate_forward, build=fwd_launch.build_forward, launch=fwd_launch.launch_forward,
     reference=executor.forward,
 )
 ATTENTION_BWD = KernelKind(
-    name="attention_bwd", mode="bwd", config_type=KernelConfig, config_arg="backward_config",
+    name="attention_bwd", family="attention", mode="bwd", config_type=KernelConfig,
+    config_arg="backward_config",
     problems=bwd_plan.backward_config_problems, default=bwd_plan.default_backward_config,
     generate=generate_backward, build=bwd_launch.build_backward,
     launch=bwd_launch.launch_backward, reference=executor.backward,
@@ -70,9 +73,10 @@ def get_kind(name: str) -> KernelKind:
         raise ValueError(f"kernel kind {name!r}: expected one of {sorted(KINDS)}") from None
 
 
-def kind_for_mode(mode: str) -> KernelKind:
-    """The attention kind a tuning study of `mode` ("fwd" or "bwd") tunes."""
+def kind_for(family: str, mode: str) -> KernelKind:
+    """The kind a tuning study of a `family` problem in `mode` tunes."""
     for kind in KINDS.values():
-        if kind.mode == mode:
+        if (kind.family, kind.mode) == (family, mode):
             return kind
-    raise ValueError(f"mode={mode!r}: expected one of {sorted(k.mode for k in KINDS.values())}")
+    have = sorted((k.family, k.mode) for k in KINDS.values())
+    raise ValueError(f"family={family!r}, mode={mode!r}: no kernel kind; have {have}")
