@@ -6,20 +6,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.problem import Problem
+
 
 @dataclass(frozen=True)
-class Case:
+class Case(Problem):
+    """The problem's sizes (engine.problem.Problem) and the suite's choices for it."""
+
     suite: str
     name: str
     variant: str
     shape: str
-    batch: int
-    heads_q: int
-    heads_kv: int
-    seqlen_q: int
-    seqlen_kv: int
-    head_dim: int
-    head_dim_v: int
     dtype: str
     kind: str
     modes: tuple[str, ...]

@@ -16,7 +16,7 @@ from engine.kernels.attention_bwd.launch import BackwardKernels
 from engine.kernels.attention_fwd.launch import ForwardKernel
 from engine.plan.config import KernelConfig
 from engine.plan.request import KernelOptions, KernelRequest
-from engine.reference.executor import Problem
+from engine.problem import Problem
 from engine.runtime.kernel_cache import KernelCache
 
 log = logging.getLogger("engine")
@@ -59,7 +59,8 @@ def _check_meta(qkv_meta: Any) -> tuple[Problem, torch.dtype]:
         raise ValueError(
             f"qkv_meta: dtype {qm.dtype} not supported; expected one of {_SUPPORTED_DTYPES}"
         )
-    return Problem(B, Hq, Hkv, Sq, Skv, D, Dv), qm.dtype
+    return Problem(batch=B, heads_q=Hq, heads_kv=Hkv, seqlen_q=Sq, seqlen_kv=Skv, head_dim=D,
+                   head_dim_v=Dv), qm.dtype
 
 
 class AttentionEngine(torch.nn.Module):

@@ -25,11 +25,10 @@ _INPUTS: dict[tuple, dict] = {}
 _REFERENCE: dict[tuple, tuple] = {}
 
 
-@functools.cache
 def _torch_dtype(name: str):
-    import torch
+    from engine.dtypes import torch_dtype
 
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+    return torch_dtype(name)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,6 @@ request's trial and time budget, in a child process (see attnbench.tune.spec_job
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import pickle
@@ -26,7 +25,7 @@ from attnbench.tune.problem import Problem
 from attnbench.tune.runner import TuneOptions
 from attnbench.tune.spec_objective import SpecObjective
 from engine import CustomIO
-from engine.tuning import normalize_dtype
+from engine.dtypes import short_dtype_name
 from engine.tuning.autotune import TuneRequest
 
 
@@ -39,8 +38,9 @@ class EngineTuner:
 
     def tune(self, request: TuneRequest) -> dict | None:
         kernels = request.kernels
-        problem = Problem(variant="custom", dtype=normalize_dtype(str(kernels.dtype)),
-                          mode=request.kind.mode, **dataclasses.asdict(kernels.problem))
+        problem = Problem(variant="custom", dtype=short_dtype_name(kernels.dtype),
+                          mode=request.kind.mode, family=request.kind.family,
+                          **kernels.problem.sizes())
         q = request.inputs["q"]
         with tempfile.TemporaryDirectory(prefix="attnbench-tune-") as tmp:
             inputs_path = os.path.join(tmp, "inputs.pt")

@@ -10,7 +10,7 @@ import torch
 from engine.ir.spec import TracedSpec
 from engine.plan.config import KernelConfig
 from engine.plan.shape import KernelShape
-from engine.reference.executor import Problem
+from engine.problem import Problem
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
-
 from engine.codegen.params import GeneratedKernel, KernelParam
+from engine.dtypes import TORCH
 from engine.runtime.compile import compile_source
 
-TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-                "int32": torch.int32, "int8": torch.int8}
+TORCH_DTYPES = TORCH  # a parameter's TileLang dtype is the torch name
 
 
 def bind_arguments(params: Sequence[KernelParam], tensors: Mapping[str, Any]) -> list[Any]:

@@ -5,6 +5,7 @@ new kernels; `KernelCache.clear` drops them (after tuning wrote a new tune-file 
 
 from __future__ import annotations
 
+from engine.dtypes import KERNEL_DTYPES
 from engine.kernels.attention_bwd.launch import BackwardKernels
 from engine.kernels.attention_bwd.plan import check_backward_config
 from engine.kernels.attention_fwd.launch import ForwardKernel
@@ -12,7 +13,6 @@ from engine.kernels.attention_fwd.plan import check_config
 from engine.kernels.registry import ATTENTION_BWD, ATTENTION_FWD
 from engine.plan.config import KernelConfig
 from engine.plan.request import KernelRequest
-from engine.plan.shape import KERNEL_DTYPES
 from engine.tuning.select import tuned_config
 
 

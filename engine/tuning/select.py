@@ -7,8 +7,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.dtypes import short_dtype_name
 from engine.plan.config import KernelConfig
-from engine.plan.shape import KERNEL_DTYPES
+from engine.problem import Problem
 from engine.tuning import tune_file
 
 if TYPE_CHECKING:
@@ -21,15 +22,13 @@ def gpu_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
 
 
-def problem_shape(problem) -> dict[str, int]:
+def problem_shape(problem: Problem) -> dict[str, int]:
     """A problem's sizes as tune files key them."""
-    p = problem
-    return dict(batch=p.batch, heads_q=p.heads_q, heads_kv=p.heads_kv, seqlen_q=p.seqlen_q,
-                seqlen_kv=p.seqlen_kv, head_dim=p.head_dim, head_dim_v=p.head_dim_v)
+    return problem.sizes()
 
 
 def dtype_tag(dtype: torch.dtype) -> str:
-    return tune_file.normalize_dtype(KERNEL_DTYPES.get(dtype, str(dtype)))
+    return short_dtype_name(dtype)
 
 
 def tuned_entry(req: KernelRequest, kind: KernelKind, gpu: str | None = None
