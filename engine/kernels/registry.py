@@ -39,7 +39,7 @@ class KernelKind:
     # (head_dim, head_dim_v, elem_bytes, spec) -> the config used when no tune file has one
     # (ValueError: none is valid).
     default: Callable[..., Any]
-    generate: Callable[..., str]  # the code generator: TileLang source of the main kernel
+    generate: Callable[..., Any]  # the main kernel's generator -> GeneratedKernel
     build: Callable[..., Any]  # (spec, shape, cfg, ...) -> the kind's kernels, not compiled
     launch: Callable[..., Any]  # runs built kernels on tensors
     reference: Callable[..., Any]  # what every kernel of the kind is tested against
