@@ -64,8 +64,10 @@ def _by_kernel(kernels, calls) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def test_forward_binds_by_name(calls):
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_forward_binds_by_name(calls, dynamic):
     mod, inputs, custom = _module("document")
+    mod.dynamic_shapes = dynamic  # symbols B, Sq, Skv, NQB, NKB: bound consistently
     o, finals = forward_kernel_call(mod.kernel_cache, mod.kernel_request(), inputs["q"],
                                     inputs["k"], inputs["v"], custom)
     fk = mod.forward_kernel()
@@ -75,6 +77,7 @@ def test_forward_binds_by_name(calls):
                                  for n, f in zip(mod.spec.final_names, finals, strict=True))
     assert torch.equal(got["C_doc_ids"], inputs["doc_ids"].float())
     assert got["Cls"].dtype == torch.int8 and got["Lo"].dtype == torch.int32
+    assert ("B" in fk.kernel.params[0].shape) == dynamic
 
 
 @pytest.mark.parametrize("name, cfg, det", [
