@@ -22,6 +22,8 @@ import math
 
 import torch
 
+from engine.problem import attention_flops  # noqa: F401 - the one FLOP count (engine.problem)
+
 # Dense peaks in TFLOP/s from NVIDIA datasheets (no structured sparsity): {dtype: peak}.
 # Matched against the device name in order, so more specific names come first.
 GPU_PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
@@ -43,20 +45,6 @@ def unmasked_fraction(variant, mask: str, seqlen_q: int, seqlen_kv: int) -> floa
     if mask == "causal":
         return 0.5
     return float(variant.unmasked_fraction(seqlen_q, seqlen_kv))
-
-
-def attention_flops(batch: int, heads_q: int, seqlen_q: int, seqlen_kv: int, head_dim: int,
-                    head_dim_v: int, mode: str, fraction: float = 1.0) -> float:
-    pairs = 2.0 * batch * heads_q * seqlen_q * seqlen_kv * fraction
-    fwd = pairs * (head_dim + head_dim_v)
-    bwd = pairs * (3 * head_dim + 2 * head_dim_v)
-    if mode == "fwd":
-        return fwd
-    if mode == "bwd":
-        return bwd
-    if mode == "fwd+bwd":
-        return fwd + bwd
-    raise ValueError(f"mode must be one of fwd, bwd, fwd+bwd; got {mode!r}")
 
 
 def tflops(flops: float, latency_ms: float) -> float:

@@ -35,6 +35,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from attnbench.cases import Case
 from attnbench.dtypes import ALIASES, dtype_name
 from attnbench.resources import data_dir
 from attnbench.results.schema import MODES
@@ -52,26 +53,6 @@ SUITE_KEYS = CASE_KEYS | {"description", "repeats", "warmup", "noise_threshold",
 
 class SuiteError(ValueError):
     """A suite file that cannot be run; the message lists every problem found."""
-
-
-@dataclass(frozen=True)
-class Case:
-    suite: str
-    name: str
-    variant: str
-    shape: str
-    batch: int
-    heads_q: int
-    heads_kv: int
-    seqlen_q: int
-    seqlen_kv: int
-    head_dim: int
-    head_dim_v: int
-    dtype: str
-    kind: str
-    modes: tuple[str, ...]
-    impls: tuple[str, ...]
-    baseline: str
 
 
 @dataclass(frozen=True)

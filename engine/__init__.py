@@ -27,6 +27,7 @@ from engine.dsl.online import (
 from engine.ir.trace import TraceError
 from engine.mask.block_mask import BlockMask, create_block_mask
 from engine.plan.config import ConfigError, KernelConfig
+from engine.runtime.tilelang_backend import kernel_backward_enabled
 
 __all__ = [
     "AttentionEngine",
@@ -46,6 +47,7 @@ __all__ = [
     "create_block_mask",
     "exp",
     "exp2",
+    "kernel_backward_enabled",
     "log",
     "log2",
     "maximum",

@@ -12,8 +12,12 @@ from engine.dsl.io import CustomIO
 from engine.dsl.online import OnlineFunc, OnlineSoftmax
 from engine.ir.spec import TracedSpec
 from engine.ir.trace import trace_spec
+from engine.kernels.attention_bwd.launch import BackwardKernels
+from engine.kernels.attention_fwd.launch import ForwardKernel
 from engine.plan.config import KernelConfig
-from engine.reference.executor import Problem
+from engine.plan.request import KernelOptions, KernelRequest
+from engine.problem import Problem
+from engine.runtime.kernel_cache import KernelCache
 
 log = logging.getLogger("engine")
 
@@ -55,7 +59,8 @@ def _check_meta(qkv_meta: Any) -> tuple[Problem, torch.dtype]:
         raise ValueError(
             f"qkv_meta: dtype {qm.dtype} not supported; expected one of {_SUPPORTED_DTYPES}"
         )
-    return Problem(B, Hq, Hkv, Sq, Skv, D, Dv), qm.dtype
+    return Problem(batch=B, heads_q=Hq, heads_kv=Hkv, seqlen_q=Sq, seqlen_kv=Skv, head_dim=D,
+                   head_dim_v=Dv), qm.dtype
 
 
 class AttentionEngine(torch.nn.Module):
@@ -69,16 +74,17 @@ class AttentionEngine(torch.nn.Module):
 
     backend: "auto" (TileLang kernels on a Hopper GPU, else the reference executor),
     "reference", or "tilelang". config: a KernelConfig overriding defaults and tune files;
-    backward_config: the same for the backward's main kernel (template attention_bwd).
-    tune_file: the tune file to read (default results/tune/<gpu>/attention_fwd.json); a shape
-    it lacks uses its nearest tuned shape. tune=True: on the first call on a Hopper GPU, a shape
-    with no exact entry is tuned first (attnbench's tuner, a few minutes at most, see
-    engine.tuning.autotune) and the result is written to that file.
+    backward_config: the same for the backward's main kernel (kind attention_bwd).
+    tune_file: the tune file to read (default results/tune/<gpu>/<kind>.json); a shape it
+    lacks uses its nearest tuned shape. tune=True: on the first call on a Hopper GPU, a shape
+    with no exact entry is tuned first by the installed tuner (attnbench's, a few minutes at
+    most; see engine.tuning.autotune) and the result is written to that file.
     deterministic: True runs the atomic-free backward kernels (bitwise identical gradients
     run to run): dK/dV stored per query head and summed per group, custom gradients per key
     row, and dQ from a second kernel that recomputes the scores per query block.
-    Attribute `dynamic_shapes` (default engine.plan.defaults.DYNAMIC_SHAPES): compile the
-    forward with batch and lengths as runtime symbols, one kernel for every length. tune=True
+    Attribute `dynamic_shapes` (default engine.kernels.attention_fwd.plan.DYNAMIC_SHAPES):
+    compile the forward with batch and lengths as runtime symbols, one kernel for every
+    length. Changing an option after construction selects new kernels. tune=True
     tunes the forward kernel; the backward's config comes from its tune file (attnbench tune
     --mode bwd) or backward_config=.
     """
@@ -128,11 +134,10 @@ class AttentionEngine(torch.nn.Module):
         self.tune = tune
         self.tune_file = tune_file
         self.deterministic = deterministic
-        from engine.plan.defaults import DYNAMIC_SHAPES
+        from engine.kernels.attention_fwd.plan import DYNAMIC_SHAPES
 
-        self.dynamic_shapes = DYNAMIC_SHAPES  # see engine.plan.defaults
-        self._kernels: Any = None
-        self._tune_checked = False
+        self.dynamic_shapes = DYNAMIC_SHAPES  # see engine.kernels.attention_fwd.plan
+        self._kernel_cache = KernelCache()
 
     @classmethod
     def from_traced(
@@ -167,9 +172,57 @@ class AttentionEngine(torch.nn.Module):
     @property
     def kernel_source(self) -> str:
         """The generated TileLang program of the forward kernel (generated on demand)."""
-        from engine.runtime.tilelang_backend import kernels_for
+        return self.forward_kernel().source
 
-        return kernels_for(self).forward_source
+    # ------------------------------------------------------------------ kernels
+    @property
+    def kernel_cache(self) -> KernelCache:
+        """The kernels this module has built (engine.runtime.kernel_cache)."""
+        return self._kernel_cache
+
+    def kernel_request(self) -> KernelRequest:
+        """What selects this module's kernels now: its spec, problem, dtype and options."""
+        options = KernelOptions(self.config, self.backward_config, self.tune_file,
+                                bool(self.dynamic_shapes), bool(self.deterministic))
+        return KernelRequest(self.spec, self.problem, self.dtype, options)
+
+    def forward_kernel(self) -> ForwardKernel:
+        """The forward kernel (generated, not compiled): its source, config and tables."""
+        return self._kernel_cache.forward(self.kernel_request())
+
+    def backward_kernels(self, config: KernelConfig | None = None,
+                         custom_grads: tuple[str, ...] = (),
+                         deterministic: bool | None = None) -> BackwardKernels:
+        """The backward's kernels (generated, not compiled), also producing the gradients of
+        the CustomIO tensors in `custom_grads`; `config` and `deterministic` default to the
+        module's (its backward_config, tune file or default; its deterministic)."""
+        return self._kernel_cache.backward(self.kernel_request(), config, tuple(custom_grads),
+                                           deterministic)
+
+    def backward_problem(self, custom_grads: tuple[str, ...] = ()) -> str | None:
+        """Why this module's backward (with the gradients of `custom_grads`) would not run as
+        generated kernels but by the reference rules (None: it runs the kernels)."""
+        from engine.runtime.tilelang_backend import backward_problem
+
+        return backward_problem(self._kernel_cache, self.kernel_request(), tuple(custom_grads))
+
+    def kernel_sources(self, modes: tuple[str, ...] = ("fwd",)) -> list[str]:
+        """The TileLang sources this module runs for `modes` ("fwd", "bwd"): the forward, and
+        the backward's kernels where they can run."""
+        sources = self.forward_kernel().sources()
+        if "bwd" in modes and self.backward_problem() is None:
+            sources += self.backward_kernels().sources()
+        return sources
+
+    def compile_kernels(self, modes: tuple[str, ...] = ("fwd",)) -> None:
+        """nvcc-compile the kernels of `modes` now (no GPU needed; the first call then only
+        loads them). A "bwd" mode whose backward cannot run as kernels raises ValueError."""
+        self.forward_kernel().compile()
+        if "bwd" in modes:
+            reason = self.backward_problem()
+            if reason is not None:
+                raise ValueError(f"modes: no backward kernels to compile ({reason})")
+            self.backward_kernels().compile()
 
     def extra_repr(self) -> str:
         p = self.problem
@@ -273,9 +326,20 @@ class AttentionEngine(torch.nn.Module):
         if self.resolved_backend(q.device) == "tilelang":
             from engine.runtime.tilelang_backend import run as run_kernels
 
-            o, finals = run_kernels(self, q, k, v, customs)
+            if self.tune and not self._kernel_cache.tune_checked:
+                self._tune_first(q, k, v, customs)
+            o, finals = run_kernels(self._kernel_cache, self.kernel_request(), q, k, v, customs)
         else:
             from engine.runtime.reference_backend import run as run_reference
 
             o, finals = run_reference(self.spec, tuple(self.custom_io.names()), q, k, v, customs)
         return (o, finals) if return_lse else o
+
+    def _tune_first(self, q, k, v, customs: list[torch.Tensor]) -> None:
+        """tune=True: once per module, before its kernels are built, tune a shape without an
+        exact tune-file entry; the kernels then pick the new entry up like any other."""
+        from engine.tuning.autotune import ensure_tuned
+
+        self._kernel_cache.tune_checked = True
+        ensure_tuned(self.kernel_request(), q, k, v, customs)
+        self._kernel_cache.clear()

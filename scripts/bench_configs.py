@@ -16,7 +16,6 @@ from attnbench.timing import L2Flusher, measure
 from engine.plan.config import KernelConfig
 from engine.reference.executor import rel_err
 from engine.runtime.precompile import precompile
-from engine.runtime.tilelang_backend import kernels_for
 from engine.variants import get_variant
 
 SHAPES = [(4, 4096), (1, 16384)]  # (batch, seqlen) at llama3-8b heads, 16k tokens
@@ -44,7 +43,7 @@ def main() -> None:
                     backend="tilelang",
                     config=cfg,
                 )
-    errs = precompile([kernels_for(m).forward_source for m in mods.values()])
+    errs = precompile([m.kernel_source for m in mods.values()])
     print(f"precompiled, {len(errs)} failed", *[e[:200] for e in errs.values()], sep="\n")
     flush = L2Flusher(torch.device("cuda"))
     try:
@@ -77,9 +76,7 @@ def main() -> None:
                 t = measure(fn, device="cuda", repeats=30, warmup=5, flush=flush)
                 row.append(f"fa3 {flops / t.median_ms / 1e9:5.0f}")
             for cfg in cfgs:
-                if (vn, B, S, cfg) in mods and kernels_for(
-                    mods[vn, B, S, cfg]
-                ).forward_source in errs:
+                if (vn, B, S, cfg) in mods and mods[vn, B, S, cfg].kernel_source in errs:
                     row.append(f"{cfg.key()}: compile failed")
                     continue
                 mod = mods[vn, B, S, cfg]

@@ -9,9 +9,7 @@ import torch
 
 from attnbench.impls import registry
 from attnbench.suites import load_suite
-from engine.runtime.backward_kernels import backward_kernels_for
 from engine.runtime.precompile import precompile
-from engine.runtime.tilelang_backend import kernel_backward_problem, kernels_for
 from engine.variants import get_variant
 
 ENGINE_IMPLS = ("engine", "engine-dynamic", "engine-deterministic")
@@ -33,9 +31,7 @@ def main(names: list[str]) -> int:
                 # The module each implementation times (its dynamic-shape and deterministic
                 # settings included); sources shared between them are compiled once.
                 mod = impl.build(c, v)
-                srcs.append(kernels_for(mod).forward_source)
-                if set(c.modes) - {"fwd"} and kernel_backward_problem(mod) is None:
-                    srcs += backward_kernels_for(mod).sources()
+                srcs += mod.kernel_sources(("fwd", "bwd") if set(c.modes) - {"fwd"} else ("fwd",))
     t = time.time()
     errors = precompile(srcs)
     print(f"precompiled {len(set(srcs))} kernels in {time.time() - t:.0f}s, {len(errors)} failed")

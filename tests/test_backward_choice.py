@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from engine.runtime import tilelang_backend
-from engine.runtime.tilelang_backend import kernel_backward_problem
 from engine.variants import VARIANTS
 
 
@@ -19,22 +18,22 @@ def _mod(name="softmax", D=128, Dv=128, **kw):
 
 def test_off_by_default_until_verified(monkeypatch):
     monkeypatch.setattr(tilelang_backend, "KERNEL_BACKWARD", False)
-    assert "ATTNBENCH_KERNEL_BACKWARD=0" in kernel_backward_problem(_mod())
+    assert "ATTNBENCH_KERNEL_BACKWARD=0" in _mod().backward_problem()
 
 
 @pytest.mark.parametrize("name", ["softmax", "softmax_causal", "alibi", "sigmoid", "retnet"])
 def test_kernels_when_on(name, monkeypatch):
     monkeypatch.setattr(tilelang_backend, "KERNEL_BACKWARD", True)
-    assert kernel_backward_problem(_mod(name)) is None
+    assert _mod(name).backward_problem() is None
 
 
 def test_reasons_for_the_reference_rules(monkeypatch):
     monkeypatch.setattr(tilelang_backend, "KERNEL_BACKWARD", True)
     mod = _mod()
     mod.deterministic = True
-    assert kernel_backward_problem(mod) is None  # the atomic-free kernels
-    assert kernel_backward_problem(_mod("alibi"), (True,)) is None  # slopes' grad in the kernel
-    assert "registers" in kernel_backward_problem(_mod(D=256, Dv=256))
+    assert mod.backward_problem() is None  # the atomic-free kernels
+    assert _mod("alibi").backward_problem(("alibi_slopes",)) is None  # slopes' grad in the kernel
+    assert "registers" in _mod(D=256, Dv=256).backward_problem()
 
 
 def test_engine_impl_declares_backward_modes_only_with_kernels(monkeypatch):

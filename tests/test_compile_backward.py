@@ -9,17 +9,14 @@ import shutil
 import pytest
 import torch
 
-from engine.mask.analysis import EMPTY, FULL, PARTIAL, classify
-from engine.plan.backward import (
+from engine.kernels.attention_bwd.launch import transposed_tables
+from engine.kernels.attention_bwd.plan import (
     backward_config_problems,
     default_backward_config,
 )
+from engine.mask.analysis import EMPTY, FULL, PARTIAL, classify
 from engine.plan.config import KernelConfig
-from engine.runtime.backward_kernels import (
-    backward_kernel_call,
-    backward_kernels_for,
-    transposed_tables,
-)
+from engine.runtime.tilelang_backend import backward_kernel_call
 from engine.variants import VARIANTS
 
 SHAPE = dict(batch=2, heads_q=8, heads_kv=2, seqlen_q=1000, seqlen_kv=1000)  # GQA 4
@@ -37,18 +34,18 @@ def _module(name: str, dtype=torch.bfloat16, D: int = 128, Dv: int = 128):
 def test_backward_compiles_for_sm90a(name, tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
     mod = _module(name)
-    bk = backward_kernels_for(mod)
-    assert (bk.preprocess_source is not None) == mod.spec.uses_doosum
-    main, prep = bk.compiled()
-    cuda = main.get_kernel_source()
+    bk = mod.backward_kernels()
+    assert (bk.preprocess is not None) == mod.spec.uses_doosum
+    bk.compile()
+    cuda = bk.main.compiled().get_kernel_source()
     assert "wgmma" in cuda, "S^T, dP^T, dV and dK products must use Hopper wgmma"
     assert "tma_load" in cuda and "__global__" in cuda
     _check_do_stage_outlives_its_wgmmas(cuda)
     _check_warp_specialised_protocol(cuda)
-    if prep is not None:
-        assert "__global__" in prep.get_kernel_source()
+    if bk.preprocess is not None:
+        assert "__global__" in bk.preprocess.compiled().get_kernel_source()
     if bk.warp_specialized:
-        assert "__global__" in bk._post.get_kernel_source()
+        assert "__global__" in bk.post.compiled().get_kernel_source()
 
 
 @pytest.mark.compile
@@ -115,12 +112,12 @@ def _check_warp_specialised_protocol(cuda: str) -> None:
 
 
 def test_backward_source_follows_the_spec():
-    src = backward_kernels_for(_module("softcap")).source
+    src = _module("softcap").backward_kernels().source
     assert "T.tanh" in src, "d score_mod / d score of a soft-cap reads tanh"
     assert "ClsT[0, 0, bx, qb]" in src and "if qcls == 2:" in src
     assert "by // 4" in src, "GQA: query head by reads kv head by // 4"
-    sig = backward_kernels_for(_module("sigmoid"))
-    assert sig.preprocess_source is None and "Delta" not in sig.source
+    sig = _module("sigmoid").backward_kernels()
+    assert sig.preprocess is None and "Delta" not in sig.source
     assert "T.sigmoid" in sig.source
 
 
@@ -180,13 +177,12 @@ LEARNABLE = {"alibi": "alibi_slopes", "sigmoid": "bias", "retnet": "log_decay"}
 def test_backward_with_custom_gradients_compiles(name, tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
     cname = LEARNABLE[name]
-    bk = backward_kernels_for(_module(name), custom_grads=(cname,))
+    bk = _module(name).backward_kernels(custom_grads=(cname,))
     # Per-head parameter: rows reduced in registers over the query loop, one atomic per key row.
     assert f"dC_{cname}: T.Tensor((8,)" in bk.source
     assert "T.reduce_sum(cg_tile, cg_row, dim=1)" in bk.source
     assert f"T.atomic_add(dC_{cname}[by], cg_acc0[i])" in bk.source
-    main, _ = bk.compiled()
-    assert "AtomicAdd" in main.get_kernel_source()
+    assert "AtomicAdd" in bk.main.compiled().get_kernel_source()
 
 
 def _query_indexed_bias_module():
@@ -206,13 +202,14 @@ def test_custom_gradients_the_kernel_cannot_produce_are_refused():
         inp = VARIANTS["alibi"].make_inputs(**SHAPE, head_dim=128, head_dim_v=128,
                                             dtype=torch.bfloat16)
         q = inp["q"]
-        backward_kernel_call(mod, q, inp["k"], inp["v"], q, [torch.zeros(2, 8, 1000)], q,
-                             [inp["alibi_slopes"]], custom_grads=("nope",))
+        backward_kernel_call(mod.kernel_cache, mod.kernel_request(), q, inp["k"], inp["v"], q,
+                             [torch.zeros(2, 8, 1000)], q, [inp["alibi_slopes"]],
+                             custom_grads=("nope",))
     qmod = _query_indexed_bias_module()
     with pytest.raises(NotImplementedError, match="indexed by the query position"):
-        backward_kernels_for(qmod, custom_grads=("qbias",))
+        qmod.backward_kernels(custom_grads=("qbias",))
     # Without its gradient the same spec generates.
-    assert "dC_" not in backward_kernels_for(qmod).source
+    assert "dC_" not in qmod.backward_kernels().source
 
 
 @pytest.mark.compile
@@ -221,21 +218,21 @@ def test_custom_gradients_the_kernel_cannot_produce_are_refused():
 def test_deterministic_backward_compiles_without_atomics(name, tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
     grads = tuple(VARIANTS[name].learnable)
-    bk = backward_kernels_for(_module(name), custom_grads=grads, deterministic=True)
-    assert bk.deterministic and bk.dq_source is not None
-    for src in (bk.source, bk.dq_source):
+    bk = _module(name).backward_kernels(custom_grads=grads, deterministic=True)
+    assert bk.deterministic and bk.dq is not None
+    for src in (bk.source, bk.dq.source):
         assert "atomic_add" not in src
     # dK/dV per query head (8), summed per group afterwards; custom gradients per key row.
     assert 'dK: T.Tensor((2, 1000, 8, 128), "float32")' in bk.source
     if grads:
         assert "dCrow0[bz, by, bx * 128 + i] = cg_acc0[i]" in bk.source
-    bk.compiled()
-    assert "wgmma" in bk._dq.get_kernel_source()
-    assert "AtomicAdd" not in bk._main.get_kernel_source() + bk._dq.get_kernel_source()
+    bk.compile()
+    assert "wgmma" in bk.dq.compiled().get_kernel_source()
+    assert "AtomicAdd" not in bk.main.compiled().get_kernel_source() + bk.dq.compiled().get_kernel_source()
 
 
 def test_fold_rows_matches_broadcast_sums():
-    from engine.runtime.backward_kernels import fold_rows
+    from engine.kernels.attention_bwd.launch import fold_rows
 
     rows = torch.randn(2, 8, 100, dtype=torch.float64)
     torch.testing.assert_close(fold_rows(rows, ("h",), (8,)), rows.sum((0, 2)))
@@ -250,7 +247,7 @@ def test_schedule_follows_the_register_model():
     dS reads the raw score beside two row vectors and gets the fused loop (split spilled 588
     bytes there). Both in the warp-specialised schedule and in the automatic pipeline (where
     split holds the dO stage until dK's wait)."""
-    from engine.plan.backward import split_schedule_fits
+    from engine.kernels.attention_bwd.plan import split_schedule_fits
 
     cfg = KernelConfig(block_M=64, block_N=128, num_stages=2, threads=256)
     assert split_schedule_fits(cfg, 128, 128, n_rows=2, ds_reads_score=False)
@@ -280,13 +277,17 @@ def test_custom_reads_by_one_position_are_hoisted():
         assert len(reads) == 2 and (any(ln.startswith("Cqs") for ln in reads) == ws)
 
 
-def _source(name: str, cfg: KernelConfig | None = None, **kw) -> str:
-    from engine.codegen.backward import generate_backward
+def _source(name: str, cfg: KernelConfig | None = None, custom_grads=(), deterministic=False,
+            **forced) -> str:
+    from engine.kernels.attention_bwd.codegen import generate_backward
+    from engine.kernels.attention_bwd.plan import plan_backward
     from engine.plan.shape import KernelShape
 
     mod = _module(name)
     cfg = cfg or default_backward_config(128, 128)
-    return generate_backward(mod.spec, KernelShape.of(mod), cfg, **kw)
+    shape = KernelShape.of(mod)
+    plan = plan_backward(mod.spec, shape, cfg, custom_grads, deterministic, **forced)
+    return generate_backward(mod.spec, shape, plan).source
 
 
 @pytest.mark.compile
@@ -294,7 +295,7 @@ def _source(name: str, cfg: KernelConfig | None = None, **kw) -> str:
 def test_warp_specialised_tuner_configs_compile(tmp_path, monkeypatch):
     """Other points of the tuner's space that take the warp-specialised schedule: one consumer
     warpgroup with 64 keys, rasterised in panels, one stage."""
-    from engine.plan.backward import ws_schedule_fits
+    from engine.kernels.attention_bwd.plan import ws_schedule_fits
     from engine.runtime.compile import compile_source
 
     monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
@@ -309,7 +310,7 @@ def test_warp_specialised_schedule_model():
     (about 226 KiB of rings and barriers); not in the deterministic mode (no dQ), with
     32-query steps (dQ is no wgmma) or head dims that are not whole 64-column tiles; asked
     for where it does not apply, the generator refuses."""
-    from engine.plan.backward import ws_schedule_fits
+    from engine.kernels.attention_bwd.plan import ws_schedule_fits
 
     cfg = default_backward_config(128, 128)
     assert ws_schedule_fits(cfg, 128, 128)
@@ -320,8 +321,8 @@ def test_warp_specialised_schedule_model():
     # Each per-query vector takes 512 bytes of the two-stage ring: four fit beside the tiles.
     assert ws_schedule_fits(cfg, 128, 128, n_vectors=4)
     assert not ws_schedule_fits(cfg, 128, 128, n_vectors=5)
-    assert "warp-specialised" in backward_kernels_for(_module("softmax")).source
-    assert "warp-specialised" not in backward_kernels_for(_module("softmax"), deterministic=True).source
+    assert "warp-specialised" in _module("softmax").backward_kernels().source
+    assert "warp-specialised" not in _module("softmax").backward_kernels(deterministic=True).source
     with pytest.raises(ValueError, match="warp_specialized"):
         _source("softmax", deterministic=True, warp_specialized=True)
 
@@ -330,7 +331,7 @@ def test_dq_fragment_order_round_trip():
     """The kernel's flat dQ order (dq_fragment_index, evaluated here on index grids: its text
     is Python too) is a permutation of each query block, and the postprocess kernel's reading
     of it (dq_fragment_position) is its inverse."""
-    from engine.codegen.backward import dq_fragment_index, dq_fragment_position
+    from engine.kernels.attention_bwd.codegen import dq_fragment_index, dq_fragment_position
 
     for bM, D in ((64, 128), (128, 64), (64, 256)):
         i, j = torch.meshgrid(torch.arange(bM), torch.arange(D), indexing="ij")
@@ -351,7 +352,7 @@ def test_heads_loop_schedule():
     registers and stored once in the input dtype (launched in panels of 4 kv heads,
     test_panel_launch_order). Not with too few blocks, without GQA, with
     custom gradients, or in the deterministic mode; asked for there, the generator refuses."""
-    from engine.codegen.backward import HEADS_LOOP_MIN_BLOCKS, heads_loop_default
+    from engine.kernels.attention_bwd.plan import HEADS_LOOP_MIN_BLOCKS, heads_loop_default
     from engine.plan.shape import KernelShape
 
     def mod(name, **kw):
@@ -359,7 +360,7 @@ def test_heads_loop_schedule():
         return VARIANTS[name].build(**sizes, head_dim=128, head_dim_v=128, dtype=torch.bfloat16,
                                     backend="tilelang")
 
-    bk = backward_kernels_for(mod("softmax_causal"))
+    bk = mod("softmax_causal").backward_kernels()
     assert bk.heads_loop and bk.warp_specialized
     src = bk.source
     assert "with T.Kernel(512, threads=384) as bid:" in src and "by: T.int32 = grp % 8" in src
@@ -369,12 +370,12 @@ def test_heads_loop_schedule():
     assert 'dK: T.Tensor((2, 4096, 8, 128), "bfloat16")' in src
     assert "T.atomic_add(dK" not in src and "T.atomic_add(dV" not in src
     # Too few blocks (8 x 2 x 2), MHA, custom gradients, deterministic: a block per query head.
-    assert not backward_kernels_for(_module("softmax_causal")).heads_loop
-    assert not backward_kernels_for(mod("softmax_causal", heads_kv=32)).heads_loop
+    assert not _module("softmax_causal").backward_kernels().heads_loop
+    assert not mod("softmax_causal", heads_kv=32).backward_kernels().heads_loop
     alibi = mod("alibi")
-    assert not backward_kernels_for(alibi, custom_grads=("alibi_slopes",)).heads_loop
-    assert backward_kernels_for(alibi).heads_loop
-    assert not backward_kernels_for(mod("softmax_causal"), deterministic=True).heads_loop
+    assert not alibi.backward_kernels(custom_grads=("alibi_slopes",)).heads_loop
+    assert alibi.backward_kernels().heads_loop
+    assert not mod("softmax_causal").backward_kernels(deterministic=True).heads_loop
     shape = KernelShape.of(mod("softmax_causal", seqlen_q=1024, seqlen_kv=1024))
     cfg = default_backward_config(128, 128)
     assert 8 * 8 * 2 < HEADS_LOOP_MIN_BLOCKS and not heads_loop_default(shape, cfg, True)
@@ -411,8 +412,8 @@ def test_panel_launch_order():
     each: every block of a group runs at once)."""
     from types import SimpleNamespace
 
-    from engine.codegen.backward import panel_default
-    from engine.codegen.launch import panel_order
+    from engine.kernels.attention_bwd.panels import panel_order
+    from engine.kernels.attention_bwd.plan import panel_default
     from engine.plan.shape import KernelShape
 
     for nkb, heads, batch, panel in ((32, 8, 2, 4), (7, 3, 5, 18), (8, 8, 16, 16), (5, 2, 3, 4)):
@@ -441,5 +442,5 @@ def test_panel_launch_order():
         shape = KernelShape.of(mod)
         assert panel_default(shape, cfg, True) == want and panel_default(shape, cfg, False) == 1
         assert want * -(-S // 128) <= 132
-    src = backward_kernels_for(_module("softmax_causal", D=128)).source
+    src = _module("softmax_causal", D=128).backward_kernels().source
     assert "as bid:" in src and "bx: T.int32 = OrdT[0, 0, (bid - pn * " in src

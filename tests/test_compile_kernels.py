@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from engine.plan.config import ConfigError, KernelConfig
-from engine.runtime.tilelang_backend import kernels_for
 from engine.variants import VARIANTS
 
 pytestmark = [
@@ -32,7 +31,7 @@ def test_variant_forward_compiles_for_sm90a(name, tmp_path, monkeypatch):
     from engine.runtime.compile import compile_source
 
     monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
-    src = kernels_for(_module(name)).forward_source
+    src = _module(name).kernel_source
     kernel = compile_source(src)
     cuda = kernel.get_kernel_source()
     assert "wgmma" in cuda, "the QK^T / PV products must use Hopper wgmma"
@@ -52,7 +51,7 @@ def test_generated_source_is_deterministic_and_inspectable():
 def test_invalid_config_is_refused_before_compiling():
     mod = _module("softmax", D=256, Dv=256, config=KernelConfig(256, 256, 4, 256))
     with pytest.raises(ConfigError, match="shared memory"):
-        kernels_for(mod)
+        mod.forward_kernel()
 
 
 @pytest.mark.parametrize(
@@ -68,7 +67,7 @@ def test_head_dims_compile(dtype, D, Dv, tmp_path, monkeypatch):
     from engine.runtime.compile import compile_source
 
     monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
-    compile_source(kernels_for(_module("softmax_causal", dtype, D, Dv)).forward_source)
+    compile_source(_module("softmax_causal", dtype, D, Dv).kernel_source)
 
 
 def test_tilelang_backend_without_a_hopper_gpu_says_why():
@@ -96,17 +95,17 @@ def test_dynamic_shapes_give_one_kernel_for_every_length(name, tmp_path, monkeyp
     from engine.runtime.compile import compile_source
 
     monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
-    sources = {kernels_for(_dynamic(name, b, s)).forward_source
+    sources = {_dynamic(name, b, s).kernel_source
                for b, s in ((2, 1000), (1, 4096), (3, 77))}
     assert len(sources) == 1
     (src,) = sources
     assert 'T.dynamic("B, Sq, Skv, NQB, NKB")' in src and "1000" not in src
     assert "T.Kernel(T.ceildiv(Sq, " in src
-    statics = {kernels_for(_module(name)).forward_source,
-               kernels_for(VARIANTS[name].build(batch=1, heads_q=8, heads_kv=2, seqlen_q=4096,
+    statics = {_module(name).kernel_source,
+               VARIANTS[name].build(batch=1, heads_q=8, heads_kv=2, seqlen_q=4096,
                                                 seqlen_kv=4096, head_dim=128, head_dim_v=128,
                                                 dtype=torch.bfloat16,
-                                                backend="tilelang")).forward_source}
+                                                backend="tilelang").kernel_source}
     assert len(statics) == 2 and src not in statics
     cuda = compile_source(src).get_kernel_source()
     assert "wgmma" in cuda and "tma_load" in cuda
@@ -140,11 +139,11 @@ def test_masked_tile_choice_follows_ptxas(tmp_path, monkeypatch):
 
     monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
     picked = _module("sliding_window", seqlen_q=4096, seqlen_kv=4096)
-    assert kernels_for(picked).forward.config.block_M == 128
+    assert picked.forward_kernel().config.block_M == 128
     skipped = _module("sliding_window", config=KernelConfig(192, 128, 2, 384), seqlen_q=4096,
                       seqlen_kv=4096)
     spills = {
-        which: _spill_store_bytes(compile_source(kernels_for(m).forward_source).get_kernel_source(),
+        which: _spill_store_bytes(compile_source(m.kernel_source).get_kernel_source(),
                                   tmp_path)
         for which, m in (("picked", picked), ("skipped", skipped))
     }

@@ -7,7 +7,8 @@ import itertools
 
 import pytest
 
-from engine.plan.config import KernelConfig, config_problems, warp_partition
+from engine.kernels.attention_fwd.plan import config_problems
+from engine.plan.config import KernelConfig, warp_partition
 
 # Compiled and ran on the H100 (first `attnbench tune` run, llama3-8b, D=128, bf16).
 WORKED = [
@@ -82,8 +83,7 @@ def test_masked_blocks_pick_tiles_with_register_headroom():
     partial blocks do more than a causal mask get 128 x 128 tiles (engine.plan.config)."""
     import torch
 
-    from engine.plan.config import masked_body_fits
-    from engine.plan.defaults import default_forward_config
+    from engine.kernels.attention_fwd.plan import default_forward_config, masked_body_fits
     from engine.variants import VARIANTS
 
     big, mid = KernelConfig(192, 128, 2, 384), KernelConfig(128, 128, 2, 256, "FullRow", 8)

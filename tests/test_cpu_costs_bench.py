@@ -11,7 +11,6 @@ import torch
 
 from engine.ir.trace import trace_spec
 from engine.plan.config import KernelConfig
-from engine.runtime.tilelang_backend import kernels_for
 from engine.tuning import tune_file
 from engine.variants import get_variant
 
@@ -29,7 +28,7 @@ def test_generate_forward_source(benchmark):
 
     def gen():
         mod = v.build(**SHAPE, dtype=torch.bfloat16, backend="tilelang")
-        return kernels_for(mod).forward_source
+        return mod.kernel_source
 
     src = benchmark(gen)
     assert "T.gemm" in src
@@ -40,7 +39,7 @@ def test_compile_cache_hit(benchmark):
     from engine.runtime.compile import compile_source
 
     mod = get_variant("softmax").build(**SHAPE, dtype=torch.float16, backend="tilelang")
-    src = kernels_for(mod).forward_source
+    src = mod.kernel_source
     compile_source(src)  # the miss, not timed
     kernel = benchmark(compile_source, src)
     assert kernel is compile_source(src)

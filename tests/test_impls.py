@@ -1,7 +1,7 @@
 import pytest
 
+from attnbench.cases import Case
 from attnbench.impls import IMPL_NAMES, DeviceInfo, get_impl, registry
-from attnbench.suites import Case
 
 CPU = DeviceInfo("cpu")
 H100 = DeviceInfo("cuda", "NVIDIA H100 80GB HBM3", (9, 0))

@@ -128,7 +128,7 @@ def test_study_whose_best_is_only_noise_records_the_baseline(tmp_path, caplog):
     """Every config has the same latency; the measurements move by +-8%. The study's best is
     the luckiest timing, and the A/B rounds show it for what it is: the tune file records the
     config the engine runs now, and the log says why."""
-    from engine.plan.defaults import default_forward_config
+    from engine.kernels.attention_fwd.plan import default_forward_config
 
     default = default_forward_config(128, 128)
     obj = FakeObjective(PROBLEM, flat=True, noise=0.08)

@@ -15,7 +15,8 @@ from attnbench.tune.objective import FakeObjective, fake_latency_ms
 from attnbench.tune.problem import Problem
 from attnbench.tune.runner import TuneOptions, run_study
 from attnbench.tune.space import SearchSpaceError, load_space, parse_space
-from engine.plan.config import KernelConfig, config_problems
+from engine.kernels.attention_fwd.plan import config_problems
+from engine.plan.config import KernelConfig
 from engine.tuning.tune_file import lookup
 
 # The tuner beats for its own trials (ask/tell); Optuna's hint about Study.optimize is noise here.
@@ -221,7 +222,7 @@ def test_compile_of_next_trial_overlaps_benchmark_of_current(tmp_path):
 
 
 def test_default_config_is_measured_first_and_gates_the_tune_file(tmp_path):
-    from engine.plan.defaults import default_forward_config
+    from engine.kernels.attention_fwd.plan import default_forward_config
 
     space = load_space("attention_fwd")
     default = default_forward_config(128, 128)
@@ -266,7 +267,7 @@ def test_entry_of_the_baseline_is_replaced_by_a_confirmed_winner(tmp_path):
 
 
 def test_other_tuners_faster_entry_is_kept_and_failed_default_writes_nothing(tmp_path, caplog):
-    from engine.plan.defaults import default_forward_config
+    from engine.kernels.attention_fwd.plan import default_forward_config
     from engine.tuning.tune_file import store
 
     space = load_space("attention_fwd")
@@ -298,7 +299,7 @@ def test_other_tuners_faster_entry_is_kept_and_failed_default_writes_nothing(tmp
 def test_baseline_is_the_nearest_tuned_entry_the_engine_would_use(tmp_path):
     """A study of a shape without its own entry measures the nearest tuned shape's config first
     (what the engine runs now), not the bare default, so what it writes is never slower."""
-    from engine.plan.defaults import default_forward_config
+    from engine.kernels.attention_fwd.plan import default_forward_config
     from engine.tuning.tune_file import store
 
     space = load_space("attention_fwd")
@@ -336,8 +337,7 @@ def test_backward_space_tunes_the_backward_kernel_the_engine_then_uses(tmp_path)
     spec and shape builds its backward kernel with it."""
     import torch
 
-    from engine.plan.backward import backward_config_problems, default_backward_config
-    from engine.runtime.backward_kernels import backward_kernels_for
+    from engine.kernels.attention_bwd.plan import backward_config_problems, default_backward_config
     from engine.variants import VARIANTS
 
     space = load_space("attention_bwd")
@@ -357,13 +357,13 @@ def test_backward_space_tunes_the_backward_kernel_the_engine_then_uses(tmp_path)
     hit = lookup(tmp_path / "tune.json", template="attention_bwd", spec_hash=mod.spec_hash,
                  dtype="bf16", mode="bwd", gpu="none", shape=sizes)
     assert hit is not None and hit[0] == tuned
-    assert backward_kernels_for(mod).config == tuned
+    assert mod.backward_kernels().config == tuned
     # An explicit backward_config wins over the tune file.
     other = next(c for c in valid if c != tuned)
     pinned = VARIANTS["softmax_causal"].build(**sizes, dtype=torch.bfloat16, backend="reference",
                                               tune_file=str(tmp_path / "tune.json"),
                                               backward_config=other)
-    assert backward_kernels_for(pinned).config == other
+    assert pinned.backward_kernels().config == other
 
 
 def test_reaper_uncounts_a_trial_killed_between_its_attributes_and_tell(tmp_path):

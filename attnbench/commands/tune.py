@@ -290,9 +290,9 @@ def _checked_work(args) -> list[tuple]:
             raise ValueError(f"{flag}: cannot write {path}: {problem}")
     modes = ["fwd", "bwd"] if args.mode == "both" else [args.mode]
     if "bwd" in modes and args.objective == "engine":
-        from engine.runtime.tilelang_backend import KERNEL_BACKWARD
+        from engine import kernel_backward_enabled
 
-        if not KERNEL_BACKWARD:
+        if not kernel_backward_enabled():
             raise ValueError("--mode bwd tunes the backward kernels, which are off; unset "
                              "ATTNBENCH_KERNEL_BACKWARD=0")
     problems = [p for mode in modes for p in _problems(args, mode)]

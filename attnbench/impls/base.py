@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attnbench.suites import Case
+from attnbench.cases import Case
 
 PLAIN_SOFTMAX = frozenset({"softmax", "softmax_causal", "softmax_gqa"})
 HALF = frozenset({"float16", "bfloat16"})

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
+from attnbench.cases import Case
 from attnbench.impls.base import (
     ALL_DTYPES,
     GRAD_MODES,
@@ -18,12 +19,11 @@ from attnbench.impls.base import (
     Unsupported,
     grad_leaves,
 )
-from attnbench.suites import Case
 
 
 class _EngineBase(Impl):
     backend = ""
-    dynamic_shapes: bool | None = None  # None: the engine's default (engine.plan.defaults)
+    dynamic_shapes: bool | None = None  # None: the engine's default (engine.kernels.attention_fwd.plan)
     deterministic = False
 
     def check(self, case: Case, variant, device: DeviceInfo) -> str | None:
@@ -54,10 +54,8 @@ class _EngineBase(Impl):
         except NotImplementedError as exc:  # kernels for this variant have not landed yet
             raise Unsupported(f"engine backend {self.backend!r} not implemented: {exc}") from exc
         if needs_grad and self.backend == "tilelang":
-            from engine.runtime.tilelang_backend import kernel_backward_problem
-
             # Never time the reference rules as if they were the engine's backward kernel.
-            reason = kernel_backward_problem(mod)
+            reason = mod.backward_problem()
             if reason is not None:
                 raise Unsupported(f"engine backward: {reason}", modes=GRAD_MODES)
         q, k, v = grad_leaves(inputs, needs_grad)
@@ -78,9 +76,9 @@ class EngineImpl(_EngineBase):
     def caps(self) -> Capabilities:
         # Backward modes only with the generated backward kernels on (prepare() also skips a
         # spec they cannot run): the reference rules must never be timed as the engine.
-        from engine.runtime import tilelang_backend
+        from engine import kernel_backward_enabled
 
-        modes = {"fwd", "bwd", "fwd+bwd"} if tilelang_backend.KERNEL_BACKWARD else {"fwd"}
+        modes = {"fwd", "bwd", "fwd+bwd"} if kernel_backward_enabled() else {"fwd"}
         return Capabilities(
             devices=frozenset({"cuda"}), dtypes=HALF, min_capability=(9, 0),
             cuda_reason="needs a Hopper GPU", modes=frozenset(modes),

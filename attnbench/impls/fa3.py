@@ -9,8 +9,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
+from attnbench.cases import Case
 from attnbench.impls.base import HALF, PLAIN_SOFTMAX, Capabilities, Impl, Prepared, Unsupported
-from attnbench.suites import Case
 
 FULL, FWD_ONLY = "flash_attn_interface", "fa3_fwd_interface"
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import importlib.util
 import inspect
 
+from attnbench.cases import Case
 from attnbench.impls.base import HALF, Capabilities, Impl, Prepared, grad_leaves
-from attnbench.suites import Case
 
 # engine variant -> fla op (module, function)
 OPS = {"retnet": ("fla.ops.retention", "chunk_retention")}

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import time
 
+from attnbench.cases import Case
 from attnbench.impls.base import ALL_DTYPES, Capabilities, Impl, Prepared, Unsupported
-from attnbench.suites import Case
 
 MIN_PLAUSIBLE_TFLOPS = 20.0
 MIN_CHECKED_FLOPS = 1e11

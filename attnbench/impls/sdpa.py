@@ -8,6 +8,7 @@ attention call is timed. GQA goes through `enable_gqa=True`; a backend that refu
 
 from __future__ import annotations
 
+from attnbench.cases import Case
 from attnbench.impls.base import (
     ALL_DTYPES,
     HALF,
@@ -17,7 +18,6 @@ from attnbench.impls.base import (
     Prepared,
     Unsupported,
 )
-from attnbench.suites import Case
 
 _REFUSALS = ("no available kernel", "not supported", "unsupported", "only supports",
              "is not implemented for")

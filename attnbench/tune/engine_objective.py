@@ -25,11 +25,10 @@ _INPUTS: dict[tuple, dict] = {}
 _REFERENCE: dict[tuple, tuple] = {}
 
 
-@functools.cache
 def _torch_dtype(name: str):
-    import torch
+    from engine.dtypes import torch_dtype
 
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+    return torch_dtype(name)
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,9 @@ class EngineObjective:
 
     def _build(self, problem: Problem, cfg: KernelConfig | None, backend: str = "tilelang"):
         # 'bwd' studies tune the backward's main kernel; the forward keeps its own config.
-        which = "backward_config" if problem.template == "attention_bwd" else "config"
+        from engine.kernels.registry import get_kind
+
+        which = get_kind(problem.template).config_arg
         return self._variant().build(
             **problem.shape(), dtype=_torch_dtype(problem.dtype), backend=backend,
             **{which: cfg},
@@ -164,9 +165,7 @@ def require_kernel_backward(mod, mode: str) -> None:
     """A 'bwd' trial must time the generated backward, never the reference rules."""
     if mode != "bwd":
         return
-    from engine.runtime.tilelang_backend import kernel_backward_problem
-
-    reason = kernel_backward_problem(mod)
+    reason = mod.backward_problem()
     if reason is not None:
         raise TrialFailed(f"no backward kernel to time: {reason}")
 
@@ -175,14 +174,9 @@ def compile_kernels(mod, mode: str) -> None:
     """nvcc-compile `mod`'s kernels in this (compile worker) process. TileLang's disk cache
     then makes the benchmark worker's build a cache hit, so compiles run in parallel on the
     CPU cores instead of serially on the GPU's worker. Building a module compiles nothing."""
-    from engine.runtime.backward_kernels import backward_kernels_for
-    from engine.runtime.tilelang_backend import kernels_for
-
     try:
-        kernels_for(mod).forward.compiled()
-        if mode == "bwd":
-            require_kernel_backward(mod, mode)
-            backward_kernels_for(mod).compiled()
+        require_kernel_backward(mod, mode)
+        mod.compile_kernels(("fwd", mode))
     except TrialFailed:
         raise
     except Exception as exc:

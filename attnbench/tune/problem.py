@@ -3,33 +3,29 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
+from engine.dtypes import elem_bytes
+from engine.kernels.registry import kind_for
+from engine.problem import SIZE_KEYS
+from engine.problem import Problem as Sizes
 from engine.tuning.tune_file import gpu_slug, normalize_dtype, shape_tag, tilelang_version
 
 MODES = ("fwd", "bwd")
-TEMPLATE_OF_MODE = {"fwd": "attention_fwd", "bwd": "attention_bwd"}
-ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 
 
 @dataclass(frozen=True)
-class Problem:
-    """One attention problem: variant, shape, dtype and pass (fwd, or fwd+bwd for 'bwd')."""
+class Problem(Sizes):
+    """One attention problem: variant, the sizes (keyword arguments: engine.problem.Problem),
+    dtype and pass (fwd, or fwd+bwd for 'bwd')."""
 
     variant: str
-    batch: int
-    heads_q: int
-    heads_kv: int
-    seqlen_q: int
-    seqlen_kv: int
-    head_dim: int
-    head_dim_v: int
     dtype: str = "bf16"
     mode: str = "fwd"
+    family: str = "attention"  # a suite case's kind: with the mode, it picks the kernel kind
 
     def __post_init__(self) -> None:
-        for name in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_kv", "head_dim",
-                     "head_dim_v"):
+        for name in SIZE_KEYS:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name}={v!r}: expected a positive int")
@@ -40,29 +36,25 @@ class Problem:
             )
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r}: expected one of {MODES}")
+        kind_for(self.family, self.mode)  # ValueError naming the kinds there are
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
 
     @property
     def template(self) -> str:
-        return TEMPLATE_OF_MODE[self.mode]
+        """The kernel kind this problem's study tunes (engine.kernels.registry)."""
+        return kind_for(self.family, self.mode).name
 
     @property
     def elem_bytes(self) -> int:
-        return ELEM_BYTES[self.dtype]
+        return elem_bytes(self.dtype)
 
     def shape(self) -> dict[str, int]:
-        d = asdict(self)
-        return {k: d[k] for k in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_kv",
-                                  "head_dim", "head_dim_v")}
+        return self.sizes()
 
     def flops(self, unmasked_fraction: float = 1.0) -> float:
-        """FLOPs by FlashAttention's convention: fwd 2·B·Hq·Sq·Skv·(D+Dv) times the unmasked
-        fraction; 'bwd' mode times forward+backward, 3.5x the forward."""
-        fwd = (
-            2.0 * self.batch * self.heads_q * self.seqlen_q * self.seqlen_kv
-            * (self.head_dim + self.head_dim_v) * unmasked_fraction
-        )
-        return fwd * (3.5 if self.mode == "bwd" else 1.0)
+        """FLOPs by FlashAttention's convention (engine.problem): the forward, or in 'bwd' mode
+        forward and backward (3.5x the forward at D = Dv), times the unmasked fraction."""
+        return self.flops_of("fwd+bwd" if self.mode == "bwd" else "fwd", unmasked_fraction)
 
 
 def study_name(problem: Problem, *, spec_hash: str, gpu: str, kind: str = "tpe") -> str:

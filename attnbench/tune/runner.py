@@ -149,13 +149,13 @@ def _enqueue(study: optuna.Study, configs, space: SearchSpace) -> int:
 def default_config(problem, space: SearchSpace, spec=None) -> KernelConfig | None:
     """The engine's default config for this problem (and `spec`, its TracedSpec, when known)
     if the space can express it, else None."""
-    from engine.plan.templates import TEMPLATES
+    from engine.kernels.registry import KINDS
 
-    if problem.template not in TEMPLATES:
+    if problem.template not in KINDS:
         return None
     try:
-        cfg = TEMPLATES[problem.template].default(problem.head_dim, problem.head_dim_v,
-                                                  problem.elem_bytes, spec=spec)
+        cfg = KINDS[problem.template].default(problem.head_dim, problem.head_dim_v,
+                                              problem.elem_bytes, spec=spec)
     except ValueError:
         return None
     if not space.contains(cfg):

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from attnbench.resources import data_dir
+from engine.kernels.registry import KINDS, get_kind
 from engine.plan.config import KernelConfig
-from engine.plan.templates import get_template
 
 SPACES_DIR = data_dir("search_spaces")  # the checkout's search_spaces/, or the wheel's copy
 _CONFIG_FIELDS = {f.name: f for f in fields(KernelConfig)}
@@ -60,7 +60,7 @@ class SearchSpace:
         self, cfg: KernelConfig, head_dim: int, head_dim_v: int, elem_bytes: int = 2
     ) -> list[str]:
         """Why the template's validity model rejects `cfg` (empty list: valid)."""
-        return get_template(self.template).problems(cfg, head_dim, head_dim_v, elem_bytes)
+        return get_kind(self.template).problems(cfg, head_dim, head_dim_v, elem_bytes)
 
     def valid_configs(
         self, head_dim: int, head_dim_v: int, elem_bytes: int = 2
@@ -72,7 +72,10 @@ class SearchSpace:
 
 
 def space_path(template: str, spaces_dir: Path | None = None) -> Path:
-    return (spaces_dir or SPACES_DIR) / f"{template}.toml"
+    """A kind's search space file (as the registry names it, else `template`.toml) in
+    `spaces_dir`, by default the checkout's search_spaces/ or the wheel's copy of it."""
+    name = KINDS[template].search_space.name if template in KINDS else f"{template}.toml"
+    return (spaces_dir or SPACES_DIR) / name
 
 
 def load_space(template: str, spaces_dir: Path | None = None) -> SearchSpace:

@@ -120,11 +120,3 @@ class Emitter:
                 )
             return f"T.if_then_else({self.text(a[0])}, {self.text(a[1])}, {self.text(a[2])})"
         raise ValueError(f"codegen: op {op!r} cannot be emitted here")
-
-
-def custom_decl(arg: str, dims: tuple, batch, heads, seq_len, seq_len_kv) -> str:
-    """TileLang parameter `arg` for a CustomIO tensor declared with `dims` (names of the
-    problem's axes, or 1): fp32, one extent per dim (sizes as numbers or symbol texts)."""
-    sizes = {"batch": batch, "heads": heads, "seq_len": seq_len, "seq_len_kv": seq_len_kv}
-    extents = ", ".join(str(sizes[d]) if isinstance(d, str) else "1" for d in dims)
-    return f'{arg}: T.Tensor(({extents},), "float32")'

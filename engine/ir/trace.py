@@ -182,123 +182,15 @@ def trace_spec(
     if not isinstance(customs, CustomIO):
         raise TraceError(f"custom_fwd_inputs must be a CustomIO, got {type(customs).__name__}")
     try:
-        online_func = check_online_func(online_func)
+        of = check_online_func(online_func)
     except DSLError as exc:
         raise TraceError(str(exc)) from None
-    b, h, q, kv = (index_leaf(n) for n in ("b", "h", "q", "kv"))
-    tile, row = {"m", "n"}, {"m"}
-
-    # score_mod: seed form (score, custom, b, h, q_idx, kv_idx) or flex form (score, b, h, q, kv).
-    sm = score_mod or identity_score_mod
-    if not callable(sm):
-        raise TraceError(f"score_mod must be callable, got {type(sm).__name__}")
-    raw = leaf("score", ("m", "n"))
-    arity = _positional_arity(sm)
-    args = (raw, b, h, q, kv) if arity == 5 else (raw, customs, b, h, q, kv)
-    if arity not in (None, 5, 6):
-        raise TraceError(
-            f"score_mod takes {arity} positional parameters; expected "
-            "(score, custom_fwd_inputs, b, h, q_idx, kv_idx) or (score, b, h, q_idx, kv_idx)"
-        )
-    s_mod = _check(
-        "score_mod",
-        "the result",
-        _call("score_mod", sm, args),
-        tile,
-        customs,
-    )
-
+    s_mod = _trace_score_mod(score_mod, customs)
     mask = trace_mask(mask_mod, customs) if mask_mod is not None else None
-
-    of = online_func
-    online_names = list(of.online_rowscales)
-    final_names = list(of.final_rowscales)
-    rs = {n: leaf("rowscale", ("m",), n) for n in online_names}
-    score = leaf("score", ("m", "n"))
-    res = _tuple_result(
-        "online_fwd",
-        _call("online_fwd", of.online_fwd, (score, dict(rs), b, h, q)),
-        3,
-        "scores, new_online_rowscales, o_scale",
-    )
-    p = _check(
-        "online_fwd",
-        "the returned scores",
-        res[0],
-        tile,
-        customs,
-        allow_reduce=True,
-    )
-    upd = _dict_result("online_fwd", "new_online_rowscales", res[1], online_names)
-    updates = tuple(
-        (
-            n,
-            _check(
-                "online_fwd",
-                f"row scale {n!r}",
-                upd[n],
-                row,
-                customs,
-                allow_reduce=True,
-            ),
-        )
-        for n in online_names
-    )
-    o_scale = _check(
-        "online_fwd",
-        "o_scale",
-        res[2],
-        row,
-        customs,
-        allow_reduce=True,
-    )
-
-    o = leaf("o", ("m", "d"))
-    res = _tuple_result(
-        "online_fwd_epilogue",
-        _call("online_fwd_epilogue", of.online_fwd_epilogue, (o, dict(rs), b, h, q)),
-        2,
-        "o, final_rowscales",
-    )
-    epi_o = _check(
-        "online_fwd_epilogue",
-        "o",
-        res[0],
-        {"m", "d"},
-        customs,
-    )
-    fin = _dict_result("online_fwd_epilogue", "final_rowscales", res[1], final_names)
-    finals = tuple(
-        (
-            n,
-            _check(
-                "online_fwd_epilogue",
-                f"final row scale {n!r}",
-                fin[n],
-                row,
-                customs,
-            ),
-        )
-        for n in final_names
-    )
-
-    fl = {n: leaf("final", ("m",), n) for n in final_names}
-    recompute = _check(
-        "forward",
-        "the result",
-        _call("forward", of.forward, (score, dict(fl), b, h, q, kv)),
-        tile,
-        customs,
-    )
-    dp, pp, doosum = leaf("dp", ("m", "n")), leaf("p", ("m", "n")), leaf("doosum", ("m",))
-    bwd_val = _call(
-        "backward",
-        of.backward,
-        (dp, pp, dict(fl), doosum, b, h, q, kv),
-        aliases={a: doosum for a in _DOOSUM_ALIASES},
-    )
-    bwd = _check("backward", "the result", bwd_val, tile, customs)
-
+    p, updates, o_scale = _trace_online_fwd(of, customs)
+    epi_o, finals = _trace_epilogue(of, customs)
+    recompute, bwd = _trace_rules(of, customs)
+    online_names, final_names = list(of.online_rowscales), list(of.final_rowscales)
     spec = TracedSpec(
         score_mod=s_mod,
         mask=mask,
@@ -315,3 +207,94 @@ def trace_spec(
         online_name=type(of).__name__,
     )
     return dataclasses.replace(spec, hash=spec_hash(spec.canonical_text()))
+
+
+def _indices() -> tuple[Expr, Expr, Expr, Expr]:
+    return index_leaf("b"), index_leaf("h"), index_leaf("q"), index_leaf("kv")
+
+
+def _trace_score_mod(score_mod: Callable | None, customs: CustomIO) -> Expr:
+    """score_mod in the seed form (score, custom, b, h, q_idx, kv_idx) or the flex form
+    (score, b, h, q, kv)."""
+    b, h, q, kv = _indices()
+    sm = score_mod or identity_score_mod
+    if not callable(sm):
+        raise TraceError(f"score_mod must be callable, got {type(sm).__name__}")
+    raw = leaf("score", ("m", "n"))
+    arity = _positional_arity(sm)
+    args = (raw, b, h, q, kv) if arity == 5 else (raw, customs, b, h, q, kv)
+    if arity not in (None, 5, 6):
+        raise TraceError(
+            f"score_mod takes {arity} positional parameters; expected "
+            "(score, custom_fwd_inputs, b, h, q_idx, kv_idx) or (score, b, h, q_idx, kv_idx)"
+        )
+    return _check("score_mod", "the result", _call("score_mod", sm, args), {"m", "n"}, customs)
+
+
+def _trace_online_fwd(of: OnlineFunc, customs: CustomIO
+                      ) -> tuple[Expr, tuple[tuple[str, Expr], ...], Expr]:
+    """online_fwd: (the scores p, the new online row scales, o_scale)."""
+    b, h, q, _ = _indices()
+    online_names = list(of.online_rowscales)
+    rs = {n: leaf("rowscale", ("m",), n) for n in online_names}
+    score = leaf("score", ("m", "n"))
+    res = _tuple_result(
+        "online_fwd",
+        _call("online_fwd", of.online_fwd, (score, dict(rs), b, h, q)),
+        3,
+        "scores, new_online_rowscales, o_scale",
+    )
+    p = _check("online_fwd", "the returned scores", res[0], {"m", "n"}, customs,
+               allow_reduce=True)
+    upd = _dict_result("online_fwd", "new_online_rowscales", res[1], online_names)
+    updates = tuple(
+        (n, _check("online_fwd", f"row scale {n!r}", upd[n], {"m"}, customs, allow_reduce=True))
+        for n in online_names
+    )
+    o_scale = _check("online_fwd", "o_scale", res[2], {"m"}, customs, allow_reduce=True)
+    return p, updates, o_scale
+
+
+def _trace_epilogue(of: OnlineFunc, customs: CustomIO
+                    ) -> tuple[Expr, tuple[tuple[str, Expr], ...]]:
+    """online_fwd_epilogue: (o, the final row scales)."""
+    b, h, q, _ = _indices()
+    rs = {n: leaf("rowscale", ("m",), n) for n in of.online_rowscales}
+    final_names = list(of.final_rowscales)
+    o = leaf("o", ("m", "d"))
+    res = _tuple_result(
+        "online_fwd_epilogue",
+        _call("online_fwd_epilogue", of.online_fwd_epilogue, (o, dict(rs), b, h, q)),
+        2,
+        "o, final_rowscales",
+    )
+    epi_o = _check("online_fwd_epilogue", "o", res[0], {"m", "d"}, customs)
+    fin = _dict_result("online_fwd_epilogue", "final_rowscales", res[1], final_names)
+    finals = tuple(
+        (n, _check("online_fwd_epilogue", f"final row scale {n!r}", fin[n], {"m"}, customs))
+        for n in final_names
+    )
+    return epi_o, finals
+
+
+def _trace_rules(of: OnlineFunc, customs: CustomIO) -> tuple[Expr, Expr]:
+    """The backward's rules: `forward` (P recomputed from the final row scales) and
+    `backward` (d score from dP, P, the finals and doosum)."""
+    b, h, q, kv = _indices()
+    fl = {n: leaf("final", ("m",), n) for n in of.final_rowscales}
+    score = leaf("score", ("m", "n"))
+    recompute = _check(
+        "forward",
+        "the result",
+        _call("forward", of.forward, (score, dict(fl), b, h, q, kv)),
+        {"m", "n"},
+        customs,
+    )
+    dp, pp, doosum = leaf("dp", ("m", "n")), leaf("p", ("m", "n")), leaf("doosum", ("m",))
+    bwd_val = _call(
+        "backward",
+        of.backward,
+        (dp, pp, dict(fl), doosum, b, h, q, kv),
+        aliases={a: doosum for a in _DOOSUM_ALIASES},
+    )
+    return recompute, _check("backward", "the result", bwd_val, {"m", "n"}, customs)

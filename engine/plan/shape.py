@@ -1,4 +1,5 @@
-"""KernelShape: the static sizes a generated kernel (forward or backward) is compiled for."""
+"""KernelShape: the problem a generated kernel (forward or backward) is compiled for, with its
+dtype and the mask tables' layout."""
 
 from __future__ import annotations
 
@@ -7,20 +8,14 @@ from typing import Any
 
 import torch
 
+from engine.dsl.expr import Expr
+from engine.dtypes import KERNEL_DTYPES
 from engine.mask.analysis import mask_reads, table_dims
+from engine.problem import SIZE_KEYS, Problem
 
-KERNEL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
-
-@dataclass(frozen=True)
-class KernelShape:
-    batch: int
-    heads_q: int
-    heads_kv: int
-    seqlen_q: int
-    seqlen_kv: int
-    head_dim: int
-    head_dim_v: int
+@dataclass(frozen=True, kw_only=True)
+class KernelShape(Problem):
     dtype: str  # "float16" | "bfloat16"
     mask_batch: int  # leading dims of the block tables (1 when the mask ignores b / h)
     mask_heads: int
@@ -30,16 +25,22 @@ class KernelShape:
     mask_by_batch: bool = False  # the mask reads b: its tables have a batch dim (B when dynamic)
 
     @classmethod
+    def for_problem(cls, p: Problem, dtype: torch.dtype, mask: Expr | None,
+                    dynamic: bool = False) -> KernelShape:
+        """The shape of problem `p` in `dtype` with `mask` (the spec's)."""
+        if dtype not in KERNEL_DTYPES:
+            raise ValueError(f"dtype {dtype}: kernels support float16 and bfloat16")
+        mb, mh = table_dims(mask, p.batch, p.heads_q)
+        return cls(**{k: getattr(p, k) for k in SIZE_KEYS}, dtype=KERNEL_DTYPES[dtype],
+                   mask_batch=mb, mask_heads=mh, dynamic=bool(dynamic),
+                   mask_by_batch=mask_reads(mask, "b"))
+
+    @classmethod
     def of(cls, mod: Any) -> KernelShape:
-        """The shape of an AttentionEngine module (its problem, dtype and mask)."""
-        p = mod.problem
-        if mod.dtype not in KERNEL_DTYPES:
-            raise ValueError(f"dtype {mod.dtype}: kernels support float16 and bfloat16")
-        mb, mh = table_dims(mod.spec.mask, p.batch, p.heads_q)
-        by_batch = mask_reads(mod.spec.mask, "b")
-        return cls(p.batch, p.heads_q, p.heads_kv, p.seqlen_q, p.seqlen_kv, p.head_dim,
-                   p.head_dim_v, KERNEL_DTYPES[mod.dtype], mb, mh,
-                   bool(getattr(mod, "dynamic_shapes", False)), by_batch)
+        """The shape of an AttentionEngine module (its problem, dtype, mask and dynamic
+        shapes)."""
+        return cls.for_problem(mod.problem, mod.dtype, mod.spec.mask,
+                               bool(getattr(mod, "dynamic_shapes", False)))
 
     # Texts of the sizes in generated source: symbols when dynamic, else constants.
     @property
@@ -86,7 +87,7 @@ class KernelShape:
 
     @property
     def preamble(self) -> str:
-        """Module-level source lines that declare the symbols (empty when static)."""
+        """The module-level source line that declares the symbols (empty when static)."""
         if not self.dynamic:
             return ""
-        return 'B, Sq, Skv, NQB, NKB = T.dynamic("B, Sq, Skv, NQB, NKB")\n\n'
+        return 'B, Sq, Skv, NQB, NKB = T.dynamic("B, Sq, Skv, NQB, NKB")'

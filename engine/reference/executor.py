@@ -19,44 +19,13 @@ its symbolic derivative.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from engine.ir.diff import score_mod_derivatives
 from engine.ir.spec import TracedSpec
+from engine.problem import Problem
 from engine.reference.evaluate import Env, evaluate, index_tensors
-
-
-@dataclass(frozen=True)
-class Problem:
-    """Runtime sizes (the runtime tensors are q [B,Sq,Hq,D], k [B,Skv,Hkv,D], v [B,Skv,Hkv,Dv])."""
-
-    batch: int
-    heads_q: int
-    heads_kv: int
-    seqlen_q: int
-    seqlen_kv: int
-    head_dim: int
-    head_dim_v: int
-
-    @classmethod
-    def of(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Problem:
-        return cls(
-            q.shape[0], q.shape[2], k.shape[2], q.shape[1], k.shape[1], q.shape[3], v.shape[3]
-        )
-
-    @property
-    def groups(self) -> int:
-        return self.heads_q // self.heads_kv
-
-    def named_sizes(self) -> dict[str, int]:
-        return {
-            "batch": self.batch,
-            "heads": self.heads_q,
-            "seq_len": self.seqlen_q,
-            "seq_len_kv": self.seqlen_kv,
-        }
 
 
 def _bhsd(x: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:

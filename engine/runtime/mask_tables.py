@@ -20,13 +20,15 @@ MAX_DATA_ENTRIES = 8
 @dataclass
 class MaskTables:
     """`layout` turns the classification into the kernel's tables (e.g. loop bounds and the
-    class table); each is expanded to the shape's leading (mask_batch, mask_heads) dims."""
+    class table), the kernel's parameters `names`; each is expanded to the shape's leading
+    (mask_batch, mask_heads) dims."""
 
     mask: Expr | None
     shape: KernelShape
     block_M: int
     block_N: int
     layout: Callable[[BlockClasses], tuple[torch.Tensor, ...]]
+    names: tuple[str, ...]
     _cache: dict[str, tuple[torch.Tensor, ...]] = field(default_factory=dict)
 
     @property
@@ -49,3 +51,18 @@ class MaskTables:
             self._cache.clear()
         self._cache[key] = out
         return out
+
+    def named(self, customs: dict[str, torch.Tensor], device: torch.device
+              ) -> dict[str, torch.Tensor]:
+        """The tables by the names of the kernel parameters they bind to."""
+        return dict(zip(self.names, self.get(customs, device), strict=True))
+
+
+FORWARD_TABLES = ("Lo", "Hi", "Cls")
+
+
+def forward_layout(bc: BlockClasses) -> tuple[torch.Tensor, ...]:
+    """Per query block: first and one-past-last non-empty key block, and the class table
+    (kernel parameters FORWARD_TABLES)."""
+    lo, hi = bc.loop_bounds()
+    return lo, hi, bc.classes

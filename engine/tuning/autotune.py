@@ -1,33 +1,31 @@
 """`AttentionEngine(tune=True)`: tune the forward kernel of a module whose shape has no exact
 tune-file entry, on the first call, with the inputs of that call.
 
-It runs the same study as `attnbench tune` (attnbench.tune: Optuna, worker processes, the
-tune-file rule that never writes a config slower than the default) with a trial and time
-budget, then the module loads the new entry like any other. The engine never needs attnbench
-otherwise: without it, `tune=True` warns once and uses the tune file or the defaults.
+The engine does not tune by itself: a tuner does, found through the entry point group
+`attnbench.engine_tuner` (the attnbench harness registers its Optuna study there) or given
+with `register_tuner`. A tuner writes its best config to the request's tune file; the module
+then loads the new entry like any other. With no tuner installed, `tune=True` says so in one
+line and uses the tune file or the defaults.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import pickle
-import subprocess
-import sys
-import tempfile
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from importlib import metadata
+from typing import Any, Protocol
 
 import torch
 
+from engine.kernels.registry import ATTENTION_FWD, KernelKind
+from engine.plan.request import KernelRequest
 from engine.tuning import tune_file
-from engine.tuning.select import dtype_tag, problem_shape, tuned_entry
+from engine.tuning.select import problem_shape, tuned_entry
 
 log = logging.getLogger("engine")
 
-TEMPLATE = "attention_fwd"
+ENTRY_POINT_GROUP = "attnbench.engine_tuner"
 
 
 @dataclass(frozen=True)
@@ -41,13 +39,56 @@ class TuneBudget:
 DEFAULT_BUDGET = TuneBudget()
 
 
-def has_exact_entry(mod, gpu: str) -> bool:
-    hit = tuned_entry(mod, TEMPLATE, "fwd", gpu)
+@dataclass(frozen=True)
+class TuneRequest:
+    """What tune=True asks a tuner for: the best config of `kind` for `kernels` (spec,
+    problem, dtype, options: its tune_file is where the result goes) on `gpu`, timed on
+    `inputs` (q, k, v and the CustomIO tensors by name, as the user passed them)."""
+
+    kernels: KernelRequest
+    kind: KernelKind
+    gpu: str
+    inputs: dict[str, torch.Tensor]
+    budget: TuneBudget = DEFAULT_BUDGET
+    progress: bool = True
+
+
+class Tuner(Protocol):
+    def tune(self, request: TuneRequest) -> dict | None:
+        """Tune and write the tune file; returns a summary (None: nothing was written).
+        Failures are the tuner's to report; they must not raise into the user's call."""
+
+
+_registered: Tuner | None = None
+
+
+def register_tuner(tuner: Tuner | None) -> None:
+    """Use `tuner` for tune=True in this process (None: back to the entry points)."""
+    global _registered
+    _registered = tuner
+
+
+def find_tuner() -> Tuner | None:
+    """The registered tuner, else the first entry point of ENTRY_POINT_GROUP (a factory
+    called with no arguments), else None."""
+    if _registered is not None:
+        return _registered
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            return ep.load()()
+        except Exception as exc:  # a broken tuner must not take down the user's call
+            warnings.warn(f"tune=True: the tuner {ep.value!r} failed to load ({exc})",
+                          stacklevel=2)
+    return None
+
+
+def has_exact_entry(req: KernelRequest, gpu: str) -> bool:
+    hit = tuned_entry(req, ATTENTION_FWD, gpu)
     return hit is not None and bool(hit[1].get("exact"))
 
 
 def ensure_tuned(
-    mod,
+    req: KernelRequest,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -55,60 +96,26 @@ def ensure_tuned(
     *,
     gpu: str | None = None,
     budget: TuneBudget = DEFAULT_BUDGET,
-    make_objective: Any = None,
+    tuner: Tuner | None = None,
     progress: bool = True,
 ) -> Any:
-    """Tune `mod`'s forward unless its tune file has an exact entry; returns the study's
-    TuneResult as a dict, or None when nothing was tuned. `make_objective(problem, inputs_path)` replaces
-    the real objective (tests use attnbench's fake one); `gpu` the detected GPU name."""
+    """Tune the request's forward unless its tune file has an exact entry; returns the
+    tuner's summary, or None when nothing was tuned. `tuner` defaults to find_tuner();
+    `gpu` to the name of q's GPU."""
     gpu = gpu or torch.cuda.get_device_name(q.device)
-    if has_exact_entry(mod, gpu):
+    if has_exact_entry(req, gpu):
         return None
-    try:
-        from attnbench.tune.problem import Problem
-        from attnbench.tune.runner import TuneOptions
-        from attnbench.tune.spec_objective import SpecObjective
-    except ImportError as exc:
-        warnings.warn(
-            f"tune=True needs the attnbench package ({exc}); using the tune file or defaults",
-            stacklevel=3,
-        )
+    tuner = tuner or find_tuner()
+    if tuner is None:
+        warnings.warn(f"tune=True: no tuner is installed (the attnbench harness registers one "
+                      f"under the entry point group {ENTRY_POINT_GROUP!r}); using the tune file "
+                      "or the defaults", stacklevel=3)
         return None
-    problem = Problem(variant="custom", dtype=dtype_tag(mod), mode="fwd", **problem_shape(mod))
-    names = list(mod.custom_io.names())
     log.warning("engine: tune=True: tuning spec %s at %s (at most %d trials or %.0f s)",
-                mod.spec_hash, tune_file.shape_tag(problem.shape()), budget.trials,
+                req.spec.hash, tune_file.shape_tag(problem_shape(req.problem)), budget.trials,
                 budget.timeout_s)
-    with tempfile.TemporaryDirectory(prefix="attnbench-tune-") as tmp:
-        inputs_path = os.path.join(tmp, "inputs.pt")
-        tensors = {"q": q, "k": k, "v": v, **dict(zip(names, customs, strict=True))}
-        torch.save({n: t.detach().cpu().contiguous() for n, t in tensors.items()}, inputs_path)
-        if make_objective is not None:
-            objective = make_objective(problem, inputs_path)
-        else:
-            objective = SpecObjective(problem, mod.spec, mod.custom_io, inputs_path)
-        opts = TuneOptions(
-            trials=budget.trials, timeout_s=budget.timeout_s, devices=(_device_index(q),),
-            tune_file=mod.tune_file, progress=progress,
-        )
-        job, out = os.path.join(tmp, "job.pkl"), os.path.join(tmp, "result.json")
-        with open(job, "wb") as fh:
-            pickle.dump({"objective": objective, "options": opts}, fh)
-        # A child process, not this one: see attnbench.tune.spec_job.
-        done = subprocess.run([sys.executable, "-m", "attnbench.tune.spec_job", job, out],
-                              check=False)
-        if done.returncode != 0 or not os.path.exists(out):
-            warnings.warn(
-                f"tune=True: the tuning process failed (exit code {done.returncode}; its "
-                "output is above); using the tune file or defaults",
-                stacklevel=3,
-            )
-            return None
-        with open(out) as fh:
-            result = json.load(fh)
-    log.warning("engine: tune=True: %s", result.get("tune_file_note") or "done")
+    inputs = {"q": q, "k": k, "v": v, **dict(zip(req.spec.custom_names, customs, strict=True))}
+    result = tuner.tune(TuneRequest(req, ATTENTION_FWD, gpu, inputs, budget, progress))
+    if result is not None:
+        log.warning("engine: tune=True: %s", result.get("tune_file_note") or "done")
     return result
-
-
-def _device_index(t: torch.Tensor) -> int | None:
-    return t.device.index if t.device.type == "cuda" else None

@@ -1,13 +1,20 @@
-"""A module's tuned kernel config: its tune-file entry for (template, spec, dtype, mode, GPU,
+"""A request's tuned kernel config: its tune-file entry for (kind, spec, dtype, mode, GPU,
 shape), the nearest tuned shape when the exact one is missing (see tune_file.lookup)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
+from engine.dtypes import short_dtype_name
 from engine.plan.config import KernelConfig
-from engine.plan.shape import KERNEL_DTYPES
+from engine.problem import Problem
 from engine.tuning import tune_file
+
+if TYPE_CHECKING:
+    from engine.kernels.registry import KernelKind
+    from engine.plan.request import KernelRequest
 
 
 def gpu_name() -> str:
@@ -15,24 +22,23 @@ def gpu_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
 
 
-def problem_shape(mod) -> dict[str, int]:
-    p = mod.problem
-    return dict(batch=p.batch, heads_q=p.heads_q, heads_kv=p.heads_kv, seqlen_q=p.seqlen_q,
-                seqlen_kv=p.seqlen_kv, head_dim=p.head_dim, head_dim_v=p.head_dim_v)
+def problem_shape(problem: Problem) -> dict[str, int]:
+    """A problem's sizes as tune files key them."""
+    return problem.sizes()
 
 
-def dtype_tag(mod) -> str:
-    return tune_file.normalize_dtype(KERNEL_DTYPES.get(mod.dtype, str(mod.dtype)))
+def dtype_tag(dtype: torch.dtype) -> str:
+    return short_dtype_name(dtype)
 
 
-def tuned_entry(mod, template: str, mode: str, gpu: str | None = None
+def tuned_entry(req: KernelRequest, kind: KernelKind, gpu: str | None = None
                 ) -> tuple[KernelConfig, dict] | None:
-    """(config, entry metadata with `exact`) from the module's tune file, or None."""
-    return tune_file.lookup(mod.tune_file, template=template, spec_hash=mod.spec_hash,
-                            dtype=dtype_tag(mod), mode=mode, gpu=gpu or gpu_name(),
-                            shape=problem_shape(mod))
+    """(config, entry metadata with `exact`) from the request's tune file, or None."""
+    return tune_file.lookup(req.options.tune_file, template=kind.name, spec_hash=req.spec.hash,
+                            dtype=dtype_tag(req.dtype), mode=kind.mode, gpu=gpu or gpu_name(),
+                            shape=problem_shape(req.problem))
 
 
-def tuned_config(mod, template: str, mode: str) -> KernelConfig | None:
-    hit = tuned_entry(mod, template, mode)
+def tuned_config(req: KernelRequest, kind: KernelKind) -> KernelConfig | None:
+    hit = tuned_entry(req, kind)
     return hit[0] if hit is not None else None

@@ -11,11 +11,11 @@ import math
 import pytest
 import torch
 
-from engine.plan.backward import backward_config_problems, ws_schedule_fits
+from engine.kernels.attention_bwd.plan import backward_config_problems, ws_schedule_fits
 from engine.plan.config import KernelConfig
 from engine.reference import executor
 from engine.reference.executor import rel_err
-from engine.runtime.backward_kernels import backward_kernel_call, backward_kernels_for
+from engine.runtime.tilelang_backend import backward_kernel_call
 from engine.variants import VARIANTS
 
 from .cases import BF16, FP16, case_id, cross_product
@@ -56,11 +56,11 @@ def _precompiled():
     srcs = []
     for case in CASES:
         learn = tuple(VARIANTS[case[0]].learnable)
-        srcs += backward_kernels_for(_build(case)[0], custom_grads=learn).sources()
+        srcs += _build(case)[0].backward_kernels(custom_grads=learn).sources()
     for name, hkv in DETERMINISTIC:
         mod = _build((name, BF16, 2, 8, hkv, 1000, 1000, 128, 128))[0]
         learn = tuple(VARIANTS[name].learnable)
-        srcs += backward_kernels_for(mod, custom_grads=learn, deterministic=True).sources()
+        srcs += mod.backward_kernels(custom_grads=learn, deterministic=True).sources()
     errors = precompile(list(dict.fromkeys(srcs)))
     # A kernel that fails to compile fails its own tests (compiling again there, with the
     # error); the rest of the module still runs.
@@ -89,7 +89,7 @@ def _kernel(x: dict) -> list[torch.Tensor]:
     """dq, dk, dv and the learnable tensors' gradients from the backward kernels."""
     mod = x["mod"]
     dq, dk, dv, dc = backward_kernel_call(
-        mod, x["q"], x["k"], x["v"], x["o"], x["finals"], x["do"],
+        mod.kernel_cache, mod.kernel_request(), x["q"], x["k"], x["v"], x["o"], x["finals"], x["do"],
         [x["customs"][n] for n in mod.custom_io.names()], custom_grads=x["learn"],
     )
     return [dq, dk, dv, *(dc[n] for n in x["learn"])]
@@ -132,9 +132,9 @@ HEADS_LOOP = [
 
 @pytest.mark.parametrize("case", HEADS_LOOP, ids=case_id)
 def test_heads_loop_matches_reference(case, monkeypatch):
-    from engine.runtime import backward_kernels
+    from engine.kernels.attention_bwd import plan
 
-    monkeypatch.setattr(backward_kernels, "heads_loop_default",
+    monkeypatch.setattr(plan, "heads_loop_default",
                         lambda shape, cfg, ws, grads=(): ws and shape.heads_q > shape.heads_kv)
     _check_against_reference(case, check=lambda bk: bk.heads_loop)
 
@@ -149,7 +149,7 @@ def _check_against_reference(case, backward_config=None, check=None) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     x = _inputs(case, int(torch.randint(0, 2**31 - 1, (1,)).item()), backward_config)
-    bk = backward_kernels_for(x["mod"], custom_grads=x["learn"])
+    bk = x["mod"].backward_kernels(custom_grads=x["learn"])
     if backward_config is not None:
         assert bk.config == backward_config
     if check is not None:

@@ -65,10 +65,10 @@ def _precompiled():
             dtype=dt,
             backend="tilelang",
         )
-        srcs.append(tilelang_backend.kernels_for(mod).forward_source)
+        srcs.append(mod.kernel_source)
         if (name, B, Sq) in DYNAMIC_PRECOMPILE:
-            mod.dynamic_shapes, mod._kernels = True, None
-            srcs.append(tilelang_backend.kernels_for(mod).forward_source)
+            mod.dynamic_shapes = True  # a new request: its own kernel
+            srcs.append(mod.kernel_source)
     errors = precompile(srcs)
     # A kernel that fails to compile fails its own tests (compiling again there, with the
     # error); the rest of the module still runs.
@@ -173,7 +173,6 @@ def test_dynamic_shapes_one_kernel_serves_every_length(name):
     """dynamic_shapes: modules of one spec at different batch sizes and lengths (tails
     included) share one compiled kernel, and each matches the reference."""
     from engine.runtime import compile as compile_mod
-    from engine.runtime.tilelang_backend import kernels_for
 
     v = VARIANTS[name]
     sources = set()
@@ -183,7 +182,7 @@ def test_dynamic_shapes_one_kernel_serves_every_length(name):
                   head_dim_v=128)
         mod = v.build(**sz, dtype=BF16, backend="tilelang")
         mod.dynamic_shapes = True
-        sources.add(kernels_for(mod).forward_source)
+        sources.add(mod.kernel_source)
         inp = v.make_inputs(**sz, dtype=BF16, device="cuda", seed=B * S)
         with torch.no_grad():
             out = mod(**inp)

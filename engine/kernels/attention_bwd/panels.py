@@ -1,4 +1,4 @@
-"""Launch order of the backward's thread blocks (engine.codegen.backward).
+"""Launch order of the backward's thread blocks (engine.kernels.attention_bwd.codegen).
 
 A kernel whose thread blocks walk loops of different lengths (a causal mask, a document mask)
 ends with a tail when its longest blocks start last. Blocks are launched as a one-dimensional

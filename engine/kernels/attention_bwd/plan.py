@@ -1,9 +1,15 @@
-"""The backward kernels' configs: validity models and defaults (the main kernel, and the dQ
-kernel of the deterministic mode). Template "attention_bwd" in search_spaces/ and tune files
-is the main kernel's config."""
+"""The backward's plan: the kernels' configs (validity models and defaults of the main kernel,
+whose config the kind's search space and tune files hold, and of the deterministic mode's dQ
+kernel), and BackwardPlan, every other decision about one backward, taken by plan_backward."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from engine.dsl.expr import Expr, leaves
+from engine.ir.spec import TracedSpec
+from engine.kernels.attention_bwd.exprs import BackwardExprs
+from engine.kernels.attention_bwd.panels import H100_SMS, wave_panel
 from engine.plan.config import (
     GEMM_POLICIES,
     SMEM_LIMIT_BYTES,
@@ -12,6 +18,7 @@ from engine.plan.config import (
     consumer_register_cap,
     warp_partition,
 )
+from engine.plan.shape import KernelShape
 
 # Preference order for the main kernel. block_N = keys per thread block (rows of every
 # fragment), block_M = queries per inner step. The kernel holds dK and dV [block_N x D]
@@ -53,7 +60,7 @@ def backward_resources(
     return {"smem_bytes": smem, "regs_per_thread": regs}
 
 
-# The warp-specialised schedule of the fast backward (engine.codegen.backward): a producer
+# The warp-specialised schedule of the fast backward (codegen.py beside this): a producer
 # warpgroup (warp 0 loads Q and dO, warp 1 adds dQ to global memory) beside the consumers.
 WS_PRODUCER_THREADS = 128
 WS_PRODUCER_REGS = 24
@@ -212,3 +219,160 @@ def default_dq_config(head_dim: int, head_dim_v: int) -> KernelConfig:
         if not dq_config_problems(cfg, head_dim, head_dim_v):
             return cfg
     raise ConfigError(f"no valid dQ kernel config for head dims D={head_dim}, Dv={head_dim_v}")
+
+
+# ---------------------------------------------------------------- the plan of one backward
+
+
+@dataclass(frozen=True)
+class HoistedRead:
+    """A custom read indexed by one position axis ("q" or "kv"), held in a register vector
+    instead of read per tile element; `slot` numbers it among the spec's custom reads."""
+
+    name: str
+    index: tuple
+    axis: str
+    slot: int
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """Every decision about one backward, taken once by plan_backward; the code generator
+    branches on nothing but this and the spec."""
+
+    config: KernelConfig
+    deterministic: bool
+    # The main kernel's schedule: explicit producer, dQ-writer and consumer roles
+    # (warp-specialised), or TileLang's automatic pipeline.
+    warp_specialized: bool
+    # The step: P while dP^T is in flight and dS while dV is (split), or P and dS in one loop
+    # after both gemms (fused).
+    split: bool
+    # One thread block per kv head walks the query heads of its GQA group.
+    heads_loop: bool
+    # Groups per panel of the launch order (1: the plain grid).
+    panel: int
+    # Where dK/dV go: "once" (input dtype, one writer each), "per_query_head" (fp32, summed per
+    # group afterwards: deterministic) or "atomic" (fp32 atomics into the kv head).
+    kv_store: str
+    # The main kernel's dQ: "fragment" (the accumulator's fragment order, turned into rows by
+    # the postprocess kernel), "rows" ([B, Hq, Sq, D] fp32) or "none" (the dQ kernel's).
+    dq_layout: str
+    # dQ = dS K as an asynchronous wgmma beside dK (whole 64-row warpgroups over block_M).
+    dq_async: bool
+    custom_grads: tuple[str, ...]
+    # (name, index) of each custom read whose gradient the main kernel produces, in its order.
+    custom_reads: tuple[tuple[str, tuple], ...]
+    hoisted: tuple[HoistedRead, ...]
+    preprocess: bool  # Delta = rowsum(dO * O) first: the spec's `bwd` reads doosum
+    dq_config: KernelConfig | None  # the deterministic mode's dQ kernel
+
+
+def single_axis(index: tuple) -> str | None:
+    """"q" or "kv" when a custom read's index varies along that position axis only."""
+    syms = {x for x in index if isinstance(x, str)}
+    if ("q" in syms) != ("kv" in syms):
+        return "q" if "q" in syms else "kv"
+    return None
+
+
+def warp_specialized_default(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
+                             deterministic: bool = False) -> bool:
+    """Warp-specialised where ws_schedule_fits, counting this spec's per-query vectors
+    (finals, Delta and, at most, every custom read indexed by the query alone)."""
+    roots = [r for r in (spec.mask, spec.score_mod, spec.fwd_recompute, spec.bwd) if r is not None]
+    by_query = {n.attr for n in leaves(roots) if n.op == "custom" and single_axis(n.attr[2]) == "q"}
+    n_vectors = len(spec.final_names) + int(spec.uses_doosum) + len(by_query)
+    return ws_schedule_fits(cfg, shape.head_dim, shape.head_dim_v, 2, deterministic, n_vectors)
+
+
+def panel_default(shape: KernelShape, cfg: KernelConfig, warp_specialized: bool) -> int:
+    """Groups per panel of the warp-specialised backward's launch order (see panel_order): as
+    many as keep a panel within one wave of thread blocks, so that every block of a group
+    runs at once and their Q and dO stream through L2 once; the longest blocks of the panel
+    start first. (Key blocks first over all groups streamed Q and dO from HBM per block: up
+    to 1.8x slower on the H100. A group's blocks in key order, one group after another, left
+    a causal mask a tail: 12% slower at LLaMA-3 8B heads, 2 x 4k, walking the GQA group.)
+    1 (the plain grid) without the warp-specialised schedule or with a swizzle panel."""
+    if not warp_specialized or cfg.swizzle_panel:
+        return 1
+    return wave_panel(-(-shape.seqlen_kv // cfg.block_N))
+
+
+# Thread blocks (kv blocks x kv heads x batch) from which a GQA group's query heads share one:
+# two per SM of an H100, so that the longer blocks still leave the machine a short tail.
+HEADS_LOOP_MIN_BLOCKS = 2 * H100_SMS
+
+
+def heads_loop_possible(shape: KernelShape, warp_specialized: bool) -> bool:
+    """Whether a thread block can walk the query heads of a GQA group: the warp-specialised
+    schedule, GQA, and a mask the same for every head."""
+    return warp_specialized and shape.heads_q > shape.heads_kv and shape.mask_heads == 1
+
+
+def heads_loop_default(shape: KernelShape, cfg: KernelConfig, warp_specialized: bool,
+                       custom_grads: tuple[str, ...] = ()) -> bool:
+    """Whether the warp-specialised backward's thread block walks the query heads of a GQA
+    group: where it can, with enough thread blocks left and no custom gradients (on the H100
+    ALiBi's slope gradient, flushed per head, ran 10-18% slower that way)."""
+    blocks = -(-shape.seqlen_kv // cfg.block_N) * shape.heads_kv * shape.batch
+    return (heads_loop_possible(shape, warp_specialized) and not custom_grads
+            and blocks >= HEADS_LOOP_MIN_BLOCKS)
+
+
+def hoisted_reads(roots: list[Expr]) -> tuple[HoistedRead, ...]:
+    """Custom reads of the tile expressions indexed by one position axis (a document id per
+    query or per key, say), held in register vectors instead of read per element: per key,
+    loaded once before the loop; per query, each step like the finals. Read per element they
+    are 2 x bM x bN / threads loads per step, whose latency sits behind each gemm's wait."""
+    reads = sorted({n.attr for n in leaves(roots) if n.op == "custom"}, key=repr)
+    return tuple(HoistedRead(name, index, axis, slot)
+                 for slot, (name, _, index) in enumerate(reads)
+                 if (axis := single_axis(index)) is not None)
+
+
+def plan_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
+                  custom_grads: tuple[str, ...] = (), deterministic: bool = False, *,
+                  warp_specialized: bool | None = None, heads_loop: bool | None = None,
+                  panel: int | None = None) -> BackwardPlan:
+    """The plan of `spec`'s backward at `shape` and `cfg` (a valid config), producing the
+    gradients of the CustomIO tensors in `custom_grads` too. The keyword arguments force a
+    decision (tests); NotImplementedError when the kernels cannot run the spec, ValueError
+    when a forced decision cannot apply.
+
+    Fast mode: dQ, dK, dV and the custom gradients are accumulated with fp32 atomics (dQ +=
+    dS K per kv block; dK, dV over the query heads of a GQA group unless the heads walk stores
+    them once). Deterministic: no atomics and no dQ in the main kernel; dK and dV per query
+    head, custom gradients per (b, h, key) row, dQ from the dQ kernel; every output element
+    has one writer, so runs are bitwise identical."""
+    ex = BackwardExprs(spec, custom_grads)
+    if warp_specialized is None:
+        warp_specialized = warp_specialized_default(spec, shape, cfg, deterministic)
+    elif warp_specialized and deterministic:
+        raise ValueError("warp_specialized: the deterministic backward has no dQ to hand over")
+    if heads_loop is None:
+        heads_loop = heads_loop_default(shape, cfg, warp_specialized, custom_grads)
+    elif heads_loop and not heads_loop_possible(shape, warp_specialized):
+        raise ValueError("heads_loop: needs the warp-specialised schedule, GQA and a mask "
+                         "the same for every head")
+    if panel is None:
+        panel = panel_default(shape, cfg, warp_specialized)
+    hoisted = hoisted_reads(ex.tile_roots(spec))
+    # Split spills where S^T stays live beside the per-query vectors (soft-capping: 588 bytes,
+    # 30% slower; a document id per query: 184 bytes, and fused ran 4% faster on the H100).
+    n_vectors = (len(spec.final_names) + int(spec.uses_doosum)
+                 + sum(h.axis == "q" for h in hoisted))
+    split = split_schedule_fits(cfg, shape.head_dim, shape.head_dim_v, n_vectors,
+                                ex.ds_reads_score)
+    once = shape.heads_q == shape.heads_kv or heads_loop
+    return BackwardPlan(
+        config=cfg, deterministic=deterministic, warp_specialized=warp_specialized,
+        split=split, heads_loop=heads_loop, panel=panel,
+        kv_store="once" if once else "per_query_head" if deterministic else "atomic",
+        dq_layout="none" if deterministic else "fragment" if warp_specialized else "rows",
+        dq_async=not deterministic and cfg.block_M % 64 == 0,
+        custom_grads=tuple(custom_grads),
+        custom_reads=tuple((name, index) for name, index, _ in ex.dc_reads),
+        hoisted=hoisted, preprocess=spec.uses_doosum,
+        dq_config=default_dq_config(shape.head_dim, shape.head_dim_v) if deterministic else None,
+    )

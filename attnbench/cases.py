@@ -1,0 +1,24 @@
+"""Case: one benchmark problem of a suite (variant x shape x dtype, its modes and the
+implementations to run). Suites make cases; implementations and the runner read them, so it
+lives apart from both (suites.py and impls/ import it, never each other for it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.problem import Problem
+
+
+@dataclass(frozen=True)
+class Case(Problem):
+    """The problem's sizes (engine.problem.Problem) and the suite's choices for it."""
+
+    suite: str
+    name: str
+    variant: str
+    shape: str
+    dtype: str
+    kind: str
+    modes: tuple[str, ...]
+    impls: tuple[str, ...]
+    baseline: str

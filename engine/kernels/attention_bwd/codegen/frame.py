@@ -1,0 +1,83 @@
+"""The main kernel's frame: every text its pieces share, derived once from the spec, the
+shape and the plan. The kernel works in the transposed frame: fragment rows i are keys,
+columns j queries, so that P^T and dS^T feed the dV and dK wgmmas from registers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.ir.spec import TracedSpec
+from engine.kernels.attention_bwd.codegen.tiles import Bind, Dims, binder, dims, mask_text
+from engine.kernels.attention_bwd.codegen.vectors import VectorGroup, hoisted_vectors, row_vectors
+from engine.kernels.attention_bwd.exprs import BackwardExprs
+from engine.kernels.attention_bwd.plan import BackwardPlan
+from engine.plan.shape import KernelShape
+
+
+@dataclass(frozen=True)
+class Frame:
+    spec: TracedSpec
+    shape: KernelShape
+    plan: BackwardPlan
+    ex: BackwardExprs
+    d: Dims
+    head: str  # the query head's text: hq when walking the heads, else by
+    policy: str  # the gemms' warp policy
+    # fp32 registers per thread of a [bN, bM] tile, of dq and of dk (wgmma spreads them evenly)
+    tile_regs: int
+    dq_regs: int
+    dk_regs: int
+    q_idx: str  # the query (column j) and key (row i) of fragment element [i, j]
+    kv_idx: str
+    bind: Bind
+    index_text: dict[str, str]
+    mask: str  # what partial blocks evaluate
+    finals: VectorGroup
+    delta: VectorGroup
+    by_kv: VectorGroup  # hoisted custom reads per key, loaded once
+    by_q: VectorGroup  # and per query, each step
+    # A step's Q, dO and dS^T in shared memory (the ring's stage when warp-specialised).
+    q_sh: str
+    do_sh: str
+    ds_sh: str
+
+    @property
+    def lo(self) -> str:
+        return f"LoT[{self.d.mb}, {self.d.mh}, bx]"
+
+    @property
+    def hi(self) -> str:
+        return f"HiT[{self.d.mb}, {self.d.mh}, bx]"
+
+    @property
+    def q_rows(self) -> str:
+        return f"qb * {self.d.bM}:(qb + 1) * {self.d.bM}"
+
+
+def frame(spec: TracedSpec, shape: KernelShape, plan: BackwardPlan) -> Frame:
+    cfg = plan.config
+    d = dims(shape, cfg)
+    ex = BackwardExprs(spec, plan.custom_grads)
+    head = "hq" if plan.heads_loop else "by"
+    q_idx, kv_idx = f"(qb * {d.bM} + j)", f"(bx * {d.bN} + i)"
+    st = cfg.num_stages
+    ring = (f"k % {st}", st) if plan.warp_specialized else None
+    hoisted, by_kv, by_q = hoisted_vectors(plan.hoisted, shape, d.bN, f"qb * {d.bM}", head)
+    finals, delta = row_vectors(spec, shape, f"qb * {d.bM}", head)
+    bind, index_text = binder(shape, q_idx, kv_idx, {"rawscore": "sT", "dp": "dpT", "p": "pT"},
+                              "j", hoisted, head)
+    if plan.warp_specialized:
+        q_sh, do_sh, ds_sh = f"Q_shared[k % {st}, :, :]", f"dO_shared[k % {st}, :, :]", \
+            "dsT_shared[k % 2, :, :]"
+    else:
+        q_sh, do_sh, ds_sh = "Q_shared", "dO_shared", "dsT_shared"
+    return Frame(
+        spec=spec, shape=shape, plan=plan, ex=ex, d=d, head=head,
+        policy=f"T.GemmWarpPolicy.{cfg.gemm_policy}",
+        tile_regs=d.bN * d.bM // cfg.threads, dq_regs=d.bM * d.D // cfg.threads,
+        dk_regs=d.bN * d.D // cfg.threads, q_idx=q_idx, kv_idx=kv_idx, bind=bind,
+        index_text=index_text, mask=mask_text(spec, bind, q_idx, kv_idx, shape),
+        finals=VectorGroup(tuple(finals), d.bM, ring), delta=VectorGroup(tuple(delta), d.bM, ring),
+        by_kv=VectorGroup(tuple(by_kv), d.bN), by_q=VectorGroup(tuple(by_q), d.bM, ring),
+        q_sh=q_sh, do_sh=do_sh, ds_sh=ds_sh,
+    )

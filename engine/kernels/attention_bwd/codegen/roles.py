@@ -1,0 +1,99 @@
+"""The warp-specialised schedule's rings and roles: Q/dO rings filled by a producer warp, dS^T
+and dQ two deep, the mbarriers between the roles, the producer warp and the dQ writer warp,
+and the step loop each role walks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from engine.codegen.source import SourceWriter
+from engine.kernels.attention_bwd.codegen.vectors import VectorGroup
+from engine.kernels.attention_bwd.plan import DQ_ROW, WS_PRODUCER_REGS, WS_PRODUCER_THREADS
+from engine.plan.config import KernelConfig
+
+
+def parity(depth: int) -> str:
+    """mbarrier phase parity of step k in a ring `depth` deep (its round, mod 2)."""
+    return f"((k // {depth}) % 2)"
+
+
+def ws_buffers(cfg: KernelConfig, D: int, Dv: int, dt: str) -> list[str]:
+    """Shared buffers and mbarriers: Q and dO rings (num_stages deep, filled by the producer
+    warp); dS^T and dQ two deep, so that a step writes one while the previous step's readers
+    finish the other. Full barriers count the producer (or writer) warp's 32 arrivals, empty
+    ones the consumers'."""
+    bM, bN, st, C = cfg.block_M, cfg.block_N, cfg.num_stages, cfg.threads
+    return [
+        f'Q_shared = T.alloc_shared(({st}, {bM}, {D}), "{dt}")',
+        f'dO_shared = T.alloc_shared(({st}, {bM}, {Dv}), "{dt}")',
+        f'dsT_shared = T.alloc_shared((2, {bN}, {bM}), "{dt}")',
+        f'dq_shared = T.alloc_shared((2, {bM * D // DQ_ROW}, {DQ_ROW}), "float32")',
+        "kv_full = T.alloc_barrier([32])",
+        f"q_full = T.alloc_barrier([{', '.join(['32'] * st)}])",
+        f"do_full = T.alloc_barrier([{', '.join(['32'] * st)}])",
+        f"qdo_empty = T.alloc_barrier([{', '.join([str(C)] * st)}])",
+        f"dq_full = T.alloc_barrier([{C}, {C}])",
+        "dq_empty = T.alloc_barrier([32, 32])",
+    ]
+
+
+@contextmanager
+def per_head(w: SourceWriter, heads: int) -> Iterator[None]:
+    """With the heads walk (`heads` > 1: a kv head's thread block walks its query heads), a
+    level per query head hq; otherwise none."""
+    if heads == 1:
+        yield
+        return
+    with w.block(f"for g in T.serial({heads}):"):
+        w.line(f"hq: T.int32 = by * {heads} + g")
+        yield
+
+
+@contextmanager
+def steps(w: SourceWriter, heads: int) -> Iterator[None]:
+    """The step loop inside per_head: step k walks query block qb = lo + k; with the heads
+    walk, k keeps counting across heads, so the rings' stages and parities run on."""
+    if heads == 1:
+        with w.block("for k in T.serial(n):"):
+            w.line("qb: T.int32 = lo + k")
+            yield
+        return
+    with w.block("for kk in T.serial(n):"):
+        w.line("k: T.int32 = g * n + kk")
+        w.line("qb: T.int32 = lo + kk")
+        yield
+
+
+def emit_producer_roles(w: SourceWriter, cfg: KernelConfig, G: int, heads_loop: bool,
+                        q_vectors: list[VectorGroup], do_vectors: list[VectorGroup]) -> None:
+    """The producer warpgroup's branch: warp 0 loads K and V once, then per step Q (with the
+    per-query vectors `q_vectors`) and dO (with `do_vectors`: Delta) into the rings; warp 1
+    is the dQ writer. Uses `lo`, `n` (the step range) and `tx`. With `heads_loop` the thread
+    block is kv head `by`'s and walks its G query heads (hq); otherwise query head `by`'s."""
+    bM, bN, st = cfg.block_M, cfg.block_N, cfg.num_stages
+    q_rows = f"qb * {bM}:(qb + 1) * {bM}"
+    kv_head, head = ("by", "hq") if heads_loop else (f"by // {G}", "by")
+    heads = G if heads_loop else 1
+    with w.block(f"if tx < {WS_PRODUCER_THREADS}:"):
+        w.line(f"T.set_max_nreg({WS_PRODUCER_REGS}, 0)")
+        with w.block("if tx < 32:"):
+            for src, dst in (("K", "K_shared"), ("V", "V_shared")):
+                w.line(f"T.tma_copy({src}[bz, bx * {bN}:(bx + 1) * {bN}, {kv_head}, :], {dst}, "
+                       "barrier=kv_full[0])")
+            w.line("T.mbarrier_arrive(kv_full[0])")
+            with per_head(w, heads), steps(w, heads):
+                w.line(f"T.mbarrier_wait_parity(qdo_empty[k % {st}], {parity(st)} ^ 1)")
+                for src, bar, fills in (("Q", "q_full", q_vectors), ("dO", "do_full", do_vectors)):
+                    w.line(f"T.tma_copy({src}[bz, {q_rows}, {head}, :], "
+                           f"{src}_shared[k % {st}, :, :], barrier={bar}[k % {st}])")
+                    for group in fills:
+                        group.emit_fill(w)
+                    w.line(f"T.mbarrier_arrive({bar}[k % {st}])")
+        # The writer warp: one bulk reduce-add per step (TMA cp.reduce; rows past Sq fall
+        # outside the tensor and are dropped by the copy engine), waited for here, off the
+        # consumers' path.
+        with w.block("elif tx < 64:"), per_head(w, heads), steps(w, heads):
+            w.line(f"T.mbarrier_wait_parity(dq_full[k % 2], {parity(2)})")
+            w.line(f"T.atomic_add(dQ[bz, {head}, qb, :, :], dq_shared[k % 2, :, :], use_tma=True)")
+            w.line("T.mbarrier_arrive(dq_empty[k % 2])")

@@ -1,0 +1,154 @@
+"""One step of the main kernel: the thread block's keys against query block qb.
+
+    S^T = K Q^T (recomputed), P^T = fwd_recompute(score_mod(S^T), finals)
+    dP^T = V dO^T, dS'^T = bwd(dP^T, P^T, finals, doosum), dS^T = dS'^T * d score_mod/d score
+    dV += P^T dO, dK += dS^T Q, dQ += dS K, and the custom gradients' row sums
+
+Only partial blocks (mask analysis, plus the key and query tails) evaluate the mask; there
+masked entries give P = 0 and dS = 0."""
+
+from __future__ import annotations
+
+from engine.codegen.emit import Emitter
+from engine.codegen.source import SourceWriter
+from engine.kernels.attention_bwd.codegen.fragments import dq_fragment_index
+from engine.kernels.attention_bwd.codegen.frame import Frame
+from engine.kernels.attention_bwd.codegen.roles import parity
+from engine.kernels.attention_bwd.codegen.tiles import (
+    emit_by_class,
+    emit_ds_loop,
+    emit_p_ds_loop,
+    emit_p_loop,
+)
+from engine.kernels.attention_bwd.plan import DQ_ROW, WS_CONSUMER_BARRIER
+
+
+def emit_step(w: SourceWriter, f: Frame) -> None:
+    _emit_products(w, f)
+    if f.plan.split:
+        _emit_split_tiles(w, f)
+    else:
+        _emit_fused_tiles(w, f)
+    _emit_custom_grad_sums(w, f)
+    if f.plan.dq_layout != "none":
+        _emit_dq_product(w, f)
+    if f.plan.warp_specialized:
+        _emit_ws_step_end(w, f)
+    else:
+        _emit_pipelined_step_end(w, f)
+
+
+def _emit_products(w: SourceWriter, f: Frame) -> None:
+    """The block's class, Q and dO (a ring stage, or copied), the per-query vectors, and the
+    S^T and dP^T wgmmas (Delta loaded where the schedule has registers for it)."""
+    ws, split, st = f.plan.warp_specialized, f.plan.split, f.plan.config.num_stages
+    # The block's class is read once, ahead of the gemms: a global load at each branch would
+    # sit behind a gemm's wait (its asm has a memory clobber) with its whole latency exposed.
+    w.line(f'qcls: T.int32 = T.Cast("int32", ClsT[{f.d.mb}, {f.d.mh}, bx, qb])')
+    if ws:
+        w.line(f"T.mbarrier_wait_parity(q_full[k % {st}], {parity(st)})")
+    else:
+        w.line(f"T.copy(Q[bz, {f.q_rows}, by, :], Q_shared)")
+        w.line(f"T.copy(dO[bz, {f.q_rows}, by, :], dO_shared)")
+    f.finals.emit_load(w)
+    f.by_q.emit_load(w)
+    if not split and not ws:
+        f.delta.emit_load(w)
+    w.line(f"T.wgmma_gemm(K_shared, {f.q_sh}, sT, transpose_B=True, policy={f.policy}, "
+           "clear_accum=True)")
+    if ws:
+        w.line(f"T.mbarrier_wait_parity(do_full[k % {st}], {parity(st)})")
+        if not split:
+            f.delta.emit_load(w)
+    w.line(f"T.wgmma_gemm(V_shared, {f.do_sh}, dpT, transpose_B=True, policy={f.policy}, "
+           "clear_accum=True)")
+    w.line(f"T.wait_wgmma({1 if split else 0})")
+    # Keep nvcc from reading an accumulator before the wait that completes it.
+    w.line(f"T.warpgroup_fence_operand(sT, num_regs={f.tile_regs})")
+
+
+def _emit_split_tiles(w: SourceWriter, f: Frame) -> None:
+    """P while dP^T is in flight, dS while dV += P^T dO is."""
+    tile = (f.d.bN, f.d.bM)
+    emit_by_class(w, "qcls", lambda m: emit_p_loop(w, f.ex, f.bind, tile, m, "pT", "pT_cast"),
+                  f.mask)
+    # Delta is loaded here, not with the finals: the P loop then keeps 16 registers more
+    # (at D = 128 that is the difference from spilling), and dV runs while it arrives.
+    f.delta.emit_load(w)
+    # (Automatic pipeline) TileLang frees a pipeline stage right after the last statement
+    # that reads it, and this wgmma is still reading the dO stage when it returns: the
+    # stage is held by a read of dO_shared after dK's gemm, which waits for every wgmma in
+    # flight (the last read of Q is that synchronous gemm itself).
+    w.line(f"T.wgmma_gemm(pT_cast, {f.do_sh}, dv, policy={f.policy})")
+    w.line("T.wait_wgmma(1)")
+    w.line(f"T.warpgroup_fence_operand(dpT, num_regs={f.tile_regs})")
+    emit_by_class(w, "qcls", lambda m: emit_ds_loop(w, f.ex, f.bind, tile, m, "dsT_cast"), f.mask)
+
+
+def _emit_fused_tiles(w: SourceWriter, f: Frame) -> None:
+    """P and dS in one loop after both gemms, which frees each S^T and P element at once."""
+    tile = (f.d.bN, f.d.bM)
+    w.line(f"T.warpgroup_fence_operand(dpT, num_regs={f.tile_regs})")
+    emit_by_class(w, "qcls", lambda m: emit_p_ds_loop(w, f.ex, f.bind, tile, m, "pT", "dsT_cast",
+                                                      p_cast="pT_cast"), f.mask)
+    w.line(f"T.gemm(pT_cast, {f.do_sh}, dv, policy={f.policy})")
+
+
+def _emit_custom_grad_sums(w: SourceWriter, f: Frame) -> None:
+    """Per custom read whose gradient is wanted: dS' * d score_mod / d read, summed over the
+    step's queries into its per-key accumulator."""
+    bN, bM = f.d.bN, f.d.bM
+    for r, (_, _, d_read) in enumerate(f.ex.dc_reads):
+        em = Emitter(f.bind)
+        g_text = f"({em.float_(f.ex.ds_mod)} * {em.float_(d_read)})"
+        with w.block(f"for i, j in T.Parallel({bN}, {bM}):"):
+            w.line(f"cg_tile[i, j] = T.if_then_else({f.mask}, {g_text}, T.float32(0.0))")
+        w.line("T.reduce_sum(cg_tile, cg_row, dim=1)")
+        with w.block(f"for i in T.Parallel({bN}):"):
+            w.line(f"cg_acc{r}[i] += cg_row[i]")
+
+
+def _emit_dq_product(w: SourceWriter, f: Frame) -> None:
+    """dQ = dS K from dS^T in shared memory; it reads only the kv block's own tiles, so with
+    whole 64-row warpgroups it runs as an asynchronous wgmma beside dK."""
+    w.line(f"T.copy(dsT_cast, {f.ds_sh})")
+    if f.plan.warp_specialized:
+        # Every consumer's dS^T rows are in shared memory (and visible to the tensor
+        # cores) before any of them multiplies the whole tile.
+        w.line("T.fence_proxy_async()")
+        w.line(f"T.sync_threads({WS_CONSUMER_BARRIER}, {f.plan.config.threads})")
+    gemm = "T.wgmma_gemm" if f.plan.dq_async else "T.gemm"
+    w.line(f"{gemm}({f.ds_sh}, K_shared, dq, transpose_A=True, clear_accum=True)")
+
+
+def _emit_ws_step_end(w: SourceWriter, f: Frame) -> None:
+    """dK's wgmma runs while dQ goes to shared memory: wait for dQ's alone (the groups in
+    flight are dV's, dQ's and dK's), hand it to the writer once its slot is free, then wait
+    for dK's before the Q/dO stage goes back to the producer. (Storing dQ after dK's
+    synchronous gemm instead: 3-5% slower on the H100.)"""
+    w.line(f"T.wgmma_gemm(dsT_cast, {f.q_sh}, dk, policy={f.policy})")
+    w.line("T.wait_wgmma(1)")
+    w.line(f"T.warpgroup_fence_operand(dq, num_regs={f.dq_regs})")
+    w.line(f"T.mbarrier_wait_parity(dq_empty[k % 2], {parity(2)} ^ 1)")
+    index = dq_fragment_index("i", "j", f.d.D)
+    with w.block(f"for i, j in T.Parallel({f.d.bM}, {f.d.D}):"):
+        w.line(f"dq_shared[k % 2, {index} // {DQ_ROW}, {index} % {DQ_ROW}] = dq[i, j]")
+    w.line("T.fence_proxy_async()")
+    w.line("T.mbarrier_arrive(dq_full[k % 2])")
+    w.line("T.wait_wgmma(0)")
+    w.line(f"T.warpgroup_fence_operand(dk, num_regs={f.dk_regs})")
+    w.line(f"T.mbarrier_arrive(qdo_empty[k % {f.plan.config.num_stages}])")
+
+
+def _emit_pipelined_step_end(w: SourceWriter, f: Frame) -> None:
+    """dK, then (fast mode) dQ by one bulk reduce-add per step (TMA cp.reduce; rows past Sq
+    fall outside the tensor and are dropped by the copy engine) instead of bM x D scalar
+    atomics."""
+    w.line(f"T.gemm(dsT_cast, {f.q_sh}, dk, policy={f.policy})")
+    if f.plan.split:
+        w.line("dO_hold[0] = dO_shared[0, 0]")
+    if f.plan.dq_async:
+        w.line(f"T.warpgroup_fence_operand(dq, num_regs={f.dq_regs})")
+    if f.plan.dq_layout != "none":
+        w.line("T.copy(dq, dq_shared)")
+        w.line(f"T.atomic_add(dQ[bz, by, {f.q_rows}, :], dq_shared, use_tma=True)")

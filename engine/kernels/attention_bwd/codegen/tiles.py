@@ -1,0 +1,132 @@
+"""The step's tile loops: P and dS over a [rows x cols] fragment of one block, the mask that
+partial blocks evaluate, and how the spec's leaves bind to fragments, indices and vectors."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.codegen.emit import Emitter
+from engine.codegen.source import SourceWriter
+from engine.dsl.expr import Expr
+from engine.ir.spec import TracedSpec
+from engine.kernels.attention_bwd.exprs import BackwardExprs
+from engine.plan.config import KernelConfig
+from engine.plan.shape import KernelShape
+
+Bind = Callable[[Expr], "str | None"]
+ZERO = "T.float32(0.0)"
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Sizes of a kernel at a shape and config, and the texts that index its mask tables."""
+
+    bM: int
+    bN: int
+    D: int
+    Dv: int
+    Sq: int
+    Skv: int
+    G: int  # query heads per kv head
+    nqb: int  # query blocks
+    nkb: int  # key blocks
+    dt: str  # TileLang dtype of the inputs
+    mb: str  # a thread block's index into the tables' batch dim
+    mh: str  # and head dim
+
+
+def dims(shape: KernelShape, cfg: KernelConfig) -> Dims:
+    bM, bN, Sq, Skv = cfg.block_M, cfg.block_N, shape.seqlen_q, shape.seqlen_kv
+    return Dims(bM, bN, shape.head_dim, shape.head_dim_v, Sq, Skv,
+                shape.heads_q // shape.heads_kv, -(-Sq // bM), -(-Skv // bN),
+                shape.dtype, "bz" if shape.mask_batch > 1 else "0",
+                "by" if shape.mask_heads > 1 else "0")
+
+
+def binder(shape: KernelShape, q_idx: str, kv_idx: str, tiles: dict[str, str], q_var: str,
+           hoisted: dict[tuple, str] | None = None, head: str = "by") -> tuple[Bind, dict]:
+    """Emitter binding for one frame: `q_idx`/`kv_idx` the index texts of the fragment element
+    [i, j], `tiles` the fragments holding rawscore, dp and p, `q_var` the loop variable (i or
+    j) that indexes the per-query register vectors; `hoisted` maps a custom read (name, index)
+    to the register-vector element that holds it; `head` the query head's text."""
+    Sq, Skv = shape.seqlen_q, shape.seqlen_kv
+    index_text = {"b": "bz", "h": head, "q": q_idx, "kv": kv_idx}
+    clamp = {"q": f"T.min({q_idx}, {Sq - 1})", "kv": f"T.min({kv_idx}, {Skv - 1})"}
+
+    def bind(node: Expr) -> str | None:
+        if node.op in tiles:
+            return f"{tiles[node.op]}[i, j]"
+        if node.op == "idx":
+            return index_text[node.attr]
+        if node.op == "custom":
+            name, _, index = node.attr
+            if hoisted and (name, index) in hoisted:
+                return hoisted[(name, index)]
+            parts = [clamp.get(s, index_text.get(s, "0")) if isinstance(s, str) else "0" for s in index]
+            return f"C_{name}[{', '.join(parts)}]"
+        if node.op == "final":
+            return f"Fr_{node.attr}[{q_var}]"
+        if node.op == "doosum":
+            return f"Dr[{q_var}]"
+        return None
+
+    return bind, index_text
+
+
+def mask_text(spec: TracedSpec, bind: Bind, q_idx: str, kv_idx: str, shape: KernelShape) -> str:
+    """What a partial block evaluates: the spec's mask and both sequence bounds."""
+    conds = [f"({kv_idx} < {shape.seqlen_kv})", f"({q_idx} < {shape.seqlen_q})"]
+    if spec.mask is not None:
+        conds.insert(0, Emitter(bind).text(spec.mask))
+    text = conds[0]
+    for c in conds[1:]:
+        text = f"T.And({text}, {c})"
+    return text
+
+
+def emit_by_class(w: SourceWriter, cls: str, emit_loop: Callable[[str | None], None],
+                  mask: str) -> None:
+    """`emit_loop(mask)` under the block class `cls`: full blocks (class 2) skip the mask;
+    partial ones (and the tails) evaluate it."""
+    with w.block(f"if {cls} == 2:"):
+        emit_loop(None)
+    with w.block("else:"):
+        emit_loop(mask)
+
+
+def _masked(text: str, mask: str | None) -> str:
+    return text if mask is None else f"T.if_then_else({mask}, {text}, {ZERO})"
+
+
+def ds_text(ex: BackwardExprs, em: Emitter) -> str:
+    """dS = dS' times d score_mod / d score (the chain rule, where it is not 1)."""
+    text = em.float_(ex.ds_mod)
+    return f"({text} * {em.float_(ex.dsm_ds)})" if ex.chain_rule else text
+
+
+def _tile_loop(w: SourceWriter, shape: tuple[int, int], assigns: list[str]) -> None:
+    with w.block(f"for i, j in T.Parallel({shape[0]}, {shape[1]}):"):
+        w.lines(assigns)
+
+
+def emit_p_loop(w: SourceWriter, ex: BackwardExprs, bind: Bind, shape: tuple[int, int],
+                mask: str | None, p: str, p_cast: str) -> None:
+    """P over a tile into fragment `p` and its 16-bit copy `p_cast` (masked entries give 0)."""
+    text = _masked(Emitter(bind).float_(ex.p), mask)
+    _tile_loop(w, shape, [f"{p}[i, j] = {text}", f"{p_cast}[i, j] = {p}[i, j]"])
+
+
+def emit_ds_loop(w: SourceWriter, ex: BackwardExprs, bind: Bind, shape: tuple[int, int],
+                 mask: str | None, ds: str) -> None:
+    """dS over a tile into `ds`, P already computed (masked entries give 0)."""
+    _tile_loop(w, shape, [f"{ds}[i, j] = {_masked(ds_text(ex, Emitter(bind)), mask)}"])
+
+
+def emit_p_ds_loop(w: SourceWriter, ex: BackwardExprs, bind: Bind, shape: tuple[int, int],
+                   mask: str | None, p: str, ds: str, p_cast: str | None = None) -> None:
+    """P into `p` (and its 16-bit copy `p_cast`) and dS into `ds` in one loop over a tile."""
+    em = Emitter(bind)
+    p_text, d_text = _masked(em.float_(ex.p), mask), _masked(ds_text(ex, em), mask)
+    cast = [f"{p_cast}[i, j] = {p}[i, j]"] if p_cast else []
+    _tile_loop(w, shape, [f"{p}[i, j] = {p_text}", *cast, f"{ds}[i, j] = {d_text}"])

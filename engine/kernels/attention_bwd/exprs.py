@@ -1,0 +1,82 @@
+"""The backward's tile expressions, derived from a spec once: P, dS' (the user's `bwd`),
+d score_mod / d score and the derivatives by each custom read whose gradient is wanted, all
+over the raw score (leaf `rawscore`); and what the kernels cannot do (a refusal, with why)."""
+
+from __future__ import annotations
+
+from engine.dsl.expr import Expr, leaf, leaves, topo
+from engine.ir.diff import diff, score_mod_derivatives
+from engine.ir.rewrite import substitute
+from engine.ir.spec import TracedSpec
+
+# What the recomputed P and the user's `bwd` may read in a kernel.
+_KERNEL_LEAVES = {"const", "score", "final", "dp", "p", "doosum", "idx", "custom"}
+
+
+def check_spec(spec: TracedSpec) -> None:
+    """NotImplementedError when the backward kernels cannot run `spec`'s rules."""
+    for name, root in (("fwd_recompute", spec.fwd_recompute), ("bwd", spec.bwd)):
+        if any(n.op == "reduce" for n in topo([root])):
+            raise NotImplementedError(
+                f"backward kernel: {name} uses a row reduction; only elementwise rules are supported"
+            )
+        bad = {n.op for n in leaves([root])} - _KERNEL_LEAVES
+        if bad:
+            raise NotImplementedError(f"backward kernel: {name} reads {sorted(bad)}")
+
+
+def custom_grad_problem(spec: TracedSpec, name: str) -> str | None:
+    """Why the kernel cannot produce the gradient of CustomIO tensor `name` (None: it can).
+    The kernel sums a custom gradient over the query positions of its kv block in registers,
+    so a read indexed by the query position is left to the reference rules."""
+    if name in spec.online_custom_reads():
+        return f"custom input {name!r} is read in the online functions"
+    reads = [leaf_ for leaf_, _ in score_mod_derivatives(spec)[1].values() if leaf_.attr[0] == name]
+    if not reads:
+        return f"custom input {name!r} is not read in score_mod (its gradient is zero)"
+    for leaf_ in reads:
+        syms = [s for s in leaf_.attr[2] if isinstance(s, str)]
+        if "q" in syms:
+            return f"custom input {name!r} is indexed by the query position"
+        if len(syms) != len(set(syms)):
+            return f"custom input {name!r} is read with a repeated index"
+    return None
+
+
+class BackwardExprs:
+    """P, dS', d score_mod / d score, and per wanted custom read (name, index, d/d read)."""
+
+    def __init__(self, spec: TracedSpec, custom_grads: tuple[str, ...]):
+        check_spec(spec)
+        for name in custom_grads:
+            why = custom_grad_problem(spec, name)
+            if why is not None:
+                raise NotImplementedError(f"backward kernel: {why}")
+        score = leaf("score", ("m", "n"))
+        raw = leaf("rawscore", ("m", "n"))
+        smod = substitute(spec.score_mod, {score.key: raw})
+        self.p = substitute(spec.fwd_recompute, {score.key: smod})
+        self.ds_mod = substitute(spec.bwd, {score.key: smod})
+        self.dsm_ds = substitute(diff(spec.score_mod, score), {score.key: raw})
+        self.dc_reads: list[tuple[str, tuple, Expr]] = [
+            (read.attr[0], read.attr[2], substitute(d, {score.key: raw}))
+            for read, d in score_mod_derivatives(spec)[1].values()
+            if read.attr[0] in custom_grads
+        ]
+
+    @property
+    def ds_reads_score(self) -> bool:
+        """Whether dS (or a custom gradient) reads the raw score, keeping S^T live after P."""
+        roots = [self.ds_mod, self.dsm_ds, *(d for _, _, d in self.dc_reads)]
+        return any(n.op == "rawscore" for n in leaves(roots))
+
+    @property
+    def chain_rule(self) -> bool:
+        """Whether dS' is multiplied by d score_mod / d score (not when that is 1)."""
+        return not (self.dsm_ds.op == "const" and float(self.dsm_ds.attr) == 1.0)
+
+    def tile_roots(self, spec: TracedSpec) -> list[Expr]:
+        """Every expression a tile loop reads: P, dS', its chain rule, the custom derivatives
+        and the mask."""
+        roots = [self.p, self.ds_mod, self.dsm_ds, *(d for _, _, d in self.dc_reads)]
+        return roots + ([spec.mask] if spec.mask is not None else [])

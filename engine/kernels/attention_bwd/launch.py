@@ -1,0 +1,211 @@
+"""Build and launch the generated backward kernels (used by TileLangAttention.backward).
+
+launch_backward(bk, q, k, v, o, finals, do, custom) -> (dq, dk, dv, dC) runs
+  preprocess (Delta = rowsum(dO * O), only when the spec's bwd reads doosum),
+  main (one thread block per kv block x query head x batch, or x kv head walking the GQA
+    group's query heads; dQ by TMA reduce-adds into an fp32 buffer, dK and dV by fp32
+    atomics over a group's heads unless one thread block walks them),
+  postprocess (warp-specialised: a generated kernel turns the fragment-order dQ into rows in
+    the input dtype; fp32 dK/dV sums are cast by torch).
+The block tables are the forward's mask classification transposed: for each kv block the range
+of non-empty query blocks, and a query block's tail (rows past Sq) counts as partial.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.ir.spec import TracedSpec
+from engine.kernels.attention_bwd.codegen import (
+    generate_backward,
+    generate_backward_dq,
+    generate_dq_postprocess,
+    generate_preprocess,
+)
+from engine.kernels.attention_bwd.plan import DQ_ROW, BackwardPlan, plan_backward
+from engine.mask.analysis import FULL, PARTIAL, BlockClasses
+from engine.plan.config import KernelConfig
+from engine.plan.shape import KernelShape
+from engine.runtime.kernel import Kernel
+from engine.runtime.mask_tables import FORWARD_TABLES, MaskTables, forward_layout
+
+
+@dataclass
+class BackwardKernels:
+    """The kernels of one backward plan and their block tables, each compiled on first use."""
+
+    shape: KernelShape
+    plan: BackwardPlan
+    main: Kernel
+    tables: MaskTables
+    preprocess: Kernel | None = None  # Delta, when the spec's bwd reads doosum
+    post: Kernel | None = None  # fragment-order dQ into rows (warp-specialised)
+    dq: Kernel | None = None  # the deterministic mode's dQ kernel
+    dq_tables: MaskTables | None = None  # and its (forward-layout) tables
+
+    @property
+    def config(self) -> KernelConfig:
+        return self.plan.config
+
+    @property
+    def deterministic(self) -> bool:
+        return self.plan.deterministic
+
+    @property
+    def warp_specialized(self) -> bool:
+        return self.plan.warp_specialized
+
+    @property
+    def heads_loop(self) -> bool:
+        return self.plan.heads_loop
+
+    @property
+    def custom_grads(self) -> tuple[str, ...]:
+        return self.plan.custom_grads
+
+    @property
+    def custom_reads(self) -> tuple[tuple[str, tuple], ...]:
+        return self.plan.custom_reads
+
+    @property
+    def dq_config(self) -> KernelConfig | None:
+        return self.plan.dq_config
+
+    @property
+    def source(self) -> str:
+        return self.main.source
+
+    def kernels(self) -> list[Kernel]:
+        return [k for k in (self.main, self.preprocess, self.dq, self.post) if k is not None]
+
+    def sources(self) -> list[str]:
+        return [k.source for k in self.kernels()]
+
+    def compile(self) -> None:
+        for k in self.kernels():
+            k.compiled()
+
+
+def build_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
+                   custom_grads: tuple[str, ...] = (), deterministic: bool = False,
+                   **forced) -> BackwardKernels:
+    """The backward kernels of `spec` at `shape` and `cfg` (already checked), generated (not
+    compiled), also producing the gradients of the CustomIO tensors named in `custom_grads`.
+    `forced`: plan decisions to force (plan_backward's keyword arguments; tests)."""
+    plan = plan_backward(spec, shape, cfg, tuple(custom_grads), deterministic, **forced)
+    tables = MaskTables(spec.mask, shape, cfg.block_M, cfg.block_N,
+                        lambda bc: transposed_tables(bc, shape.seqlen_q, cfg.block_M),
+                        ("LoT", "HiT", "ClsT", "OrdT"))
+    bk = BackwardKernels(shape, plan, Kernel(generate_backward(spec, shape, plan)), tables)
+    if plan.preprocess:
+        bk.preprocess = Kernel(generate_preprocess(shape))
+    if plan.dq_layout == "fragment":
+        bk.post = Kernel(generate_dq_postprocess(shape, cfg))
+    if plan.dq_config is not None:
+        dq_cfg = plan.dq_config
+        bk.dq = Kernel(generate_backward_dq(spec, shape, dq_cfg))
+        bk.dq_tables = MaskTables(spec.mask, shape, dq_cfg.block_M, dq_cfg.block_N, forward_layout,
+                                  FORWARD_TABLES)
+    return bk
+
+
+def transposed_tables(
+    bc: BlockClasses, seqlen_q: int, block_M: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(LoT, HiT, ClsT, OrdT): per kv block, the non-empty query blocks [LoT, HiT) and the
+    classes [.., kv block, q block]; a full block that holds the query tail becomes partial.
+    OrdT lists the kv blocks longest walk first (ties in key order), the launch order of the
+    warp-specialised kernel's panels: started last, a long block leaves the machine a tail
+    (a document mask's longest blocks start its documents, not the sequence)."""
+    cls = bc.classes.clone()
+    if seqlen_q % block_M:
+        last = cls[:, :, -1, :]
+        last[last == FULL] = PARTIAL
+    clsT = cls.transpose(-1, -2).contiguous()
+    lo, hi = BlockClasses(clsT, bc.block_N, block_M, bc.seqlen_kv, seqlen_q).loop_bounds()
+    return lo, hi, clsT, torch.sort(lo - hi, dim=-1, stable=True).indices.to(torch.int32)
+
+
+def launch_backward(
+    bk: BackwardKernels,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    finals: list[torch.Tensor],
+    do: torch.Tensor,
+    custom: dict[str, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """dq, dk, dv (input dtype and layouts) for output gradient `do`, and the gradients of the
+    CustomIO tensors named in bk.custom_grads (each in its tensor's dtype).
+
+    `finals` are the forward's final row scales ([B, Hq, Sq] fp32, in spec.final_names order);
+    `custom` the CustomIO tensors by name."""
+    p, dev = bk.shape, q.device
+    q, k, v, o, do = (t.contiguous() for t in (q, k, v, o, do))
+    names = [prm.name for prm in bk.main.params if prm.name.startswith("F_")]
+    rows = dict(zip(names, (f.detach().float().contiguous() for f in finals), strict=True))
+    if bk.preprocess is not None:
+        rows["Delta"] = torch.empty(p.batch, p.heads_q, p.seqlen_q, dtype=torch.float32, device=dev)
+        bk.preprocess(O=o, dO=do, Delta=rows["Delta"])
+    inputs = {"Q": q, "K": k, "V": v, "dO": do,
+              **{f"C_{n}": t.detach().float().contiguous() for n, t in custom.items()}, **rows}
+    z = lambda *shape: torch.zeros(shape, dtype=torch.float32, device=dev)  # noqa: E731
+    dc = {n: z(*custom[n].shape) for n in bk.custom_grads}
+    # Stored once: each element has one writer, in the input dtype (no zeroing, no cast).
+    kv = ((lambda *shape: torch.empty(shape, dtype=q.dtype, device=dev))
+          if bk.plan.kv_store == "once" else z)
+    tables = bk.tables.named(custom, dev)
+    if bk.deterministic:
+        dk, dv, dq = _deterministic(bk, inputs, tables, custom, dc, kv, z)
+    else:
+        dk = kv(p.batch, p.seqlen_kv, p.heads_kv, p.head_dim)
+        dv = kv(p.batch, p.seqlen_kv, p.heads_kv, p.head_dim_v)
+        grads = {f"dC_{n}": g for n, g in dc.items()}
+        if bk.plan.dq_layout == "fragment":
+            bM = bk.config.block_M
+            acc = z(p.batch, p.heads_q, -(-p.seqlen_q // bM), bM * p.head_dim // DQ_ROW, DQ_ROW)
+            bk.main(**inputs, **tables, dQ=acc, dK=dk, dV=dv, **grads)
+            dq = torch.empty_like(q)
+            bk.post(acc=acc, dQ=dq)
+        else:
+            dq_bhsd = z(p.batch, p.heads_q, p.seqlen_q, p.head_dim)  # the main kernel's layout
+            bk.main(**inputs, **tables, dQ=dq_bhsd, dK=dk, dV=dv, **grads)
+            dq = dq_bhsd.transpose(1, 2)
+    cg = {n: g.to(custom[n].dtype) for n, g in dc.items()}
+    if dq.dtype != q.dtype:
+        dq = torch.empty_like(q).copy_(dq)  # cast (and, fast mode, transpose) in one pass
+    return dq, dk.to(q.dtype), dv.to(q.dtype), cg  # .to: no copy when stored once
+
+
+def _deterministic(bk: BackwardKernels, inputs: dict, tables: dict, custom: dict, dc: dict,
+                   kv, z) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dk, dv, dq) of the atomic-free kernels: dK/dV per query head and custom gradients per
+    key row from the main kernel, dQ from the dQ kernel, then fixed-order sums."""
+    p, dev = bk.shape, inputs["Q"].device
+    G = p.heads_q // p.heads_kv
+    dkh = kv(p.batch, p.seqlen_kv, p.heads_q, p.head_dim)
+    dvh = kv(p.batch, p.seqlen_kv, p.heads_q, p.head_dim_v)
+    rows = {f"dCrow{r}": z(p.batch, p.heads_q, p.seqlen_kv) for r in range(len(bk.custom_reads))}
+    bk.main(**inputs, **tables, dK=dkh, dV=dvh, **rows)
+    dq = z(p.batch, p.seqlen_q, p.heads_q, p.head_dim)
+    bk.dq(**inputs, **bk.dq_tables.named(custom, dev), dQ=dq)
+    # Fixed-order sums: the query heads of each group, and the rows of each custom read.
+    dk = dkh.view(p.batch, p.seqlen_kv, p.heads_kv, G, p.head_dim).sum(3)
+    dv = dvh.view(p.batch, p.seqlen_kv, p.heads_kv, G, p.head_dim_v).sum(3)
+    for (name, index), row in zip(bk.custom_reads, rows.values(), strict=True):
+        dc[name] += fold_rows(row, index, tuple(custom[name].shape))
+    return dk, dv, dq
+
+
+def fold_rows(rows: torch.Tensor, index: tuple, shape: tuple[int, ...]) -> torch.Tensor:
+    """A custom read's gradient from its per-(b, h, key) partial sums `rows` [B, Hq, Skv]:
+    summed over the axes the read's index does not use, laid out as the custom tensor."""
+    axis = {"b": 0, "h": 1, "kv": 2}
+    used = [axis[s] for s in index if isinstance(s, str)]
+    kept = rows.sum(dim=[a for a in range(3) if a not in used]) if len(used) < 3 else rows
+    # kept's axes are the used ones in ascending order; put them in index order.
+    kept = kept.permute(*[sorted(used).index(a) for a in used]) if used else kept
+    return kept.reshape(shape)

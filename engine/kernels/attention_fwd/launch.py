@@ -1,0 +1,58 @@
+"""Build and launch the forward kernel: its source and block tables at a config, compiled on
+first use, called by name with the mask's tables and freshly allocated outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.ir.spec import TracedSpec
+from engine.kernels.attention_fwd.codegen import generate_forward
+from engine.plan.config import KernelConfig
+from engine.plan.shape import KernelShape
+from engine.runtime.kernel import Kernel
+from engine.runtime.mask_tables import FORWARD_TABLES, MaskTables, forward_layout
+
+
+@dataclass
+class ForwardKernel:
+    shape: KernelShape
+    config: KernelConfig
+    kernel: Kernel
+    tables: MaskTables
+    final_names: tuple[str, ...] = ()
+
+    @property
+    def source(self) -> str:
+        return self.kernel.source
+
+    def sources(self) -> list[str]:
+        return [self.source]
+
+    def compile(self) -> None:
+        self.kernel.compiled()
+
+
+def build_forward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig) -> ForwardKernel:
+    """The forward kernel of `spec` at `shape` and `cfg`, generated (not compiled)."""
+    tables = MaskTables(spec.mask, shape, cfg.block_M, cfg.block_N, forward_layout, FORWARD_TABLES)
+    return ForwardKernel(shape, cfg, Kernel(generate_forward(spec, shape, cfg)), tables,
+                         tuple(spec.final_names))
+
+
+def launch_forward(fk: ForwardKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   custom: dict[str, torch.Tensor], poison: bool = False
+                   ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(o, finals) of the forward kernel; `custom` the CustomIO tensors by name. `poison`
+    fills the outputs with NaN first (tests: every element must be written)."""
+    s, dev = fk.shape, q.device
+    fill = (lambda *d, dtype: torch.full(d, float("nan"), dtype=dtype, device=dev)) if poison \
+        else (lambda *d, dtype: torch.empty(d, dtype=dtype, device=dev))
+    o = fill(s.batch, s.seqlen_q, s.heads_q, s.head_dim_v, dtype=q.dtype)
+    finals = {f"F_{n}": fill(s.batch, s.heads_q, s.seqlen_q, dtype=torch.float32)
+              for n in fk.final_names}
+    fk.kernel(Q=q.contiguous(), K=k.contiguous(), V=v.contiguous(),
+              **{f"C_{n}": t.detach().float().contiguous() for n, t in custom.items()},
+              **fk.tables.named(custom, dev), O=o, **finals)
+    return o, list(finals.values())

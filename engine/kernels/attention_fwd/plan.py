@@ -1,0 +1,167 @@
+"""The forward kernel's plan: its validity model (shared memory, registers, TileLang's warp
+partition of both gemms: S = Q K^T over [block_M x block_N], O += P V over
+[block_M x head_dim_v]) and its default config, the first valid one from a preference order
+measured on the H100 (see results/)."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from engine.plan.config import (
+    GEMM_POLICIES,
+    SMEM_LIMIT_BYTES,
+    ConfigError,
+    KernelConfig,
+    consumer_register_cap,
+    warp_partition,
+)
+
+if TYPE_CHECKING:
+    from engine.ir.spec import TracedSpec
+
+# Registers a consumer thread needs beyond its accumulators (addresses, row scales, loop state).
+REG_OVERHEAD = 48
+
+def estimate_resources(
+    cfg: KernelConfig, head_dim: int, head_dim_v: int, elem_bytes: int = 2, extra_tiles: int = 0
+) -> dict[str, int]:
+    """Shared memory (bytes) and accumulator registers per consumer thread of the forward
+    template. `extra_tiles` counts additional float32 [block_M, block_N] fragments a spec
+    needs (e.g. a second live score tile)."""
+    smem = elem_bytes * (
+        cfg.block_M * head_dim  # Q tile
+        + cfg.num_stages * cfg.block_N * (head_dim + head_dim_v)  # K and V ring buffers
+        + cfg.block_M * head_dim_v  # O staging for the TMA store
+    )
+    per_thread = lambda n: -(-n // cfg.threads)  # noqa: E731 - ceil division
+    regs = (
+        per_thread(cfg.block_M * cfg.block_N) * (1 + extra_tiles)  # fp32 score tile(s)
+        + per_thread(cfg.block_M * cfg.block_N) // 2  # fp16/bf16 copy of P for the PV gemm
+        + per_thread(cfg.block_M * head_dim_v)  # fp32 output accumulator
+        + REG_OVERHEAD
+    )
+    return {"smem_bytes": smem, "regs_per_thread": regs}
+
+
+def config_problems(
+    cfg: KernelConfig, head_dim: int, head_dim_v: int, elem_bytes: int = 2, extra_tiles: int = 0
+) -> list[str]:
+    """Every reason `cfg` is invalid for this problem (empty list: valid)."""
+    out: list[str] = []
+    if cfg.threads not in (128, 256, 384):
+        out.append(f"threads={cfg.threads}: expected 128, 256 or 384 (whole warpgroups)")
+    if cfg.gemm_policy not in GEMM_POLICIES:
+        out.append(f"gemm_policy={cfg.gemm_policy!r}: expected one of {GEMM_POLICIES}")
+    if cfg.block_M not in (64, 128, 192, 256):
+        out.append(f"block_M={cfg.block_M}: expected 64, 128, 192 or 256")
+    if cfg.block_N not in (32, 64, 96, 128, 160, 176, 192, 256):
+        out.append(f"block_N={cfg.block_N}: expected a multiple of 32 up to 256")
+    if not 1 <= cfg.num_stages <= 4:
+        out.append(f"num_stages={cfg.num_stages}: expected 1..4")
+    if cfg.swizzle_panel < 0:
+        out.append(f"swizzle_panel={cfg.swizzle_panel}: expected >= 0")
+    if cfg.threads in (128, 256, 384) and cfg.gemm_policy in GEMM_POLICIES:
+        wgmma = elem_bytes == 2  # bf16/fp16 operands: Hopper wgmma; others: mma.sync
+        warps = cfg.threads // 32
+        for what, n in (("S = Q K^T", cfg.block_N), ("O += P V", head_dim_v)):
+            split = warp_partition(cfg.block_M, n, warps, cfg.gemm_policy, wgmma)
+            if split is None:
+                out.append(
+                    f"{what} [{cfg.block_M}x{n}]: no warp partition for {warps} warps with "
+                    f"{cfg.gemm_policy} (each warp owns a multiple of 16 rows and 8 columns"
+                    f"{'; warps go along M in groups of 4' if wgmma else ''})"
+                )
+            elif split[1] != 1:
+                # P stays in registers as the A operand of the PV gemm, so each warp must own
+                # whole rows of both tiles; a split along N is a layout conflict between the
+                # score tile and P at lowering (seen with 64x64, 256 threads, FullRow).
+                out.append(
+                    f"{what} [{cfg.block_M}x{n}]: {cfg.gemm_policy} splits {warps} warps "
+                    f"{split[0]}x{split[1]} (M x N); the template needs every warp along M "
+                    f"(block_M a multiple of {16 * warps})"
+                )
+                break
+    if head_dim % 16 or head_dim_v % 16:
+        out.append(f"head dims {head_dim}/{head_dim_v}: expected multiples of 16")
+    res = estimate_resources(cfg, head_dim, head_dim_v, elem_bytes, extra_tiles)
+    if res["smem_bytes"] > SMEM_LIMIT_BYTES:
+        out.append(
+            f"shared memory {res['smem_bytes'] // 1024} KiB > {SMEM_LIMIT_BYTES // 1024} KiB "
+            f"(block_M={cfg.block_M}, block_N={cfg.block_N}, num_stages={cfg.num_stages}, "
+            f"D={head_dim}, Dv={head_dim_v})"
+        )
+    cap = consumer_register_cap(cfg.threads)
+    acc = res["regs_per_thread"] - REG_OVERHEAD
+    if acc > cap:
+        out.append(
+            f"accumulators need about {acc} registers per thread > {cap} (the consumer cap with "
+            f"threads={cfg.threads}; {cfg.block_M}x{cfg.block_N} scores and {cfg.block_M}x{head_dim_v} "
+            f"output)"
+        )
+    return out
+
+
+# The masked-block register model. In a partial block the consumer evaluates the mask and the
+# score_mod per score element on top of its accumulators; where the accumulators already fill
+# the register cap (192 x 128 tiles on 384 threads at D = 128), ptxas spills once that work
+# exceeds a plain causal mask. Calibrated with ptxas --resource-usage at D = 128, 192 x 128 on
+# 384 threads (ops = TracedSpec.masked_block_ops): causal (2) spills 24 bytes; prefix-LM (4)
+# 180, document (4) 542, ALiBi and soft-capping (5) 100-112, sliding window (5) 544; RetNet
+# (6) 28, where the model is conservative. At 128 x 128 on 256 threads none spills.
+FREE_MASKED_OPS = 2
+REGS_PER_MASKED_OP = 8
+
+
+def masked_body_fits(cfg: KernelConfig, head_dim: int, head_dim_v: int, masked_ops: int,
+                     elem_bytes: int = 2) -> bool:
+    """Whether a partial block's `masked_ops` elementwise ops fit beside the accumulators."""
+    res = estimate_resources(cfg, head_dim, head_dim_v, elem_bytes)
+    headroom = consumer_register_cap(cfg.threads) - (res["regs_per_thread"] - REG_OVERHEAD)
+    return masked_ops <= FREE_MASKED_OPS + max(0, headroom) // REGS_PER_MASKED_OP
+
+
+def check_config(
+    cfg: KernelConfig, head_dim: int, head_dim_v: int, elem_bytes: int = 2, extra_tiles: int = 0
+) -> KernelConfig:
+    problems = config_problems(cfg, head_dim, head_dim_v, elem_bytes, extra_tiles)
+    if problems:
+        raise ConfigError(f"invalid KernelConfig {cfg.key()}: " + "; ".join(problems))
+    return cfg
+
+
+# Forward kernels with batch and sequence lengths as runtime symbols (one compile serves every
+# length; engine.plan.shape.KernelShape.dynamic). Off until the H100 shows it costs no speed
+# (the `engine-dynamic` implementation measures it beside `engine` in the same run);
+# ATTNBENCH_DYNAMIC_SHAPES=1 turns it on, as does setting a module's `dynamic_shapes`.
+DYNAMIC_SHAPES = os.environ.get("ATTNBENCH_DYNAMIC_SHAPES", "0") == "1"
+
+# Preference order: large tiles first (they amortise the softmax per wgmma best), then
+# smaller tiles / fewer stages as head dims grow and shared memory runs out. A spec whose
+# partial blocks do more than the register model allows beside the accumulators skips the
+# tiles that would spill (masked_body_fits).
+PREFERENCE: tuple[KernelConfig, ...] = (
+    KernelConfig(192, 128, 2, 384),  # 3 consumer warpgroups: 648-656 TFLOP/s at D=128 (H100)
+    # Rasterised in panels of 8 blocks: on the H100 at D = 128, 4k, masked variants ran
+    # 3-6% faster than unrasterised (sliding window and document within 2%).
+    KernelConfig(128, 128, 2, 256, "FullRow", 8),
+    KernelConfig(128, 64, 2, 256),
+    KernelConfig(128, 64, 1, 256),
+    KernelConfig(64, 64, 2, 128),
+    KernelConfig(64, 64, 1, 128),
+    KernelConfig(64, 32, 1, 128),
+)
+
+
+def default_forward_config(head_dim: int, head_dim_v: int, elem_bytes: int = 2,
+                           spec: TracedSpec | None = None) -> KernelConfig:
+    """The first valid config of PREFERENCE; with `spec`, the first whose partial blocks also
+    keep within the consumer's registers (the first valid one if none does)."""
+    ops = spec.masked_block_ops() if spec is not None else 0
+    valid = [c for c in PREFERENCE if not config_problems(c, head_dim, head_dim_v, elem_bytes)]
+    if not valid:
+        raise ValueError(
+            f"no valid forward kernel config for head dims D={head_dim}, Dv={head_dim_v}"
+        )
+    fits = [c for c in valid if masked_body_fits(c, head_dim, head_dim_v, ops, elem_bytes)]
+    return (fits or valid)[0]

@@ -1,0 +1,82 @@
+"""The kernel kinds, each named once: the tuner, tune files, `tune=True`, precompile and the
+harness's engine implementations find a kind here, never by spelling its name.
+
+A kind's name is the stem of its search space (search_spaces/<name>.toml) and of its tune
+files (results/tune/<gpu>/<name>.json). See engine/kernels/README.md to add one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.kernels.attention_bwd import launch as bwd_launch
+from engine.kernels.attention_bwd import plan as bwd_plan
+from engine.kernels.attention_bwd.codegen import generate_backward
+from engine.kernels.attention_fwd import launch as fwd_launch
+from engine.kernels.attention_fwd import plan as fwd_plan
+from engine.kernels.attention_fwd.codegen import generate_forward
+from engine.plan.config import KernelConfig
+from engine.reference import executor
+
+SEARCH_SPACES = Path(__file__).resolve().parents[2] / "search_spaces"
+
+
+@dataclass(frozen=True)
+class KernelKind:
+    name: str
+    # The problems it serves (a suite case's `kind`: attention, decode, linear) and the pass a
+    # tuning study of it times ("fwd", or "bwd": forward and backward): (family, mode) picks it.
+    family: str
+    mode: str
+    config_type: type
+    # The AttentionEngine argument that fixes this kind's config (tuning trials set it).
+    config_arg: str
+    # (cfg, head_dim, head_dim_v, elem_bytes) -> every reason cfg is invalid (empty: valid).
+    problems: Callable[..., list[str]]
+    # (head_dim, head_dim_v, elem_bytes, spec) -> the config used when no tune file has one
+    # (ValueError: none is valid).
+    default: Callable[..., Any]
+    generate: Callable[..., Any]  # the main kernel's generator -> GeneratedKernel
+    build: Callable[..., Any]  # (spec, shape, cfg, ...) -> the kind's kernels, not compiled
+    launch: Callable[..., Any]  # runs built kernels on tensors
+    reference: Callable[..., Any]  # what every kernel of the kind is tested against
+
+    @property
+    def search_space(self) -> Path:
+        return SEARCH_SPACES / f"{self.name}.toml"
+
+
+ATTENTION_FWD = KernelKind(
+    name="attention_fwd", family="attention", mode="fwd", config_type=KernelConfig, config_arg="config",
+    problems=fwd_plan.config_problems, default=fwd_plan.default_forward_config,
+    generate=generate_forward, build=fwd_launch.build_forward, launch=fwd_launch.launch_forward,
+    reference=executor.forward,
+)
+ATTENTION_BWD = KernelKind(
+    name="attention_bwd", family="attention", mode="bwd", config_type=KernelConfig,
+    config_arg="backward_config",
+    problems=bwd_plan.backward_config_problems, default=bwd_plan.default_backward_config,
+    generate=generate_backward, build=bwd_launch.build_backward,
+    launch=bwd_launch.launch_backward, reference=executor.backward,
+)
+
+KINDS: dict[str, KernelKind] = {k.name: k for k in (ATTENTION_FWD, ATTENTION_BWD)}
+
+
+def get_kind(name: str) -> KernelKind:
+    try:
+        return KINDS[name]
+    except KeyError:
+        raise ValueError(f"kernel kind {name!r}: expected one of {sorted(KINDS)}") from None
+
+
+def kind_for(family: str, mode: str) -> KernelKind:
+    """The kind a tuning study of a `family` problem in `mode` tunes."""
+    for kind in KINDS.values():
+        if (kind.family, kind.mode) == (family, mode):
+            return kind
+    have = sorted((k.family, k.mode) for k in KINDS.values())
+    raise ValueError(f"family={family!r}, mode={mode!r}: no kernel kind; have {have}")

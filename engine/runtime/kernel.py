@@ -1,0 +1,76 @@
+"""A generated kernel at run time: compiled on first use, called with its tensors by name.
+
+The generator returns `main`'s parameters with the source (engine.codegen.params); binding by
+name ties the launcher to the generator by more than the order of a list. The first call also
+checks every tensor's dtype and static extents against its parameter (then the layout is
+proven: later calls only look the names up)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from engine.codegen.params import GeneratedKernel, KernelParam
+from engine.dtypes import TORCH
+from engine.runtime.compile import compile_source
+
+TORCH_DTYPES = TORCH  # a parameter's TileLang dtype is the torch name
+
+
+def bind_arguments(params: Sequence[KernelParam], tensors: Mapping[str, Any]) -> list[Any]:
+    """`tensors` in the order of `params`; ValueError naming what is missing or unexpected."""
+    names = [p.name for p in params]
+    if len(tensors) != len(names) or any(n not in tensors for n in names):
+        missing = [n for n in names if n not in tensors]
+        extra = sorted(set(tensors) - set(names))
+        raise ValueError(f"kernel arguments: missing {missing}, unexpected {extra}; "
+                         f"the kernel takes {names}")
+    return [tensors[n] for n in names]
+
+
+def check_arguments(params: Sequence[KernelParam], args: Sequence[Any]) -> None:
+    """ValueError unless each tensor has its parameter's dtype and extents (a symbol, such as
+    a dynamic length, the same size wherever it appears)."""
+    symbols: dict[str, int] = {}
+    for p, t in zip(params, args, strict=True):
+        want = TORCH_DTYPES[p.dtype]
+        if t.dtype != want or t.dim() != len(p.shape):
+            raise ValueError(f"kernel argument {p.name}: {t.dtype} {tuple(t.shape)}; expected "
+                             f"{want} with extents {p.shape}")
+        for extent, size in zip(p.shape, t.shape, strict=True):
+            if extent.isdigit():
+                ok = int(extent) == size
+            else:
+                ok = symbols.setdefault(extent, size) == size
+            if not ok:
+                raise ValueError(f"kernel argument {p.name}: shape {tuple(t.shape)}; expected "
+                                 f"extents {p.shape} (symbols so far: {symbols})")
+
+
+class Kernel:
+    """One generated kernel; `kernel(**tensors)` launches it."""
+
+    def __init__(self, generated: GeneratedKernel):
+        self.generated = generated
+        self._compiled: Any = None
+        self._checked = False
+
+    @property
+    def source(self) -> str:
+        return self.generated.source
+
+    @property
+    def params(self) -> tuple[KernelParam, ...]:
+        return self.generated.params
+
+    def compiled(self) -> Any:
+        if self._compiled is None:
+            self._compiled = compile_source(self.source)
+        return self._compiled
+
+    def __call__(self, **tensors: Any) -> Any:
+        args = bind_arguments(self.params, tensors)
+        if not self._checked:
+            check_arguments(self.params, args)
+            self._checked = True
+        return self.compiled()(*args)

@@ -1,0 +1,72 @@
+"""A module's kernels: which config each kind runs (the module's own, its tune file's, or the
+kind's default), built once per request (engine.plan.request) and kept by the AttentionEngine
+that owns the cache. Changing an option (a config, dynamic shapes) makes a new request, and so
+new kernels; `KernelCache.clear` drops them (after tuning wrote a new tune-file entry)."""
+
+from __future__ import annotations
+
+from engine.dtypes import KERNEL_DTYPES
+from engine.kernels.attention_bwd.launch import BackwardKernels
+from engine.kernels.attention_bwd.plan import check_backward_config
+from engine.kernels.attention_fwd.launch import ForwardKernel
+from engine.kernels.attention_fwd.plan import check_config
+from engine.kernels.registry import ATTENTION_BWD, ATTENTION_FWD
+from engine.plan.config import KernelConfig
+from engine.plan.request import KernelRequest
+from engine.tuning.select import tuned_config
+
+
+def forward_config(req: KernelRequest) -> KernelConfig:
+    """The module's config (checked), else its tune file's entry (the nearest tuned shape),
+    else the default; a missing or unreadable tune file means the default."""
+    p = req.problem
+    if req.options.config is not None:
+        return check_config(req.options.config, p.head_dim, p.head_dim_v)
+    return tuned_config(req, ATTENTION_FWD) or ATTENTION_FWD.default(
+        p.head_dim, p.head_dim_v, spec=req.spec)
+
+
+def backward_config(req: KernelRequest, config: KernelConfig | None = None) -> KernelConfig:
+    """`config`, else the module's backward config, else the tune file's, else the default."""
+    p, spec = req.problem, req.spec
+    cfg = config or req.options.backward_config or tuned_config(req, ATTENTION_BWD)
+    if cfg is None:
+        return ATTENTION_BWD.default(p.head_dim, p.head_dim_v)
+    n_rows = len(spec.final_names) + int(spec.uses_doosum)
+    return check_backward_config(cfg, p.head_dim, p.head_dim_v, n_rows=n_rows)
+
+
+class KernelCache:
+    """Built kernels (generated, compiled on first launch) by request; `tune_checked`: whether
+    tune=True already looked for (or made) a tuned entry."""
+
+    def __init__(self) -> None:
+        self._forward: dict[tuple, ForwardKernel] = {}
+        self._backward: dict[tuple, BackwardKernels] = {}
+        self.tune_checked = False
+
+    def clear(self) -> None:
+        self._forward.clear()
+        self._backward.clear()
+
+    def forward(self, req: KernelRequest) -> ForwardKernel:
+        key = req.key()
+        if key not in self._forward:
+            self._forward[key] = ATTENTION_FWD.build(req.spec, req.shape, forward_config(req))
+        return self._forward[key]
+
+    def backward(self, req: KernelRequest, config: KernelConfig | None = None,
+                 custom_grads: tuple[str, ...] = (), deterministic: bool | None = None
+                 ) -> BackwardKernels:
+        """The backward kernels, producing the gradients of the CustomIO tensors named in
+        `custom_grads` too; `deterministic` defaults to the request's option."""
+        det = bool(req.options.deterministic if deterministic is None else deterministic)
+        key = (req.key(), config, tuple(custom_grads), det)
+        if key not in self._backward:
+            if req.dtype not in KERNEL_DTYPES:
+                raise ValueError(f"dtype {req.dtype}: backward kernels support "
+                                 f"{sorted(map(str, KERNEL_DTYPES))}")
+            self._backward[key] = ATTENTION_BWD.build(req.spec, req.shape,
+                                                      backward_config(req, config),
+                                                      tuple(custom_grads), det)
+        return self._backward[key]
