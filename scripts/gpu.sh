@@ -22,6 +22,9 @@ if ls .gpu/whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH="/tmp/gpu-whl${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# The checkout's package metadata (entry points: tune=True finds the tuner through them).
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 \
+  || echo "gpu.sh: pip install -e . failed: tune=True will find no tuner" >&2
 export ATTNBENCH_KERNEL_DIR=/tmp/attnbench-kernels TILELANG_CACHE_DIR=/tmp/tilelang-cache
 # The commit the sender sent (its .git may not travel intact): write it before each call with
 #   (git rev-parse HEAD; git diff --quiet HEAD || echo -dirty) | tr -d '\n' > .gpu/HEAD
@@ -57,7 +60,8 @@ for step in "${steps[@]}"; do
     tune_suite llama3 bwd 10 300 --filter llama3-8b
   elif [ "$step" = user-loop ]; then
     mkdir -p "$OUT/tune"
-    python scripts/tune_user_loop.py "$OUT/tune" 2>&1 | grep -v "^\[I \|INFO" | tail -30
+    ATTNBENCH_TUNE_TRIALS=${ATTNBENCH_TUNE_TRIALS:-16} ATTNBENCH_TUNE_SECONDS=${ATTNBENCH_TUNE_SECONDS:-120} \
+      python scripts/tune_user_loop.py "$OUT/tune" 2>&1 | grep -v "^\[I \|INFO" | tail -30
   elif [ "${step%%:*}" = tune-suite ]; then
     tune_suite "${step#*:}" both 8 380
   else

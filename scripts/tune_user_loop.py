@@ -6,8 +6,9 @@ The user loop is what a model does: call the module back to back, no L2 flush, t
 CUDA events around `CALLS` calls; the two modules alternate over `ROUNDS` rounds so that clock
 and temperature drift hit both alike. Each module's figure is the median of its rounds.
 
-Usage (a Hopper GPU): python scripts/tune_user_loop.py OUT_DIR [--trials N] [--seconds S]
-Writes OUT_DIR/user-loop-<gpu>.json and prints a table.
+Usage (a Hopper GPU): python scripts/tune_user_loop.py OUT_DIR [--variants A,B]
+The study's budget is tune=True's (ATTNBENCH_TUNE_TRIALS / ATTNBENCH_TUNE_SECONDS override it).
+Writes OUT_DIR/user-loop-<gpu>.json and prints a line per variant.
 """
 
 from __future__ import annotations
@@ -150,8 +151,7 @@ def run_variant(name: str, out: Path) -> dict:
 
 
 def _config_text(mod) -> str:
-    cfg = getattr(mod, "kernel_config", None)
-    return str(cfg() if callable(cfg) else cfg)
+    return mod.forward_kernel().config.key()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -157,3 +157,16 @@ def test_compile_step_compiles_the_timed_kernel(objective, tmp_path, monkeypatch
         torch.save({"q": q, "k": k, "v": v}, tmp_path / "in.pt")
         SpecObjective(problem, mod.spec, mod.custom_io, str(tmp_path / "in.pt")).compile(cfg)
     assert seen == [mod.kernel_source]
+
+
+def test_budget_from_the_environment(monkeypatch):
+    monkeypatch.delenv("ATTNBENCH_TUNE_TRIALS", raising=False)
+    monkeypatch.delenv("ATTNBENCH_TUNE_SECONDS", raising=False)
+    assert TuneBudget.from_env() == TuneBudget()
+    monkeypatch.setenv("ATTNBENCH_TUNE_TRIALS", "12")
+    monkeypatch.setenv("ATTNBENCH_TUNE_SECONDS", "90.5")
+    assert TuneBudget.from_env() == TuneBudget(trials=12, timeout_s=90.5)
+    for bad in ("0", "-3", "many", "nan"):
+        monkeypatch.setenv("ATTNBENCH_TUNE_SECONDS", bad)
+        with pytest.raises(ValueError, match="ATTNBENCH_TUNE_SECONDS"):
+            TuneBudget.from_env()

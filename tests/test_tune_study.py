@@ -167,7 +167,7 @@ def test_grid_vs_optuna_record(tmp_path):
 
 
 def _result(name: str, timings: list[tuple[str, float]], n_valid: int = 10):
-    from attnbench.tune.runner import TuneResult
+    from attnbench.tune.result import TuneResult
 
     best = min(timings, key=lambda kv: kv[1])
     return TuneResult(study_name=name, storage="", gpu="gpu", n_valid=n_valid, exhaustive=False,

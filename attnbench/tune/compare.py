@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 
 from attnbench.tune.objective import Objective
-from attnbench.tune.runner import TuneOptions, TuneResult, run_study
+from attnbench.tune.result import TuneResult
+from attnbench.tune.runner import TuneOptions, run_study
 from attnbench.tune.space import SearchSpace
 from engine.tuning import tune_file
 

@@ -12,17 +12,14 @@ import datetime as dt
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import optuna
 
 from attnbench.tune.confirm import MARGIN, ROUNDS, Confirmation, confirm
 from attnbench.tune.objective import Objective, TrialFailed
+from attnbench.tune.result import TuneResult
 from engine.plan.config import KernelConfig
 from engine.tuning import tune_file
-
-if TYPE_CHECKING:
-    from attnbench.tune.runner import TuneResult
 
 log = logging.getLogger(__name__)
 

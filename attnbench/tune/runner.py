@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -35,6 +35,7 @@ from attnbench.tune.objective import Objective, TrialFailed
 from attnbench.tune.problem import study_name
 from attnbench.tune.progress import ProgressDisplay, Snapshot
 from attnbench.tune.publish import write_best
+from attnbench.tune.result import TuneResult
 from attnbench.tune.space import SearchSpace
 from attnbench.tune.storage import default_storage_url, make_storage, reap_dead_trials
 from attnbench.tune.workers import BenchWorker, CompilePool
@@ -78,36 +79,6 @@ class TuneOptions:
             raise ValueError("gpus: expected at least one GPU index")
         if self.search not in ("auto", "tpe", "grid"):
             raise ValueError(f"search={self.search!r}: expected auto, tpe or grid")
-
-
-@dataclass
-class TuneResult:
-    study_name: str
-    storage: str
-    gpu: str
-    n_valid: int
-    exhaustive: bool
-    target: int
-    evaluated: int
-    failed: int
-    best_latency_ms: float | None
-    best_tflops: float | None
-    best_config: dict | None
-    best_trial: int | None
-    history: list[float] = field(default_factory=list)  # latency per evaluated trial, in order
-    history_keys: list[str] = field(default_factory=list)  # config key per evaluated trial
-    tune_file: str | None = None
-    run_id: str = ""
-    baseline_config: dict | None = None  # the engine's current choice, measured in this run
-    baseline_latency_ms: float | None = None
-    run_best_latency_ms: float | None = None  # fastest config measured in this run
-    run_best_config: dict | None = None
-    run_best_tflops: float | None = None
-    run_best_trial: int | None = None
-    tune_file_note: str = ""  # what happened to the tune file, and why
-    interrupted: bool = False  # stopped by --timeout or Ctrl-C before reaching its target
-    confirmation: dict | None = None  # the A/B timings of winner and baseline (confirm.py)
-    entry: dict | None = None  # the tune file's entry for the problem after this run
 
 
 class StudyInterrupted(KeyboardInterrupt):

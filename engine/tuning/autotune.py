@@ -11,6 +11,7 @@ line and uses the tune file or the defaults.
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from dataclasses import dataclass
 from importlib import metadata
@@ -34,6 +35,25 @@ class TuneBudget:
 
     trials: int = 40
     timeout_s: float = 300.0
+
+    @classmethod
+    def from_env(cls) -> TuneBudget:
+        """The default budget, or ATTNBENCH_TUNE_TRIALS / ATTNBENCH_TUNE_SECONDS where set."""
+        return cls(trials=_env_number("ATTNBENCH_TUNE_TRIALS", cls.trials, int),
+                   timeout_s=_env_number("ATTNBENCH_TUNE_SECONDS", cls.timeout_s, float))
+
+
+def _env_number(name: str, default, kind):
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not value > 0 or value != value:
+        raise ValueError(f"{name}={text!r}: expected a positive {kind.__name__}")
+    return value
 
 
 DEFAULT_BUDGET = TuneBudget()
@@ -95,13 +115,14 @@ def ensure_tuned(
     customs: list[torch.Tensor],
     *,
     gpu: str | None = None,
-    budget: TuneBudget = DEFAULT_BUDGET,
+    budget: TuneBudget | None = None,
     tuner: Tuner | None = None,
     progress: bool = True,
 ) -> Any:
     """Tune the request's forward unless its tune file has an exact entry; returns the
     tuner's summary, or None when nothing was tuned. `tuner` defaults to find_tuner();
-    `gpu` to the name of q's GPU."""
+    `gpu` to the name of q's GPU; `budget` to TuneBudget.from_env()."""
+    budget = budget or TuneBudget.from_env()
     gpu = gpu or torch.cuda.get_device_name(q.device)
     if has_exact_entry(req, gpu):
         return None
