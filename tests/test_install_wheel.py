@@ -96,7 +96,9 @@ def test_wheel_carries_the_package_and_its_data(wheel):
     assert "attnbench/data/shapes.toml" in names
     tracked = subprocess.run(["git", "ls-files", "attnbench", "engine"], cwd=REPO,
                              capture_output=True, text=True, check=True).stdout.split()
-    missing = [f for f in tracked if (REPO / f).is_file() and f not in names]
+    # Developers' notes beside the code (engine/kernels/README.md) are not read at run time.
+    missing = [f for f in tracked
+               if (REPO / f).is_file() and not f.endswith(".md") and f not in names]
     assert not missing, f"package files missing from the wheel: {missing}"
 
 
