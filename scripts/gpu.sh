@@ -16,8 +16,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 mkdir -p "$OUT/runs"
 if [ -f .gpu/install.sh ]; then source .gpu/install.sh >/dev/null; fi
-# Wheels the shared bundle lacks (pebble for the tuner's workers, pytest-xdist and execnet for
-# the GPU tests), if carried in .gpu/whl.
+# Wheels the shared bundle lacks (pebble for the tuner's workers), if carried in .gpu/whl.
 if ls .gpu/whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/gpu-whl .gpu/whl/*.whl 2>/dev/null
   export PYTHONPATH="/tmp/gpu-whl${PYTHONPATH:+:$PYTHONPATH}"
@@ -47,9 +46,9 @@ for step in "${steps[@]}"; do
   if [ "${step%%:*}" = tests ]; then
     # tests:forward or tests:backward runs one of the two GPU test modules.
     what=tests/gpu; [ "$step" != tests ] && what="tests/gpu/test_${step#*:}_kernels.py"
-    # pytest-xdist, if carried in .gpu/whl: the kernels' nvcc compiles dominate, in parallel.
-    workers=""; python -c "import xdist" 2>/dev/null && workers="-n ${GPU_TEST_WORKERS:-12}"
-    timeout 560 python -m pytest -m gpu "$what" $workers -q -p no:cacheprovider -rf 2>&1 \
+    # One process: each module's fixture already compiles all its kernels in parallel workers
+    # (pytest-xdist would repeat that whole precompile in every xdist worker).
+    timeout 560 python -m pytest -m gpu "$what" -q -p no:cacheprovider -rf 2>&1 \
       | tee "$OUT/gpu-${step/:/-}.log" | grep -v "^FAILED" | tail -40
   elif [ "$step" = compare-grid ]; then
     mkdir -p "$OUT/tune"
