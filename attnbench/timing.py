@@ -8,6 +8,12 @@ its inputs from L2 and look faster than in a model. CPU: `time.perf_counter` aro
 (CPU torch ops are synchronous). Cost of one measurement ~ (warmup + repeats) x call time, so
 suites keep calls in the milliseconds (e.g. a fixed token count) to finish in minutes.
 
+Warm-up: `warmup` calls, then on CUDA more back-to-back calls until at least `WARMUP_MS` of
+device time has passed. A count alone is a few milliseconds for a long kernel, too short for the
+GPU's power management to settle: its SM clock then drops part-way through the timed repetitions
+and the samples split in two (H100, 2026-11-24: 1.5-3.6 ms rows at 1680-1740 MHz had a spread of
+5-12%, rows at 1980 MHz under 1%).
+
 Noise: `measure_steady` re-takes a measurement whose interquartile spread exceeds a fraction of
 its median (a clock drop, another process on the GPU), after a pause, up to a few attempts, and
 keeps the tightest attempt; the caller marks a measurement still noisy after every attempt.
@@ -112,20 +118,53 @@ class L2Flusher:
         self._buf.zero_()
 
 
+WARMUP_MS = 200.0  # least device time of warm-up calls on CUDA (see the module docstring)
+_MAX_WARMUP_CALLS = 10_000
+
+
+def warm_up(fn: Callable[[], object], *, calls: int, min_ms: float,
+            sync: Callable[[], None], clock: Callable[[], float] = time.perf_counter) -> int:
+    """`calls` calls of `fn`, then more until `min_ms` milliseconds have passed (by `clock`,
+    after `sync`), issued back to back in one batch sized from a timed call. Returns the
+    number of calls made."""
+    for _ in range(calls):
+        fn()
+    done = calls
+    if min_ms <= 0:
+        return done
+    sync()
+    t0 = clock()
+    fn()
+    sync()
+    done += 1
+    one_ms = (clock() - t0) * 1e3
+    left = min_ms - one_ms
+    if left > 0:
+        n = min(_MAX_WARMUP_CALLS, math.ceil(left / max(one_ms, 1e-3)))
+        for _ in range(n):
+            fn()
+        sync()
+        done += n
+    return done
+
+
 def measure(fn: Callable[[], object], *, device: str, repeats: int = 30, warmup: int = 3,
-            flush: Callable[[], None] | None = None) -> Timing:
-    """Time `fn()`: `warmup` untimed calls, then `repeats` timed ones (flushing before each
-    when `flush` is given, CUDA only)."""
+            flush: Callable[[], None] | None = None, warmup_ms: float = WARMUP_MS) -> Timing:
+    """Time `fn()`: `warmup` untimed calls (on CUDA, then more up to `warmup_ms` of device
+    time), then `repeats` timed ones (flushing before each when `flush` is given, CUDA only)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if warmup < 0:
         raise ValueError(f"warmup must be >= 0, got {warmup}")
+    if not (math.isfinite(warmup_ms) and warmup_ms >= 0):
+        raise ValueError(f"warmup_ms must be a number >= 0, got {warmup_ms!r}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda":
+        warm_up(fn, calls=warmup, min_ms=warmup_ms, sync=torch.cuda.synchronize)
+        return _measure_cuda(fn, repeats, flush)
     for _ in range(warmup):
         fn()
-    if device == "cuda":
-        return _measure_cuda(fn, repeats, flush)
-    if device != "cpu":
-        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     samples = []
     for _ in range(repeats):
         t0 = time.perf_counter()

@@ -3,8 +3,10 @@ the engine's defaults and one with `tune=True`, let the second tune on its first
 both in a plain user loop and write a record.
 
 The user loop is what a model does: call the module back to back, no L2 flush, timed with two
-CUDA events around `CALLS` calls; the two modules alternate over `ROUNDS` rounds so that clock
-and temperature drift hit both alike. Each module's figure is the median of its rounds.
+CUDA events around `CALLS` calls, after a warm-up of the runner's length (attnbench.timing) so
+that the SM clock has settled; the two modules alternate over `ROUNDS` rounds so that clock and
+temperature drift hit both alike. Each module's figure is the median of its rounds; the ratio
+is the median of the per-round ratios (each round's two timings are adjacent in time).
 
 Usage (a Hopper GPU): python scripts/tune_user_loop.py OUT_DIR [--variants A,B]
 The study's budget is tune=True's (ATTNBENCH_TUNE_TRIALS / ATTNBENCH_TUNE_SECONDS override it).
@@ -25,11 +27,12 @@ from pathlib import Path
 
 import torch
 
+from attnbench.timing import WARMUP_MS, warm_up
 from engine import AttentionEngine, CustomIO, OnlineIdentity, OnlineSoftmax, meta_tensor
 
 B, HQ, HKV, S, D = 2, 32, 8, 4096, 128
 DTYPE = torch.bfloat16
-CALLS, ROUNDS = 20, 8
+CALLS, ROUNDS = 20, 16
 
 
 def _alibi_softcap_window():
@@ -115,15 +118,15 @@ def user_loop(default, tuned, args) -> dict:
     times: dict[str, list[float]] = {"default": [], "tuned": []}
     with torch.no_grad():
         for mod in (default, tuned):
-            for _ in range(3):
-                mod(*args)
+            warm_up(lambda m=mod: m(*args), calls=3, min_ms=WARMUP_MS, sync=torch.cuda.synchronize)
         for r in range(ROUNDS):
             order = ("default", "tuned") if r % 2 == 0 else ("tuned", "default")
             for name in order:
                 times[name].append(_round_ms(default if name == "default" else tuned, args))
     med = {n: statistics.median(t) for n, t in times.items()}
+    ratios = [t / d for t, d in zip(times["tuned"], times["default"], strict=True)]
     return {"default_ms": med["default"], "tuned_ms": med["tuned"],
-            "tuned_over_default": med["tuned"] / med["default"],
+            "tuned_over_default": statistics.median(ratios),
             "default_rounds_ms": times["default"], "tuned_rounds_ms": times["tuned"]}
 
 
@@ -144,9 +147,11 @@ def run_variant(name: str, out: Path) -> dict:
         err = ((tuned(*args).float() - ref).norm() / ref.norm()).item()
     res = {"variant": name, "tune_s": round(tune_s, 1), "rel_diff_tuned_vs_default": err,
            "default_config": _config_text(default), "tuned_config": _config_text(tuned),
+           "same_config": _config_text(default) == _config_text(tuned),
            **user_loop(default, tuned, args)}
     print(f"{name:24s} tune {tune_s:6.1f}s  default {res['default_ms']:.4f} ms  tuned "
-          f"{res['tuned_ms']:.4f} ms  ratio {res['tuned_over_default']:.3f}", flush=True)
+          f"{res['tuned_ms']:.4f} ms  ratio {res['tuned_over_default']:.3f}"
+          f"{'  (same config)' if res['same_config'] else ''}", flush=True)
     return res
 
 

@@ -11,7 +11,7 @@ from attnbench.impls import Impl, Unsupported
 from attnbench.impls.base import GRAD_MODES
 from attnbench.results.read import read_results
 from attnbench.suites import parse_suite
-from attnbench.timing import NoisePolicy, Timing, measure_steady, summarize
+from attnbench.timing import NoisePolicy, Timing, measure, measure_steady, summarize, warm_up
 from tests.test_runner import FakeImpl, small_suite
 from tests.test_runner import make_runner as _make_runner
 
@@ -288,3 +288,47 @@ def test_suite_noise_threshold_must_be_a_positive_number(bad):
             "cases": [{"variants": ["softmax"], "shapes": ["smoke-gqa"], "seqlens": [32]}]}
     with pytest.raises(SuiteError, match="noise_threshold must be a number > 0"):
         parse_suite(data, name="unit", variant_names=["softmax"], impl_names=["base"])
+
+
+class FakeDevice:
+    """A device whose calls each take `call_ms` of a fake clock; `sync` is a no-op."""
+
+    def __init__(self, call_ms: float) -> None:
+        self.call_ms, self.now, self.calls = call_ms, 0.0, 0
+
+    def fn(self) -> None:
+        self.calls += 1
+        self.now += self.call_ms / 1e3
+
+    def clock(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("call_ms", [0.05, 0.6, 3.5, 400.0])
+def test_warm_up_lasts_at_least_its_time_whatever_the_call_length(call_ms):
+    dev = FakeDevice(call_ms)
+    n = warm_up(dev.fn, calls=5, min_ms=200.0, sync=lambda: None, clock=dev.clock)
+    assert n == dev.calls
+    # the counted calls, then enough for 200 ms from the timed call on (one call over at most)
+    assert (dev.calls - 5) * call_ms >= 200.0 or dev.calls == 6
+    assert (dev.calls - 5) * call_ms < 200.0 + 2 * call_ms
+
+
+def test_warm_up_by_count_only_when_no_time_is_asked():
+    dev = FakeDevice(3.5)
+    assert warm_up(dev.fn, calls=4, min_ms=0.0, sync=lambda: None, clock=dev.clock) == 4
+
+
+def test_warm_up_is_capped_for_calls_too_short_to_time():
+    dev = FakeDevice(0.0)
+    n = warm_up(dev.fn, calls=0, min_ms=200.0, sync=lambda: None, clock=dev.clock)
+    assert n == dev.calls <= 10_001
+
+
+def test_measure_checks_warmup_ms_and_device_before_calling():
+    calls = []
+    with pytest.raises(ValueError, match="warmup_ms"):
+        measure(lambda: calls.append(1), device="cpu", warmup_ms=-1.0)
+    with pytest.raises(ValueError, match="device"):
+        measure(lambda: calls.append(1), device="tpu")
+    assert calls == []
