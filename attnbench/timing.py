@@ -14,6 +14,14 @@ GPU's power management to settle: its SM clock then drops part-way through the t
 and the samples split in two (H100, 2026-11-24: 1.5-3.6 ms rows at 1680-1740 MHz had a spread of
 5-12%, rows at 1980 MHz under 1%).
 
+Launch gaps: a repetition starts on an idle GPU (after the flush, or after the previous call
+when the call is shorter than its own launch), so the start event would fire while the host is
+still inside the call's Python, and its launch overhead would be timed as GPU time. Before each
+start event the GPU therefore spins (a one-thread sleep kernel, NVBench's "blocking kernel")
+for twice the host time of one call, so the start event and the whole call are queued before
+the GPU reaches them (H100, 2026-11-24: FA3 causal S 1k, a 0.15 ms kernel behind ~0.1 ms of
+Python, measured 0.15-0.31 ms with a 10-12% spread without it).
+
 Noise: `measure_steady` re-takes a measurement whose interquartile spread exceeds a fraction of
 its median (a clock drop, another process on the GPU), after a pause, up to a few attempts, and
 keeps the tightest attempt; the caller marks a measurement still noisy after every attempt.
@@ -26,6 +34,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -149,9 +158,11 @@ def warm_up(fn: Callable[[], object], *, calls: int, min_ms: float,
 
 
 def measure(fn: Callable[[], object], *, device: str, repeats: int = 30, warmup: int = 3,
-            flush: Callable[[], None] | None = None, warmup_ms: float = WARMUP_MS) -> Timing:
+            flush: Callable[[], None] | None = None, warmup_ms: float = WARMUP_MS,
+            stream: Stream | None = None) -> Timing:
     """Time `fn()`: `warmup` untimed calls (on CUDA, then more up to `warmup_ms` of device
-    time), then `repeats` timed ones (flushing before each when `flush` is given, CUDA only)."""
+    time), then `repeats` timed ones (flushing before each when `flush` is given, CUDA only).
+    `stream` replaces the CUDA primitives (tests)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if warmup < 0:
@@ -161,8 +172,9 @@ def measure(fn: Callable[[], object], *, device: str, repeats: int = 30, warmup:
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if device == "cuda":
-        warm_up(fn, calls=warmup, min_ms=warmup_ms, sync=torch.cuda.synchronize)
-        return _measure_cuda(fn, repeats, flush)
+        stream = stream or cuda_stream()
+        warm_up(fn, calls=warmup, min_ms=warmup_ms, sync=stream.sync, clock=stream.host_clock)
+        return _measure_queued(fn, repeats, flush, stream)
     for _ in range(warmup):
         fn()
     samples = []
@@ -173,15 +185,80 @@ def measure(fn: Callable[[], object], *, device: str, repeats: int = 30, warmup:
     return summarize(samples)
 
 
-def _measure_cuda(fn, repeats, flush) -> Timing:
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
-    torch.cuda.synchronize()
+class Event(Protocol):
+    def record(self) -> None: ...
+    def elapsed_time(self, end: Event) -> float: ...
+
+
+@dataclass(frozen=True)
+class Stream:
+    """The device primitives a timed loop uses: timing events, a GPU spin of some milliseconds,
+    a host-device sync and the host clock (seconds)."""
+
+    event: Callable[[], Event]
+    spin: Callable[[float], None]
+    sync: Callable[[], None]
+    host_clock: Callable[[], float] = time.perf_counter
+
+
+_HOLD_MAX_MS = 20.0  # a call that syncs inside is not helped by a longer hold
+
+
+def hold_ms(launch_ms: float) -> float:
+    """GPU spin before each timed repetition: twice the host time of one call (clock changes
+    between calibration and use, a slower launch now and then) plus 20 us, capped."""
+    return min(2.0 * launch_ms + 0.02, _HOLD_MAX_MS)
+
+
+def launch_ms(fn: Callable[[], object], stream: Stream, calls: int = 3) -> float:
+    """Host time to issue one call (the longest of `calls`); calls return once their kernels
+    are queued, so this is the host's share alone unless the call syncs inside."""
+    stream.sync()
+    longest = 0.0
+    for _ in range(calls):
+        t0 = stream.host_clock()
+        fn()
+        longest = max(longest, (stream.host_clock() - t0) * 1e3)
+    stream.sync()
+    return longest
+
+
+def _measure_queued(fn, repeats, flush, stream: Stream) -> Timing:
+    hold = hold_ms(launch_ms(fn, stream))
+    starts = [stream.event() for _ in range(repeats)]
+    ends = [stream.event() for _ in range(repeats)]
     for i in range(repeats):
         if flush is not None:
             flush()
+        stream.spin(hold)
         starts[i].record()
         fn()
         ends[i].record()
-    torch.cuda.synchronize()
+    stream.sync()
     return summarize([s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)])
+
+
+_cycles_per_ms: dict[int, float] = {}
+
+
+def _cuda_spin(ms: float) -> None:
+    dev = torch.cuda.current_device()
+    if dev not in _cycles_per_ms:
+        _cycles_per_ms[dev] = _calibrate_sleep()
+    torch.cuda._sleep(max(1, int(ms * _cycles_per_ms[dev])))
+
+
+def _calibrate_sleep(cycles: int = 1_000_000) -> float:
+    """SM cycles per millisecond of `torch.cuda._sleep` (the clock it counts in varies)."""
+    torch.cuda._sleep(cycles)  # first launch loads the kernel
+    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / max(start.elapsed_time(end), 1e-3)
+
+
+def cuda_stream() -> Stream:
+    return Stream(event=lambda: torch.cuda.Event(enable_timing=True), spin=_cuda_spin,
+                  sync=torch.cuda.synchronize)
