@@ -14,13 +14,14 @@ GPU's power management to settle: its SM clock then drops part-way through the t
 and the samples split in two (H100, 2026-11-24: 1.5-3.6 ms rows at 1680-1740 MHz had a spread of
 5-12%, rows at 1980 MHz under 1%).
 
-Launch gaps: a repetition starts on an idle GPU (after the flush, or after the previous call
-when the call is shorter than its own launch), so the start event would fire while the host is
-still inside the call's Python, and its launch overhead would be timed as GPU time. Before each
-start event the GPU therefore spins (a one-thread sleep kernel, NVBench's "blocking kernel")
-for twice the host time of one call, so the start event and the whole call are queued before
-the GPU reaches them (H100, 2026-11-24: FA3 causal S 1k, a 0.15 ms kernel behind ~0.1 ms of
-Python, measured 0.15-0.31 ms with a 10-12% spread without it).
+Launch gaps: a repetition that starts on an idle GPU (after the sync, a flush, or a call
+shorter than its own launch) would fire its start event while the host is still inside the
+call's Python, and the launch overhead would be timed as GPU time. So the GPU first spins (a
+one-thread sleep kernel, NVBench's "blocking kernel") for twice the host time of issuing every
+repetition, and the repetitions are queued behind it: the GPU then runs them back to back as in
+a model (H100, 2026-11-24: FA3 causal S 1k, a 0.16 ms kernel, measured 0.25-0.31 ms with a
+10-12% spread without it). One spin up front, not one per repetition: idle gaps between
+repetitions let the clock swing (H100: 8 rows of 0.4-1.8 ms noisy with a spin before each).
 
 Noise: `measure_steady` re-takes a measurement whose interquartile spread exceeds a fraction of
 its median (a clock drop, another process on the GPU), after a pause, up to a few attempts, and
@@ -201,13 +202,14 @@ class Stream:
     host_clock: Callable[[], float] = time.perf_counter
 
 
-_HOLD_MAX_MS = 20.0  # a call that syncs inside is not helped by a longer hold
+_HOLD_MAX_MS = 200.0  # a call that syncs inside is not helped by a longer hold
 
 
-def hold_ms(launch_ms: float) -> float:
-    """GPU spin before each timed repetition: twice the host time of one call (clock changes
-    between calibration and use, a slower launch now and then) plus 20 us, capped."""
-    return min(2.0 * launch_ms + 0.02, _HOLD_MAX_MS)
+def hold_ms(launch_ms: float, repeats: int) -> float:
+    """GPU spin before the timed repetitions: twice the host time to issue all of them (the
+    clock may change between calibration and use, a launch may be slower now and then) plus
+    0.1 ms for the flushes and events, capped."""
+    return min(2.0 * launch_ms * repeats + 0.1, _HOLD_MAX_MS)
 
 
 def launch_ms(fn: Callable[[], object], stream: Stream, calls: int = 3) -> float:
@@ -224,13 +226,13 @@ def launch_ms(fn: Callable[[], object], stream: Stream, calls: int = 3) -> float
 
 
 def _measure_queued(fn, repeats, flush, stream: Stream) -> Timing:
-    hold = hold_ms(launch_ms(fn, stream))
+    hold = hold_ms(launch_ms(fn, stream), repeats)
     starts = [stream.event() for _ in range(repeats)]
     ends = [stream.event() for _ in range(repeats)]
+    stream.spin(hold)
     for i in range(repeats):
         if flush is not None:
             flush()
-        stream.spin(hold)
         starts[i].record()
         fn()
         ends[i].record()

@@ -52,36 +52,40 @@ def python_call(q: SimQueue, host_ms: float, gpu_ms: float):
     return fn
 
 
-@pytest.mark.parametrize("host,gpu", [(0.10, 0.15), (0.30, 0.05), (0.02, 2.0)])
-def test_launch_overhead_is_not_timed_after_a_flush(host, gpu):
+@pytest.mark.parametrize("flushed", [True, False])
+@pytest.mark.parametrize("host,gpu", [(0.10, 0.15), (0.30, 0.15), (0.02, 2.0)])
+def test_launch_overhead_is_not_timed(host, gpu, flushed):
     q = SimQueue()
+    flush = (lambda: q.kernel(0.03, name="flush")) if flushed else None
     t = measure(python_call(q, host, gpu), device="cuda", repeats=10, warmup=2, warmup_ms=0.0,
-                flush=lambda: q.kernel(0.03, name="flush"), stream=q.stream())
+                flush=flush, stream=q.stream())
     assert t.median_ms == pytest.approx(gpu, abs=1e-9)
     assert t.spread_ms == pytest.approx(0.0, abs=1e-9)
 
 
-def test_without_the_hold_the_overhead_would_be_timed():
-    """The simulation reproduces the failure the hold exists for (so the test above can fail)."""
+@pytest.mark.parametrize("flushed", [True, False])
+def test_without_the_hold_the_overhead_would_be_timed(flushed):
+    """The simulation reproduces the failure the hold exists for (so the test above can fail):
+    0.3 ms of Python behind a 0.15 ms kernel, the queue drains during each launch."""
     q = SimQueue()
     s = q.stream()
     no_hold = Stream(event=s.event, spin=lambda ms: None, sync=s.sync, host_clock=s.host_clock)
-    # 0.3 ms of Python behind a 0.15 ms kernel: the queue drains during each launch
+    flush = (lambda: q.kernel(0.03, name="flush")) if flushed else None
     t = measure(python_call(q, 0.30, 0.15), device="cuda", repeats=10, warmup=2, warmup_ms=0.0,
-                flush=lambda: q.kernel(0.03, name="flush"), stream=no_hold)
+                flush=flush, stream=no_hold)
     assert t.median_ms > 0.25
 
 
-def test_each_repetition_is_flush_spin_start_call_end():
+def test_one_spin_then_the_repetitions_back_to_back():
     q = SimQueue()
     measure(python_call(q, 0.1, 0.1), device="cuda", repeats=3, warmup=0, warmup_ms=0.0,
             flush=lambda: q.kernel(0.03, name="flush"), stream=q.stream())
-    timed = q.log[q.log.index("flush"):]
-    assert timed == ["flush", "spin", "event", "call", "event"] * 3
+    timed = q.log[q.log.index("spin"):]
+    assert timed == ["spin"] + ["flush", "event", "call", "event"] * 3
 
 
-def test_hold_covers_twice_the_launch_and_is_capped():
+def test_hold_covers_twice_the_launch_of_every_repetition_and_is_capped():
     q = SimQueue()
     assert launch_ms(python_call(q, 0.25, 1.0), q.stream()) == pytest.approx(0.25)
-    assert hold_ms(0.25) == pytest.approx(0.52)
-    assert hold_ms(500.0) == 20.0
+    assert hold_ms(0.25, repeats=30) == pytest.approx(15.1)
+    assert hold_ms(500.0, repeats=30) == 200.0
