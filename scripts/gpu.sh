@@ -11,6 +11,8 @@
 #   tune-suite:SUITE: every engine case of SUITE, forward and backward kernels, 8 trials each
 #   user-loop: tune=True on three custom variants, then both modules timed in a user loop
 #     (scripts/tune_user_loop.py; record and tune files to $OUT/tune)
+#   clock-trace: a long kernel's repetition times beside the SM clock and power (NVML)
+#     (scripts/clock_trace.py; $OUT/clock-trace.json)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -64,6 +66,8 @@ for step in "${steps[@]}"; do
     mkdir -p "$OUT/tune"
     ATTNBENCH_TUNE_TRIALS=${ATTNBENCH_TUNE_TRIALS:-16} ATTNBENCH_TUNE_SECONDS=${ATTNBENCH_TUNE_SECONDS:-120} \
       python scripts/tune_user_loop.py "$OUT/tune" 2>&1 | grep -v "^\[I \|INFO" | tail -30
+  elif [ "$step" = clock-trace ]; then
+    python scripts/clock_trace.py "$OUT/clock-trace.json" 2>&1 | tail -5
   elif [ "${step%%:*}" = tune-suite ]; then
     tune_suite "${step#*:}" both 8 380
   else
