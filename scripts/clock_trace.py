@@ -33,17 +33,17 @@ class Sampler(threading.Thread):
         super().__init__(daemon=True)
         self.handle, self.period_s = handle, period_s
         self.samples: list[tuple[float, int, float]] = []
-        self._stop = threading.Event()
+        self._done = threading.Event()
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._done.is_set():
             clock = pynvml.nvmlDeviceGetClockInfo(self.handle, pynvml.NVML_CLOCK_SM)
             power = pynvml.nvmlDeviceGetPowerUsage(self.handle) / 1e3
             self.samples.append((time.perf_counter(), clock, power))
             time.sleep(self.period_s)
 
     def stop(self) -> list[tuple[float, int, float]]:
-        self._stop.set()
+        self._done.set()
         self.join()
         return self.samples
 
