@@ -11,6 +11,7 @@
 #   tune-suite:SUITE: every engine case of SUITE, forward and backward kernels, 8 trials each
 #   user-loop: tune=True on three custom variants, then both modules timed in a user loop
 #     (scripts/tune_user_loop.py; record and tune files to $OUT/tune)
+#   RUN_FILTER=PATTERN: suites run only the cases matching PATTERN (attnbench run --filter)
 #   clock-trace: a long kernel's repetition times beside the SM clock and power (NVML)
 #     (scripts/clock_trace.py; $OUT/clock-trace.json)
 set -uo pipefail
@@ -71,10 +72,12 @@ for step in "${steps[@]}"; do
   elif [ "${step%%:*}" = tune-suite ]; then
     tune_suite "${step#*:}" both 8 380
   else
-    suite=${step%%:*}; impls=""
-    [ "$suite" != "$step" ] && impls="--impl ${step#*:}"
+    suite=${step%%:*}; args=()
+    [ "$suite" != "$step" ] && args+=(--impl "${step#*:}")
+    [ -n "${RUN_FILTER:-}" ] && args+=(--filter "$RUN_FILTER")
     python scripts/gpu_precompile.py "$suite" 2>&1 | grep -v INFO | tail -5
-    python -m attnbench run suite "$suite" $impls --out "$OUT/runs" 2>&1 | grep -v INFO > "$OUT/$suite.log"
+    python -m attnbench run suite "$suite" "${args[@]}" --out "$OUT/runs" 2>&1 | grep -v INFO \
+      > "$OUT/$suite.log"
     tail -4 "$OUT/$suite.log"
   fi
   echo "== $step: $(( $(date +%s) - start ))s"
