@@ -312,9 +312,8 @@ class Runner:
             if self._flusher is not None and self._flusher.fits(ctx.nbytes):
                 flush = self._flusher
             steady = timing.measure_steady(
-                lambda attempt: self._measure(
-                    fn, device=self.device.type, repeats=self.repeats, warmup=self.warmup,
-                    flush=flush, warmup_ms=timing.retry_warmup_ms(attempt)), self.noise)
+                lambda: self._measure(fn, device=self.device.type, repeats=self.repeats,
+                                      warmup=self.warmup, flush=flush), self.noise)
         state = self._monitor.sample() if self._monitor is not None else None
         t = steady.timing
         flops = ctx.flops(mode)

@@ -25,12 +25,7 @@ repetitions let the clock swing (H100: 8 rows of 0.4-1.8 ms noisy with a spin be
 
 Noise: `measure_steady` re-takes a measurement whose interquartile spread exceeds a fraction of
 its median (a clock drop, another process on the GPU), after a pause, up to a few attempts, and
-keeps the tightest attempt; the caller marks a measurement still noisy after every attempt. Each
-re-measure warms up three times longer (`retry_warmup_ms`): a kernel that holds the GPU at its
-power limit moves the SM clock for a few hundred milliseconds after any change of load (H100,
-2026-11-25, scripts/clock_trace.py: FA2 at S 16k drew 703 W of 700, its clock went 1545-1860 MHz
-and its repetitions 8.65 ms down to a flat 7.02 ms over the first 190 ms after a 200 ms warm-up),
-so a 120 ms timed window right after a short warm-up lands on that ramp.
+keeps the tightest attempt; the caller marks a measurement still noisy after every attempt.
 """
 
 from __future__ import annotations
@@ -89,16 +84,15 @@ class Steady:
     noisy: bool
 
 
-def measure_steady(measure_once: Callable[[int], Timing], policy: NoisePolicy = NoisePolicy(), *,
+def measure_steady(measure_once: Callable[[], Timing], policy: NoisePolicy = NoisePolicy(), *,
                    sleep: Callable[[float], None] = time.sleep) -> Steady:
-    """Call `measure_once(attempt)` (attempt 1, 2, ...) until its spread is within
-    `policy.threshold` of the median, at most `policy.attempts` times with `policy.pause_s`
-    between calls; keep the tightest timing."""
+    """Call `measure_once` until its spread is within `policy.threshold` of the median, at most
+    `policy.attempts` times with `policy.pause_s` between calls; keep the tightest timing."""
     best: Timing | None = None
     for attempt in range(1, policy.attempts + 1):
         if attempt > 1 and policy.pause_s:
             sleep(policy.pause_s)
-        timing = measure_once(attempt)
+        timing = measure_once()
         if best is None or timing.relative_spread < best.relative_spread:
             best = timing
         if timing.relative_spread <= policy.threshold:
@@ -135,13 +129,6 @@ class L2Flusher:
 
 
 WARMUP_MS = 200.0  # least device time of warm-up calls on CUDA (see the module docstring)
-RETRY_WARMUP_GROWTH = 3.0  # each re-measure of a noisy timing warms up this much longer
-
-
-def retry_warmup_ms(attempt: int) -> float:
-    """Warm-up of timing attempt `attempt` (1-based): WARMUP_MS, then 3x longer per retry, so
-    that a power-limited kernel's clock settles before a re-measure (module docstring)."""
-    return WARMUP_MS * RETRY_WARMUP_GROWTH ** (attempt - 1)
 _MAX_WARMUP_CALLS = 10_000
 
 
