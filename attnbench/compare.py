@@ -17,6 +17,18 @@ beyond the threshold but inside the noise is reported as "noise", never gated. A
 counts as zero. For TFLOP/s, which is flops / latency, a latency IQR converts as
 tflops * iqr / latency.
 
+Same-run check (`GateRule.same_run`). A GPU's clock differs between runs by a few percent
+(power and thermal state; the machines we measure on cannot lock clocks), and it moves every
+implementation of a run alike: on the H100, 2026-11-25, the engine's and cuDNN's causal forward
+at S 4k were both 5.6% slower than the day before, their ratio 1.060 both days. With the check,
+a row that is slower by the rule above is a regression only if it is also slower, by the same
+rule, in its ratio to its case's `baseline` implementation measured in the same run (same case
+and mode; the ratio's spread combines both rows' relative IQRs). Slower in latency but not
+against the same run's baseline is "clock" (the run was slower as a whole), never gated. A
+ratio alone is not enough either: the baseline implementation moves between runs too (flex's
+document mask forward 0.56 -> 0.33 ms), so a row is judged on its ratio only where its latency
+also got worse. Rows without an ok baseline row in both runs are judged on the metric alone.
+
 Accuracy. Each dtype has a tolerance on `rel_err` (bf16 1e-2, fp16 5e-3, fp32 1e-5, float64
 1e-12). A row regresses in accuracy when its new error became NaN/inf, or when it was within
 tolerance in the base and exceeds it now. A row already beyond tolerance (or NaN) in the base is
@@ -48,7 +60,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
 
 import pandas as pd
@@ -86,6 +98,7 @@ class GateRule:
     impls: tuple[str, ...] = ("engine*",)  # implementations (glob patterns) the gate judges
     # rows left out of the new run on purpose: globs on the case or the implementation name
     allow_missing: tuple[str, ...] = ()
+    same_run: bool = False  # a slower row must also be slower against its same-run baseline
 
     def __post_init__(self) -> None:
         if not (0 <= self.threshold < 10) or math.isnan(self.threshold):
@@ -127,7 +140,8 @@ class RowChange:
     change: float = math.nan  # relative, signed: (new - base) / base
     speedup: float = math.nan  # base latency / new latency (> 1 is faster)
     noise: float = math.nan  # the noise bound, metric units
-    perf: str = "n/a"  # faster | slower | noise | same | noisy | n/a
+    perf: str = "n/a"  # faster | slower | clock | noise | same | noisy | n/a
+    ratio_change: float = math.nan  # clock: the change against the same run's baseline
     base_err: float = math.nan
     new_err: float = math.nan
     tolerance: float = math.nan
@@ -187,7 +201,7 @@ class Comparison:
         return bool(self.regressions or self.missing or self.empty) or strict_vanished
 
     def counts(self) -> dict[str, int]:
-        out = {k: 0 for k in ("faster", "slower", "noise", "same", "noisy", "n/a")}
+        out = {k: 0 for k in ("faster", "slower", "clock", "noise", "same", "noisy", "n/a")}
         for r in self.rows:
             out[r.perf] = out.get(r.perf, 0) + 1
         out["accuracy regressions"] = sum(r.accuracy == "regressed" for r in self.rows)
@@ -220,8 +234,8 @@ def compare(base: pd.DataFrame, new: pd.DataFrame, rule: GateRule | None = None)
         dup = frame.duplicated(list(KEY)).sum()
         if dup:
             notes.append(f"{name}: {dup} repeated row(s); the latest measurement of each is used")
-    base = dedupe_latest(base).set_index(list(KEY))
-    new = dedupe_latest(new).set_index(list(KEY))
+    base = _with_reference(dedupe_latest(base)).set_index(list(KEY))
+    new = _with_reference(dedupe_latest(new)).set_index(list(KEY))
     stale = _not_remeasured(base, new)
     if stale:
         new = new.drop(index=stale)
@@ -237,6 +251,23 @@ def compare(base: pd.DataFrame, new: pd.DataFrame, rule: GateRule | None = None)
     appeared = tuple(sorted(_keys(new.index.difference(base.index))))
     vanished = tuple(sorted(_keys(base.index.difference(new.index))))
     return Comparison(rule, rows, appeared, vanished, tuple(notes), _empty(new))
+
+
+def _with_reference(frame: pd.DataFrame) -> pd.DataFrame:
+    """Adds ref_latency_ms and ref_spread_ms: the latency and spread of the row's `baseline`
+    implementation in the same frame (same suite, case and mode; an ok row of another
+    implementation), NaN where there is none."""
+    out = frame.copy()
+    out["ref_latency_ms"] = out["ref_spread_ms"] = math.nan
+    if out.empty or "baseline" not in out.columns:
+        return out
+    ok = out[out["status"].astype(str) == "ok"]
+    ref = {(r.suite, r.case, r.mode, r.impl): (r.latency_ms, r.latency_spread_ms)
+           for r in ok.itertuples(index=False)}
+    for i, r in zip(out.index, out.itertuples(index=False), strict=True):
+        if r.baseline != r.impl and (got := ref.get((r.suite, r.case, r.mode, r.baseline))):
+            out.loc[i, ["ref_latency_ms", "ref_spread_ms"]] = got
+    return out
 
 
 def _not_remeasured(base: pd.DataFrame, new: pd.DataFrame) -> list:
@@ -290,14 +321,41 @@ def _f(value) -> float:
 
 
 def _metric(row: pd.Series, metric: str) -> tuple[float, float]:
-    """(value, spread) of a row in the metric's units; spread 0 when unknown."""
-    latency, iqr = _f(row["latency_ms"]), _f(row["latency_spread_ms"])
-    iqr = 0.0 if math.isnan(iqr) else abs(iqr)
+    """(value, spread) of a row in the metric's units; spread 0 when unknown. Metric
+    "ratio": the latency over the same run's latency of the case's baseline implementation."""
+    latency, iqr = _f(row["latency_ms"]), _spread(row["latency_spread_ms"])
     if metric == "latency_ms":
         return latency, iqr
+    if metric == "ratio":
+        ref, ref_iqr = _f(row["ref_latency_ms"]), _spread(row["ref_spread_ms"])
+        ratio = latency / ref
+        return ratio, ratio * math.hypot(iqr / latency, ref_iqr / ref)
     tflops = _f(row["tflops"])
     spread = tflops * iqr / latency if latency > 0 else 0.0
     return tflops, spread
+
+
+def _spread(value) -> float:
+    v = _f(value)
+    return 0.0 if math.isnan(v) else abs(v)
+
+
+def _same_run_check(b: pd.Series, n: pd.Series, rule: GateRule, verdict: dict,
+                    reasons: list[str]) -> dict:
+    """A slower verdict stands only if the row is also slower against its same-run baseline
+    (module doc); else it becomes "clock" and its reason is dropped."""
+    if not (rule.same_run and verdict.get("perf") == "slower"):
+        return verdict
+    if not all(_f(r["ref_latency_ms"]) > 0 and _f(r["latency_ms"]) > 0 for r in (b, n)):
+        return verdict
+    bv, bs = _metric(b, "ratio")
+    nv, ns = _metric(n, "ratio")
+    why: list[str] = []
+    if _judge(bv, bs, nv, ns, replace(rule, metric="latency_ms"), why)["perf"] == "slower":
+        reasons.append(f"x the same run's baseline {bv:.3f} -> {nv:.3f} ({(nv - bv) / bv:+.1%})")
+        return verdict
+    reasons.pop()  # the metric's own "slower" reason: explained by the run as a whole
+    return {**verdict, "perf": "clock", "ratio_change": (nv - bv) / bv}
 
 
 def _classify(key, b: pd.Series, n: pd.Series, rule: GateRule) -> RowChange:
@@ -320,7 +378,8 @@ def _classify(key, b: pd.Series, n: pd.Series, rule: GateRule) -> RowChange:
             # shown, never judged: the runner could not measure it tightly
             fields.update(perf="noisy", change=(nv - bv) / bv if bv > 0 else math.nan)
         else:
-            fields.update(_judge(bv, bs, nv, ns, rule, reasons))
+            fields.update(_same_run_check(b, n, rule, _judge(bv, bs, nv, ns, rule, reasons),
+                                          reasons))
 
     acc = _accuracy(b, n, b_status, n_status)
     fields.update(acc)
@@ -384,6 +443,19 @@ def _accuracy(b: pd.Series, n: pd.Series, b_status: str, n_status: str) -> dict:
     return out
 
 
+def rule_text(rule: GateRule) -> str:
+    """The noise rule in a few words, for table titles."""
+    same_run = ", same-run check" if rule.same_run else ""
+    return f"{rule.metric}, threshold {rule.threshold:.0%}, noise k={rule.noise_k:g}{same_run}"
+
+
+def perf_summary(c: dict[str, int]) -> str:
+    """The performance verdict counts of `Comparison.counts()`, as one phrase."""
+    clock = f"{c['clock']} slower with the whole run (clock, not gated), " if c["clock"] else ""
+    return (f"{c['faster']} faster, {c['slower']} slower, {clock}{c['noise']} inside the noise, "
+            f"{c['same']} unchanged")
+
+
 def geomean(values: Iterable[float]) -> float:
     logs = [math.log(v) for v in values if v > 0 and math.isfinite(v)]
     return math.exp(sum(logs) / len(logs)) if logs else math.nan
@@ -400,10 +472,9 @@ def comparison_markdown(cmp: Comparison, base_label: str, new_label: str, limit:
     verdict = f"**FAIL**: {'; '.join(cmp.failures())}" if cmp.failed else "**PASS**"
     lines = [
         f"Gate {verdict} - `{new_label}` against `{base_label}` "
-        f"({cmp.rule.metric}, threshold {cmp.rule.threshold:.0%}, noise k={cmp.rule.noise_k:g})",
+        f"({rule_text(cmp.rule)})",
         "",
-        f"{c['faster']} faster, {c['slower']} slower, {c['noise']} inside the noise, "
-        f"{c['same']} unchanged, {c['noisy']} noisy (not judged), "
+        f"{perf_summary(c)}, {c['noisy']} noisy (not judged), "
         f"{c['accuracy regressions']} accuracy regressions, "
         f"{c['appeared']} appeared, {c['vanished']} vanished ({c['missing']} of them gated "
         f"rows missing, {c['excused']} excused by --allow-missing).",

@@ -445,3 +445,74 @@ def test_promote_cli_reports_the_noisy_rows_it_left_out(tmp_path, base, rng):
     assert "noisy" not in set(read_results(baseline_path("h100", results))["status"])
     gate = _cli("compare", "--against-baseline", "--results", str(results))
     assert gate.returncode == 0 and "3 noisy (not judged)" in gate.stdout
+
+
+# ---------------------------------------------------------------------- the same-run check
+def _engine_and_ref(base: pd.DataFrame, rng) -> tuple[int, int]:
+    """An ok engine row with an ok row of its case's baseline implementation: their indices."""
+    ok = base[base["status"] == "ok"]
+    for i in rng.permutation(ok[ok["impl"] == "engine"].index):
+        r = base.loc[i]
+        ref = ok[(ok["suite"] == r["suite"]) & (ok["case"] == r["case"])
+                 & (ok["mode"] == r["mode"]) & (ok["impl"] == r["baseline"])]
+        if len(ref):
+            return int(i), int(ref.index[0])
+    raise AssertionError("no engine row with a reference row")
+
+
+def _slow(frame: pd.DataFrame, rows: list[int], factor: float) -> pd.DataFrame:
+    new = frame.copy()
+    new.loc[rows, "latency_ms"] *= factor
+    new.loc[rows, "latency_spread_ms"] = 0.0
+    return new
+
+
+@pytest.fixture
+def quiet(base) -> pd.DataFrame:
+    """The sample with spreads of zero, so that the threshold alone decides."""
+    return base.assign(latency_spread_ms=0.0)
+
+
+def test_same_run_check_calls_a_run_wide_slowdown_clock(quiet, rng):
+    i, ref = _engine_and_ref(quiet, rng)
+    factor = rng.uniform(1.08, 1.2)
+    new = _slow(quiet, [i, ref], factor)  # the whole run slower alike: its clock
+    assert compare(quiet, new, GateRule()).failed
+    cmp = compare(quiet, new, GateRule(same_run=True))
+    assert not cmp.failed and cmp.counts()["clock"] == 1
+    row = _by_key(cmp, quiet.loc[i])
+    assert row.perf == "clock" and row.reasons == () and row.ratio_change == pytest.approx(0)
+    assert row.change == pytest.approx(factor - 1)
+
+
+def test_same_run_check_keeps_a_slowdown_of_the_row_alone(quiet, rng):
+    i, _ref = _engine_and_ref(quiet, rng)
+    factor = rng.uniform(1.08, 1.2)
+    cmp = compare(quiet, _slow(quiet, [i], factor), GateRule(same_run=True))
+    assert cmp.failed and [r.key for r in cmp.regressions] == [tuple(quiet.loc[i, list(KEY)])]
+    assert "same run's baseline" in cmp.regressions[0].reasons[-1]
+
+
+def test_same_run_check_ignores_a_baseline_that_got_faster(quiet, rng):
+    i, ref = _engine_and_ref(quiet, rng)
+    cmp = compare(quiet, _slow(quiet, [ref], 0.6), GateRule(same_run=True))
+    assert not cmp.failed and _by_key(cmp, quiet.loc[i]).perf == "same"
+
+
+def test_same_run_check_without_a_reference_judges_latency(quiet, rng):
+    i, ref = _engine_and_ref(quiet, rng)
+    new = _slow(quiet, [i, ref], 1.15)
+    new.loc[ref, ["status", "latency_ms"]] = ["skipped", math.nan]  # no reference in the run
+    cmp = compare(quiet, new, GateRule(same_run=True))
+    assert cmp.failed and _by_key(cmp, quiet.loc[i]).regression
+
+
+def test_cli_same_run_flag(quiet, rng, tmp_path, capsys):
+    i, ref = _engine_and_ref(quiet, rng)
+    base_csv, new_csv = tmp_path / "base.csv", tmp_path / "new.csv"
+    write_csv(quiet, base_csv)
+    write_csv(_slow(quiet, [i, ref], 1.12), new_csv)
+    assert main(["compare", str(base_csv), str(new_csv)]) == 1
+    assert main(["compare", str(base_csv), str(new_csv), "--same-run"]) == 0
+    out = capsys.readouterr().out
+    assert "same-run check" in out and "clock (x the same run's baseline" in out

@@ -12,7 +12,15 @@ import sys
 from pathlib import Path
 
 from attnbench.baseline import DEFAULT_RESULTS, against_baseline, gate
-from attnbench.compare import METRICS, Comparison, GateRule, compare, comparison_markdown
+from attnbench.compare import (
+    METRICS,
+    Comparison,
+    GateRule,
+    compare,
+    comparison_markdown,
+    perf_summary,
+    rule_text,
+)
 from attnbench.results.read import ResultFileError, read_results
 
 
@@ -59,6 +67,10 @@ def add_rule_arguments(p: argparse.ArgumentParser) -> None:
                    help="relative change that matters, e.g. 5%% (default) or 0.05")
     p.add_argument("--noise-k", type=parse_noise_k, default=1.0, metavar="K", help=NOISE_K_HELP)
     p.add_argument("--metric", choices=METRICS, default="latency_ms", help=METRIC_HELP)
+    p.add_argument("--same-run", action="store_true",
+                   help="a slower row is a regression only if it is also slower against its "
+                   "case's baseline implementation measured in the same run (a clock that "
+                   "differs between runs moves both alike)")
 
 
 class _Renamed(argparse.Action):
@@ -115,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         impls = tuple(args.gate_impl) if args.gate_impl else GateRule.impls
         rule = GateRule(args.threshold, args.noise_k, args.metric, args.strict, impls,
-                        tuple(args.allow_missing))
+                        tuple(args.allow_missing), args.same_run)
         loaded = _load(args, rule)
     except (ResultFileError, ValueError) as exc:
         print(f"attnbench compare: {exc}", file=sys.stderr)
@@ -169,8 +181,7 @@ def render(cmp: Comparison, base_label: str, new_label: str, show_all: bool = Fa
         console = Console(width=max(console.width, 200))  # CI logs: do not squeeze the table
     rule = cmp.rule
     table = Table(
-        title=f"{new_label} vs {base_label}  ({rule.metric}, threshold {rule.threshold:.0%}, "
-        f"noise k={rule.noise_k:g})",
+        title=f"{new_label} vs {base_label}  ({rule_text(rule)})",
         title_justify="left",
     )
     for name, justify in (("suite", "left"), ("case", "left"), ("impl", "left"),
@@ -178,11 +189,13 @@ def render(cmp: Comparison, base_label: str, new_label: str, show_all: bool = Fa
                           ("change", "right"), ("noise", "right"), ("speedup", "right"),
                           ("verdict", "left"), ("rel_err base -> new", "right")):
         table.add_column(name, justify=justify)
-    style = {"slower": "bold red", "faster": "green", "noise": "yellow", "noisy": "dim"}
-    order = {"slower": 0, "faster": 1, "noise": 2, "noisy": 3, "same": 4, "n/a": 5}
+    style = {"slower": "bold red", "faster": "green", "clock": "yellow", "noise": "yellow",
+             "noisy": "dim"}
+    order = {"slower": 0, "faster": 1, "clock": 2, "noise": 2, "noisy": 3, "same": 4, "n/a": 5}
     shown = 0
     for r in sorted(cmp.rows, key=lambda r: (not r.regression, order[r.perf], r.key)):
-        if not (show_all or r.regression or r.perf in ("faster", "slower", "noise", "noisy")
+        if not (show_all or r.regression
+                or r.perf in ("faster", "slower", "clock", "noise", "noisy")
                 or r.status_change or r.accuracy in ("regressed", "out-of-tolerance")):
             continue
         shown += 1
@@ -217,8 +230,7 @@ def render(cmp: Comparison, base_label: str, new_label: str, show_all: bool = Fa
     for empty in cmp.empty:
         console.print(f"[bold red]empty: {empty}[/]")
     c = cmp.counts()
-    summary = (f"{len(cmp.rows)} matched: {c['faster']} faster, {c['slower']} slower, "
-               f"{c['noise']} inside the noise, {c['same']} unchanged, {c['noisy']} noisy (not "
+    summary = (f"{len(cmp.rows)} matched: {perf_summary(c)}, {c['noisy']} noisy (not "
                f"judged), {c['n/a']} without numbers; {c['accuracy regressions']} accuracy "
                f"regression(s); {c['appeared']} appeared, {c['vanished']} vanished "
                f"({c['missing']} gated missing, {c['excused']} excused); gated: "
@@ -236,7 +248,10 @@ def _verdict(r) -> str:
         tags.append("REGRESSION")
     elif r.reasons:
         tags.append("drift (not gated)")
-    tags.append(r.perf if r.perf != "n/a" else "")
+    if r.perf == "clock":
+        tags.append(f"clock (x the same run's baseline {_p(r.ratio_change)})")
+    else:
+        tags.append(r.perf if r.perf != "n/a" else "")
     if r.status_change:
         tags.append(r.status_change)
     if r.accuracy == "regressed":

@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from attnbench.report.build import build_report
 
     try:
-        rule = GateRule(args.threshold, args.noise_k, args.metric)
+        rule = GateRule(args.threshold, args.noise_k, args.metric, same_run=args.same_run)
         out = build_report(args.results, args.out, rule)
     except (ResultFileError, ValueError) as exc:
         print(f"attnbench report: {exc}", file=sys.stderr)

@@ -28,6 +28,8 @@ from attnbench.compare import (
     comparison_markdown,
     dtype_tolerance,
     geomean,
+    perf_summary,
+    rule_text,
 )
 from attnbench.report import plots
 from attnbench.results.read import gpu_slug, read_many, run_files
@@ -265,20 +267,19 @@ def _gate_html(cmp: Comparison, base_label: str, new_label: str) -> str:
     cls = "fail" if cmp.failed else "pass"
     noisy = f"{c['noisy']} noisy (not judged)"
     counts = ", ".join([
-        f"{c['faster']} faster", f"{c['slower']} slower", f"{c['noise']} inside the noise",
-        f"{c['same']} unchanged", f"<span class='noisy'>{noisy}</span>" if c["noisy"] else noisy,
+        perf_summary(c), f"<span class='noisy'>{noisy}</span>" if c["noisy"] else noisy,
         f"{c['accuracy regressions']} accuracy regressions", f"{c['appeared']} appeared",
         f"{c['vanished']} vanished ({c['missing']} gated rows missing, {c['excused']} excused)",
     ])
     why = "".join(f"<br>{_e(w)}" for w in cmp.failures())
     head = (f"<div class='gate {cls}'><b>Gate {'FAIL' if cmp.failed else 'pass'}</b>: "
             f"<code>{_e(new_label)}</code> against baseline <code>{_e(base_label)}</code> "
-            f"({_e(cmp.rule.metric)}, threshold {cmp.rule.threshold:.0%}, noise "
-            f"k={cmp.rule.noise_k:g}): {counts}.{why}</div>")
+            f"({_e(rule_text(cmp.rule))}): {counts}.{why}</div>")
     missing = "".join(f"<tr class='bad'>{''.join(f'<td>{_e(k)}</td>' for k in key)}<td></td>"
                       "<td></td><td></td><td>missing from the new run</td></tr>"
                       for key in cmp.missing)
-    changed = [r for r in cmp.rows if r.regression or r.perf in ("faster", "noise", "noisy")]
+    changed = [r for r in cmp.rows
+               if r.regression or r.perf in ("faster", "clock", "noise", "noisy")]
     if not changed and not missing:
         return head
     row_class = {"faster": "good", "noisy": "noisy"}

@@ -9,5 +9,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 python -m attnbench report --results results --out artifacts/dashboard
-python -m attnbench compare --against-baseline --gpu h100 --results results --nothing-to-gate-ok \
+python -m attnbench compare --against-baseline --gpu h100 --results results --same-run \
+  --nothing-to-gate-ok \
   --markdown artifacts/dashboard/gate.md
