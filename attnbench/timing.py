@@ -26,6 +26,10 @@ repetitions let the clock swing (H100: 8 rows of 0.4-1.8 ms noisy with a spin be
 Noise: `measure_steady` re-takes a measurement whose interquartile spread exceeds a fraction of
 its median (a clock drop, another process on the GPU), after a pause, up to a few attempts, and
 keeps the tightest attempt; the caller marks a measurement still noisy after every attempt.
+What stays noisy is a kernel that holds the GPU at its power limit: its SM clock swings for
+hundreds of milliseconds (H100, 2026-11-25, scripts/clock_trace.py: FA2 at S 16k at 703 W of
+700, clock 1545-1860 MHz, repetitions 8.65 ms down to a flat 7.02 ms and up to 7.39 again), and
+neither re-measures nor a warm-up three times longer per re-measure tightened those rows.
 """
 
 from __future__ import annotations
