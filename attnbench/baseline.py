@@ -22,25 +22,25 @@ from attnbench.results.read import (
     KEY,
     dedupe_latest,
     empty_frame,
-    gpu_slug,
     read_many,
     read_results,
     run_files,
 )
 from attnbench.results.schema import COLUMN_NAMES
 from engine.fsutil import atomic_write_text
+from engine.gpus import gpu_model
 
 DEFAULT_RESULTS = Path("results")
 
 
 def baseline_path(gpu: str, results_dir: Path | str = DEFAULT_RESULTS) -> Path:
     """Where the baseline of a GPU lives; `gpu` is a slug ("h100") or a full device name."""
-    return Path(results_dir) / "baseline" / f"{gpu_slug(gpu)}.csv"
+    return Path(results_dir) / "baseline" / f"{gpu_model(gpu)}.csv"
 
 
 def run_gpu(frame: pd.DataFrame, source: Path | str) -> str:
     """The one GPU slug of a run's rows; a run mixing GPUs cannot be a baseline."""
-    slugs = sorted({gpu_slug(g) for g in frame["gpu"].tolist()})
+    slugs = sorted({gpu_model(g) for g in frame["gpu"].tolist()})
     if len(slugs) != 1:
         raise ValueError(
             f"{source}: column 'gpu' must name one GPU to pick a baseline, found "
@@ -71,7 +71,7 @@ def promote(
     rows = dedupe_latest(read_results(run))
     if rows.empty:
         raise ValueError(f"run: {run} has no rows to promote")
-    slug = gpu_slug(gpu) if gpu else run_gpu(rows, run)
+    slug = gpu_model(gpu) if gpu else run_gpu(rows, run)
     path = baseline_path(slug, results_dir)
     current = read_results(path) if path.exists() else empty_frame()
     merged, noisy, kept = merge_run(current, rows)
@@ -108,9 +108,9 @@ def newest_runs(runs_dir: Path | str, gpu: str) -> tuple[pd.DataFrame, list[Path
     Returns the concatenated rows (latest measurement per key) and the files they came from; an
     empty frame and [] when the GPU has no run.
     """
-    want = gpu_slug(gpu)
+    want = gpu_model(gpu)
     frame = read_many(run_files(runs_dir))
-    return newest_per_suite(frame[frame["gpu"].map(gpu_slug) == want])
+    return newest_per_suite(frame[frame["gpu"].map(gpu_model) == want])
 
 
 def newest_per_suite(frame: pd.DataFrame) -> tuple[pd.DataFrame, list[Path]]:
@@ -133,7 +133,7 @@ def newest_per_suite(frame: pd.DataFrame) -> tuple[pd.DataFrame, list[Path]]:
 
 def empty_run_files(runs_dir: Path | str, gpu: str) -> list[Path]:
     """Run files named for this GPU (`<date>-<gpu>-<suite>.csv`) that hold no row."""
-    name = re.compile(rf"\d{{4}}-\d{{2}}-\d{{2}}-{re.escape(gpu_slug(gpu))}-.+\.csv")
+    name = re.compile(rf"\d{{4}}-\d{{2}}-\d{{2}}-{re.escape(gpu_model(gpu))}-.+\.csv")
     return [p for p in run_files(runs_dir)
             if name.fullmatch(p.name) and read_results(p).empty]
 

@@ -58,6 +58,7 @@ listed apart (perf "noisy") and never judged: neither a regression nor a speedup
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -66,21 +67,23 @@ from fnmatch import fnmatchcase
 import pandas as pd
 
 from attnbench.results.read import KEY, dedupe_latest
+from engine.dtypes import short_dtype_name
 
 DTYPE_TOLERANCE: dict[str, float] = {"bf16": 1e-2, "fp16": 5e-3, "fp32": 1e-5, "fp64": 1e-12}
-_DTYPE_ALIASES = {
-    "bfloat16": "bf16", "torch.bfloat16": "bf16", "float16": "fp16", "half": "fp16",
-    "torch.float16": "fp16", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
-    "tf32": "fp32", "float64": "fp64", "double": "fp64", "torch.float64": "fp64",
-}
+# Reference-path names the kernels never take (the rest come from engine.dtypes' one table).
+_REFERENCE_DTYPES = {"tf32": "fp32", "float64": "fp64", "double": "fp64", "fp64": "fp64"}
 METRICS = ("latency_ms", "tflops")
 RAN = ("ok", "noisy")  # statuses of a row that ran and has numbers
 
 
 def dtype_tolerance(dtype: str) -> float:
     """The rel_err tolerance of a dtype name such as "bf16" or "torch.bfloat16"."""
-    name = str(dtype).strip().lower()
-    name = _DTYPE_ALIASES.get(name, name)
+    name = str(dtype).strip().lower().removeprefix("torch.")
+    if name in _REFERENCE_DTYPES:
+        name = _REFERENCE_DTYPES[name]
+    else:
+        with contextlib.suppress(ValueError):
+            name = short_dtype_name(name)
     if name not in DTYPE_TOLERANCE:
         raise ValueError(
             f"dtype: no accuracy tolerance for {dtype!r}; expected one of "

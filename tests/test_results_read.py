@@ -12,7 +12,6 @@ from attnbench.report.sample import SampleSpec, sample_rows, write_csv
 from attnbench.results.read import (
     ResultFileError,
     dedupe_latest,
-    gpu_slug,
     read_many,
     read_results,
 )
@@ -98,16 +97,6 @@ def test_read_many_and_dedupe_latest(tmp_path, rows):
         got = merged.loc[(r["suite"], r["case"], r["impl"], r["mode"]), "latency_ms"]
         assert got == pytest.approx(r["latency_ms"], nan_ok=True)
     assert read_many([]).empty
-
-
-@pytest.mark.parametrize(
-    ("name", "slug"),
-    [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"), ("NVIDIA GH200 480GB", "gh200"),
-     ("h100", "h100"), ("NVIDIA GeForce RTX 4090", "nvidia-geforce-rtx-4090"), (None, "unknown"),
-     ("", "unknown")],
-)
-def test_gpu_slug(name, slug):
-    assert gpu_slug(name) == slug
 
 
 # ---------------------------------------------------------------------- schema version 1

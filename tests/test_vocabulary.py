@@ -1,7 +1,11 @@
 """One vocabulary: one problem record (engine.problem.Problem, with the FLOP count) that the
-kernel shapes, the suites' cases and the tuner's problems extend, and one dtype table."""
+kernel shapes, the suites' cases and the tuner's problems extend, one dtype table and one place
+that names GPUs."""
 
 from __future__ import annotations
+
+import ast
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,8 +13,10 @@ import torch
 from attnbench.cases import Case
 from attnbench.tune.problem import Problem as TuneProblem
 from engine.dtypes import dtype_name, elem_bytes, short_dtype_name, torch_dtype
+from engine.gpus import gpu_model, gpu_slug
 from engine.plan.shape import KernelShape
 from engine.problem import SIZE_KEYS, Problem
+from engine.tuning.tune_file import normalize_dtype
 
 SIZES = dict(batch=2, heads_q=8, heads_kv=2, seqlen_q=1000, seqlen_kv=300, head_dim=128,
              head_dim_v=64)
@@ -42,8 +48,34 @@ def test_one_dtype_table(spelling, name, short):
     assert dtype_name(spelling) == name and short_dtype_name(spelling) == short
     assert torch_dtype(spelling) == getattr(torch, name)
     assert elem_bytes(spelling) == getattr(torch, name).itemsize
+    assert normalize_dtype(spelling) == short  # tune files: the same table
 
 
 def test_an_unknown_dtype_names_the_known_ones():
     with pytest.raises(ValueError, match="known dtypes: float16 \\(fp16\\)"):
         dtype_name("float64")
+
+
+@pytest.mark.parametrize(("name", "slug", "model"), [
+    ("NVIDIA H100 80GB HBM3", "nvidia-h100-80gb-hbm3", "h100"),
+    ("NVIDIA H100 PCIe", "nvidia-h100-pcie", "h100"), ("NVIDIA H200", "nvidia-h200", "h200"),
+    ("NVIDIA GH200 480GB", "nvidia-gh200-480gb", "gh200"), ("h100", "h100", "h100"),
+    ("NVIDIA GeForce RTX 4090", "nvidia-geforce-rtx-4090", "nvidia-geforce-rtx-4090"),
+    ("", "unknown-gpu", "unknown"),
+])
+def test_gpu_names(name, slug, model):
+    assert (gpu_slug(name), gpu_model(name)) == (slug, model)
+    assert gpu_model(None) == "unknown"
+
+
+REPO = Path(__file__).resolve().parents[1]
+GPU_NAMERS = {"gpu_slug", "gpu_model"}
+
+
+def test_gpus_are_named_in_one_place():
+    """No module but engine/gpus.py defines a function that names GPUs."""
+    found = [(str(p.relative_to(REPO)), n.name)
+             for top in ("engine", "attnbench", "scripts") for p in (REPO / top).rglob("*.py")
+             for n in ast.walk(ast.parse(p.read_text()))
+             if isinstance(n, ast.FunctionDef) and n.name in GPU_NAMERS]
+    assert sorted(found) == [("engine/gpus.py", "gpu_model"), ("engine/gpus.py", "gpu_slug")]

@@ -32,8 +32,9 @@ from attnbench.compare import (
     rule_text,
 )
 from attnbench.report import plots
-from attnbench.results.read import gpu_slug, read_many, run_files
+from attnbench.results.read import read_many, run_files
 from engine.fsutil import atomic_write_text
+from engine.gpus import gpu_model
 
 ENGINE_IMPL = "engine"  # the implementation whose speedup over every other one is shown
 ENGINE_FAMILY = "engine*"  # its siblings (engine-dynamic, ...): not rivals in the headline
@@ -82,13 +83,13 @@ def write_text(path: Path | str, text: str) -> Path:
 
 
 def load_runs(results_dir: Path | str) -> pd.DataFrame:
-    """Every run file of results/runs and results/local, with `origin` and `gpu_slug` columns."""
+    """Every run file of results/runs and results/local, with `origin` and `gpu_model` columns."""
     frames = []
     for folder, origin in ORIGINS:
         frame = read_many(run_files(Path(results_dir) / folder))
         frames.append(frame.assign(origin=pd.Series(origin, index=frame.index, dtype="string")))
     runs = pd.concat([f for f in frames if not f.empty] or frames[:1], ignore_index=True)
-    runs["gpu_slug"] = runs["gpu"].map(gpu_slug).astype("string")
+    runs["gpu_model"] = runs["gpu"].map(gpu_model).astype("string")
     return runs
 
 
@@ -101,7 +102,7 @@ def build_report(
     runs = load_runs(results_dir)
     gates: dict[str, GateView] = {}
     for gpu in gpu_order(runs):
-        if not (runs.loc[runs["gpu_slug"] == gpu, "origin"] == "committed").any():
+        if not (runs.loc[runs["gpu_model"] == gpu, "origin"] == "committed").any():
             gates[gpu] = "only local runs: not gated (CI gates the committed runs)"
             continue
         inputs = against_baseline(results_dir, gpu)
@@ -117,8 +118,8 @@ def build_report(
 
 def gpu_order(runs: pd.DataFrame) -> list[str]:
     """GPU slugs with a CUDA run first, then the rest (cpu), each group by name."""
-    slugs = runs["gpu_slug"].dropna().unique()
-    cuda = set(runs.loc[runs["device"] == "cuda", "gpu_slug"].dropna())
+    slugs = runs["gpu_model"].dropna().unique()
+    cuda = set(runs.loc[runs["device"] == "cuda", "gpu_model"].dropna())
     return sorted(slugs, key=lambda g: (g not in cuda, g))
 
 
@@ -129,12 +130,12 @@ def render_report(
     an `origin` count as committed). `gates`: per GPU slug, its gate or why it has none."""
     if "origin" not in runs:
         runs = runs.assign(origin=pd.Series("committed", index=runs.index, dtype="string"))
-    if "gpu_slug" not in runs:
-        runs = runs.assign(gpu_slug=runs["gpu"].map(gpu_slug).astype("string"))
+    if "gpu_model" not in runs:
+        runs = runs.assign(gpu_model=runs["gpu"].map(gpu_model).astype("string"))
     page = _Page(f"{Path(results_dir) / 'runs'} (committed) and {Path(results_dir) / 'local'} "
                  "(this machine's runs, not committed)")
     md: list[str] = ["## attnbench results", ""]
-    newest = {gpu: newest_per_suite(runs[runs["gpu_slug"] == gpu])[0]
+    newest = {gpu: newest_per_suite(runs[runs["gpu_model"] == gpu])[0]
               for gpu in gpu_order(runs)}
     heads = [suite_headline(gpu, suite, rows)
              for gpu, latest in newest.items() for suite, rows in latest.groupby("suite")]
@@ -147,7 +148,7 @@ def render_report(
         md.append("No runs yet.")
     for gpu, latest in newest.items():
         view = gates.get(gpu, "not gated")
-        _gpu_section(page, md, gpu, latest, runs[runs["gpu_slug"] == gpu], view)
+        _gpu_section(page, md, gpu, latest, runs[runs["gpu_model"] == gpu], view)
     _environment_section(page, runs)
     generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     return Rendered(page.render(generated), "\n".join(md).rstrip() + "\n", page.figures)

@@ -6,8 +6,6 @@ unnoticed, so every problem raises `ResultFileError` naming the file and the col
 
 from __future__ import annotations
 
-import math
-import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -154,21 +152,6 @@ def run_files(runs_dir: Path | str) -> list[Path]:
     if not runs_dir.is_dir():
         return []
     return sorted(p for p in runs_dir.glob("*.csv") if p.is_file())
-
-
-def gpu_slug(name: str | None) -> str:
-    """A short, file-name-safe GPU id: "NVIDIA H100 80GB HBM3" -> "h100".
-
-    The model number (letters then digits, such as h100, h200, a100, b200, gh200) is the part that
-    matters for comparing numbers; memory size and form factor suffixes are dropped.
-    """
-    if name is None or (isinstance(name, float) and math.isnan(name)) or not str(name).strip():
-        return "unknown"
-    lowered = str(name).lower()
-    match = re.search(r"\b([a-z]{1,2}\d{2,4}[a-z]?)\b", lowered)
-    if match:
-        return match.group(1)
-    return re.sub(r"[^a-z0-9]+", "-", lowered).strip("-") or "unknown"
 
 
 def dedupe_latest(frame: pd.DataFrame) -> pd.DataFrame:

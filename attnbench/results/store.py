@@ -28,9 +28,10 @@ from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 
-from attnbench.results.read import ResultFileError, gpu_slug
+from attnbench.results.read import ResultFileError
 from attnbench.results.schema import COLUMN_NAMES, SCHEMA_VERSION, STATUSES
 from engine.fsutil import atomic_write_text
+from engine.gpus import gpu_model
 
 assert COLUMN_NAMES[-1] == "timestamp", "_whole_row relies on the timestamp being last"
 # as the runner writes it: datetime.now(UTC).isoformat(timespec="seconds")
@@ -39,7 +40,7 @@ _TIMESTAMP = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00")
 
 def result_path(out_dir: Path | str, suite: str, gpu: str, date: str | None = None) -> Path:
     date = date or datetime.now(UTC).strftime("%Y-%m-%d")
-    return Path(out_dir) / f"{date}-{gpu_slug(gpu)}-{suite}.csv"
+    return Path(out_dir) / f"{date}-{gpu_model(gpu)}-{suite}.csv"
 
 
 def _format(value: object) -> str:

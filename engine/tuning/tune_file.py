@@ -26,14 +26,15 @@ import json
 import logging
 import math
 import os
-import re
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from engine.dtypes import short_dtype_name
 from engine.fsutil import atomic_write_text
+from engine.gpus import gpu_slug
 from engine.plan.config import ConfigError, KernelConfig
 
 log = logging.getLogger(__name__)
@@ -44,23 +45,6 @@ SHAPE_KEYS = ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_kv", "head_dim
 # (those change the kernel itself, not only its grid).
 FIXED_SHAPE_KEYS = ("heads_q", "heads_kv", "head_dim", "head_dim_v")
 REQUIRED_ENTRY_KEYS = ("template", "spec_hash", "dtype", "mode", "gpu", "shape", "config")
-
-_DTYPE_ALIASES = {
-    "bf16": "bf16",
-    "bfloat16": "bf16",
-    "torch.bfloat16": "bf16",
-    "fp16": "fp16",
-    "float16": "fp16",
-    "half": "fp16",
-    "torch.float16": "fp16",
-    "fp32": "fp32",
-    "float32": "fp32",
-    "float": "fp32",
-    "torch.float32": "fp32",
-    "fp8": "fp8",
-    "float8_e4m3fn": "fp8",
-    "torch.float8_e4m3fn": "fp8",
-}
 
 
 class TuneFileWarning(UserWarning):
@@ -75,18 +59,10 @@ def tilelang_version() -> str:
         return "none"
 
 
-def gpu_slug(gpu: str) -> str:
-    """'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3' (used in paths and keys)."""
-    slug = re.sub(r"[^a-z0-9]+", "-", str(gpu).lower()).strip("-")
-    return slug or "unknown-gpu"
-
-
 def normalize_dtype(dtype: Any) -> str:
-    """'bf16', 'bfloat16' or torch.bfloat16 -> 'bf16' (same for fp16, fp32, fp8)."""
-    name = str(dtype).lower()
-    if name not in _DTYPE_ALIASES:
-        raise ValueError(f"dtype={dtype!r}: expected one of bf16, fp16, fp32, fp8")
-    return _DTYPE_ALIASES[name]
+    """'bf16', 'bfloat16' or torch.bfloat16 -> 'bf16' (same for fp16, fp32, fp8): the short
+    name of the one dtype table (engine.dtypes)."""
+    return short_dtype_name(dtype)
 
 
 def default_dir() -> Path:
