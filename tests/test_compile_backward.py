@@ -18,6 +18,7 @@ from engine.mask.analysis import EMPTY, FULL, PARTIAL, classify
 from engine.plan.config import KernelConfig
 from engine.runtime.tilelang_backend import backward_kernel_call
 from engine.variants import VARIANTS
+from tests import dsl_math_spec
 
 SHAPE = dict(batch=2, heads_q=8, heads_kv=2, seqlen_q=1000, seqlen_kv=1000)  # GQA 4
 COMPILED = ["softmax_causal", "softmax", "alibi", "softcap", "sigmoid", "retnet", "document"]
@@ -444,3 +445,19 @@ def test_panel_launch_order():
         assert want * -(-S // 128) <= 132
     src = _module("softmax_causal", D=128).backward_kernels().source
     assert "as bid:" in src and "bx: T.int32 = OrdT[0, 0, (bid - pn * " in src
+
+
+@pytest.mark.compile
+@needs_nvcc
+def test_dsl_math_compiles_forward_and_backward(tmp_path, monkeypatch):
+    from engine.runtime.compile import compile_source
+
+    monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
+    mod = dsl_math_spec.module(torch.float16, 2, 8, 2, 1000, 64)
+    fwd = compile_source(mod.kernel_source).get_kernel_source()
+    for fn in ("sinf", "cosf", "tanf", "sqrtf", "rsqrtf", "log1pf", "expm1f", "erff",
+               "nearbyintf", "floorf", "ceilf"):
+        assert fn in fwd, f"{fn} missing from the forward kernel"
+    bk = mod.backward_kernels()
+    bk.compile()
+    assert "__global__" in bk.main.compiled().get_kernel_source()

@@ -34,6 +34,16 @@ _UNARY = {
     "tanh": "T.tanh",
     "sigmoid": "T.sigmoid",
     "abs": "T.abs",
+    "sin": "T.sin",
+    "cos": "T.cos",
+    "tan": "T.tan",
+    "sqrt": "T.sqrt",
+    "rsqrt": "T.rsqrt",
+    "log1p": "T.log1p",
+    "erf": "T.erf",
+    "floor": "T.floor",
+    "ceil": "T.ceil",
+    "round": "T.nearbyint",  # halves to even, as torch.round (T.round rounds them away from 0)
 }
 
 
@@ -71,6 +81,15 @@ class Emitter:
         self.memo[e.key] = out
         return out
 
+    def _floor_division(self, e: Expr) -> str:
+        """x // c and x % c with floor semantics (Python's and torch's), c a constant."""
+        x, c = e.args
+        if e.dtype == "int":
+            fn = "T.floordiv" if e.op == "floordiv" else "T.floormod"
+            return f"{fn}({self.text(x)}, {self.text(c)})"
+        q = f"T.floor({self.float_(x)} / {self.float_(c)})"
+        return q if e.op == "floordiv" else f"({self.float_(x)} - {self.float_(c)} * {q})"
+
     def _render(self, e: Expr) -> str:
         op, a = e.op, e.args
         if op == "const":
@@ -102,6 +121,12 @@ class Emitter:
             return f"T.exp2({self.float_(inner)})"
         if op in _UNARY:
             return f"{_UNARY[op]}({self.float_(a[0])})"
+        if op == "expm1":  # no TileLang intrinsic; CUDA's keeps small x exact, unlike exp(x) - 1
+            return f'T.call_extern({F32}, "expm1f", {self.float_(a[0])})'
+        if op == "toint":
+            return f'T.Cast("int32", {self.text(a[0])})'  # truncates towards zero, as torch
+        if op in ("floordiv", "mod"):
+            return self._floor_division(e)
         if op in ("max", "min"):
             fn = "T.max" if op == "max" else "T.min"
             if e.dtype == "int":

@@ -18,8 +18,13 @@ from typing import Any
 
 AXIS_ORDER = ("m", "n", "d")
 
-UNARY_OPS = ("neg", "exp", "exp2", "log", "log2", "tanh", "sigmoid", "abs", "not")
-BINARY_OPS = ("add", "sub", "mul", "div", "max", "min")
+# Smooth elementwise functions of a float (each with its derivative in engine.ir.diff).
+MATH_OPS = ("exp", "exp2", "log", "log2", "tanh", "sigmoid", "sin", "cos", "tan", "sqrt",
+            "rsqrt", "log1p", "expm1", "erf")
+# Piecewise constant: float -> float (an int is left as it is), and the cast to an integer.
+ROUNDING_OPS = ("floor", "ceil", "round")
+UNARY_OPS = ("neg", *MATH_OPS, *ROUNDING_OPS, "abs", "toint", "not")
+BINARY_OPS = ("add", "sub", "mul", "div", "max", "min", "floordiv", "mod")
 COMPARE_OPS = ("ge", "gt", "le", "lt", "eq", "ne")
 LOGIC_OPS = ("and", "or")
 REDUCE_KINDS = ("max", "sum", "abssum", "min")
@@ -47,7 +52,8 @@ def _result_dtype(op: str, args: tuple[Expr, ...]) -> str:
         kinds = {a.dtype for a in args[1:]}
         return "float" if "float" in kinds else ("int" if "int" in kinds else "bool")
     kinds = {a.dtype for a in args}
-    if op in ("add", "sub", "mul", "max", "min", "neg", "abs") and kinds <= {"int"}:
+    if op in ("add", "sub", "mul", "max", "min", "neg", "abs", "floordiv", "mod") \
+            and kinds <= {"int"}:
         return "int"
     return "float"
 
@@ -102,6 +108,10 @@ class Expr:
         if op == "not":
             if self.dtype != "bool":
                 raise DSLError("'~' needs a boolean operand (a comparison)")
+        elif op == "toint":
+            return self if self.dtype == "int" else Expr(op, (self,), dtype="int")
+        elif op in ROUNDING_OPS and self.dtype == "int":
+            return self
         elif self.dtype == "bool":
             raise DSLError(f"'{op}' on a boolean; use where(cond, a, b) instead")
         return Expr(op, (self,))
@@ -114,6 +124,10 @@ class Expr:
     __rmul__ = lambda s, o: s._bin("mul", o, True)  # noqa: E731
     __truediv__ = lambda s, o: s._bin("div", o)  # noqa: E731
     __rtruediv__ = lambda s, o: s._bin("div", o, True)  # noqa: E731
+    __floordiv__ = lambda s, o: s._by_constant("floordiv", "//", o)  # noqa: E731
+    __mod__ = lambda s, o: s._by_constant("mod", "%", o)  # noqa: E731
+    __rfloordiv__ = lambda s, o: s._by_constant("floordiv", "//", s, swap=True)  # noqa: E731
+    __rmod__ = lambda s, o: s._by_constant("mod", "%", s, swap=True)  # noqa: E731
     __ge__ = lambda s, o: s._bin("ge", o)  # noqa: E731
     __gt__ = lambda s, o: s._bin("gt", o)  # noqa: E731
     __le__ = lambda s, o: s._bin("le", o)  # noqa: E731
@@ -132,6 +146,16 @@ class Expr:
     def __hash__(self) -> int:
         return self._hash
 
+    def _by_constant(self, op: str, sign: str, divisor: Any, swap: bool = False) -> Expr:
+        """`x // c` and `x % c` (floor semantics, as Python and torch): c a nonzero constant."""
+        d = divisor.attr if isinstance(divisor, Expr) and divisor.op == "const" else divisor
+        if swap or isinstance(d, bool) or not isinstance(d, (int, float)) or d == 0:
+            raise DSLError(f"'{sign}' takes a nonzero constant divisor (a Python number), "
+                           f"as in q_idx {sign} 64")
+        if self.dtype == "bool":
+            raise DSLError(f"arithmetic '{sign}' on a boolean; use where(cond, a, b) instead")
+        return Expr(op, (self, Expr.wrap(d)))
+
     def __neg__(self) -> Expr:
         return self._un("neg")
 
@@ -149,6 +173,17 @@ class Expr:
         if not isinstance(base, (int, float)) or base <= 0:
             raise DSLError("x ** y with a symbolic exponent needs a positive constant base")
         return (self * math.log(base)).exp()
+
+    def __floor__(self) -> Expr:
+        return self._un("floor")
+
+    def __ceil__(self) -> Expr:
+        return self._un("ceil")
+
+    def __round__(self, ndigits: Any = None) -> Expr:
+        if ndigits is not None:
+            raise DSLError("round(x, ndigits) is not supported; round(x) rounds to an integer")
+        return self._un("round")
 
     def __bool__(self) -> bool:
         raise DSLError(
@@ -185,6 +220,59 @@ class Expr:
 
     def sigmoid(self) -> Expr:
         return self._un("sigmoid")
+
+    def sin(self) -> Expr:
+        return self._un("sin")
+
+    def cos(self) -> Expr:
+        return self._un("cos")
+
+    def tan(self) -> Expr:
+        return self._un("tan")
+
+    def sqrt(self) -> Expr:
+        return self._un("sqrt")
+
+    def rsqrt(self) -> Expr:
+        return self._un("rsqrt")
+
+    def log1p(self) -> Expr:
+        return self._un("log1p")
+
+    def expm1(self) -> Expr:
+        return self._un("expm1")
+
+    def erf(self) -> Expr:
+        return self._un("erf")
+
+    def floor(self) -> Expr:
+        return self._un("floor")
+
+    def ceil(self) -> Expr:
+        return self._un("ceil")
+
+    def round(self) -> Expr:
+        """To the nearest integer, halves to even (torch.round), as a float."""
+        return self._un("round")
+
+    def long(self) -> Expr:
+        """An integer (truncated towards zero, as torch's .long()), for index arithmetic."""
+        return self._un("toint")
+
+    int = long
+
+    def float(self) -> Expr:
+        """A float (an integer, or a boolean as 0/1); floats are left as they are."""
+        if self.dtype == "bool":
+            return where(self, 1.0, 0.0)
+        return self if self.dtype == "float" else self * 1.0
+
+    def softplus(self) -> Expr:
+        """log(1 + exp(x)), in the form that neither overflows nor loses small values."""
+        return self.max(0.0) + (-self.abs()).exp().log1p()
+
+    def square(self) -> Expr:
+        return self.pow(2)
 
     def abs(self) -> Expr:
         return self._un("abs")
@@ -291,6 +379,12 @@ def _fn(name: str):
 exp, exp2, log, log2, tanh, sigmoid = (
     _fn(n) for n in ("exp", "exp2", "log", "log2", "tanh", "sigmoid")
 )
+sin, cos, tan, sqrt, rsqrt, log1p, expm1, erf = (
+    _fn(n) for n in ("sin", "cos", "tan", "sqrt", "rsqrt", "log1p", "expm1", "erf")
+)
+floor, ceil, softplus, square = (_fn(n) for n in ("floor", "ceil", "softplus", "square"))
+round_ = _fn("round")
+round_.__name__ = "round"
 
 
 def maximum(a: Any, b: Any) -> Expr:
@@ -352,9 +446,11 @@ def _missing_attr(self: Expr, name: str):
     if name.startswith("__"):
         raise AttributeError(name)
     raise DSLError(
-        f"the DSL has no operation '{name}'; available: + - * / unary -, exp, exp2, log, log2, "
-        "tanh, sigmoid, abs, max, min, pow (constant exponent), where(cond, a, b), "
-        "comparisons with & | ~, get_reduce('max'|'sum'|'abssum'|'min')"
+        f"the DSL has no operation '{name}'; available: + - * / unary -, // and % by a "
+        "constant, exp, exp2, log, log2, log1p, expm1, tanh, sigmoid, softplus, sin, cos, tan, "
+        "sqrt, rsqrt, square, erf, abs, floor, ceil, round, long/int, max, min, "
+        "pow (constant exponent), where(cond, a, b), comparisons with & | ~, "
+        "get_reduce('max'|'sum'|'abssum'|'min')"
     )
 
 

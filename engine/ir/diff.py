@@ -58,6 +58,19 @@ def diff(root: Expr, wrt: Expr) -> Expr:
     return grads[root.key]
 
 
+# d f(x) / dx of the smooth math ops, from x and the node f(x) itself.
+_MATH_RULES = {
+    "sin": lambda x, y: x.cos(),
+    "cos": lambda x, y: -x.sin(),
+    "tan": lambda x, y: 1.0 + y * y,
+    "sqrt": lambda x, y: 0.5 / y,
+    "rsqrt": lambda x, y: -0.5 * y * y * y,
+    "log1p": lambda x, y: 1.0 / (1.0 + x),
+    "expm1": lambda x, y: y + 1.0,
+    "erf": lambda x, y: (2.0 / math.sqrt(math.pi)) * (-(x * x)).exp(),
+}
+
+
 def _rule(node: Expr, ds: list[Expr]) -> Expr:
     op, a = node.op, node.args
     x = a[0]
@@ -75,6 +88,12 @@ def _rule(node: Expr, ds: list[Expr]) -> Expr:
         return _mul(1.0 - node * node, ds[0])
     if op == "sigmoid":
         return _mul(node * (1.0 - node), ds[0])
+    if op in _MATH_RULES:
+        return _mul(_MATH_RULES[op](_float(x), node), ds[0])
+    if op in ("floor", "ceil", "round", "toint", "floordiv"):
+        return _c(0.0)  # piecewise constant
+    if op == "mod":
+        return ds[0]  # x - c * floor(x / c), c a constant
     if op == "abs":
         return _mul(where(x > 0, 1.0, where(x < 0, -1.0, 0.0)), ds[0])
     if op == "pow":

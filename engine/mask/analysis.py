@@ -25,6 +25,11 @@ from engine.dsl.expr import Expr, topo
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 _INF = float("inf")
+# Non-decreasing functions: the interval's ends map to the result's ends.
+_INCREASING = {op: getattr(torch, op) for op in (
+    "exp", "exp2", "log", "log2", "tanh", "sigmoid", "sqrt", "log1p", "expm1", "erf", "floor",
+    "ceil", "round")}
+_INCREASING["toint"] = torch.trunc
 
 
 @dataclass(frozen=True)
@@ -224,9 +229,15 @@ def _interval(n: Expr, a: list, idx, customs, B, H, bM, bN, b_used, h_used):
             torch.where(pos, lo, torch.where(neg, -hi, torch.zeros_like(lo))),
             torch.where(pos, hi, torch.where(neg, -lo, torch.maximum(-lo, hi))),
         )
-    if op in ("exp", "exp2", "log", "log2", "tanh", "sigmoid"):
-        f = getattr(torch, op)
+    if op in _INCREASING:
+        f = _INCREASING[op]
         return f(a[0][0]), f(a[0][1])
+    if op == "rsqrt":
+        return torch.rsqrt(a[0][1]), torch.rsqrt(a[0][0])
+    if op in ("sin", "cos"):
+        return torch.tensor(-1.0, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64)
+    if op in ("floordiv", "mod"):
+        return _floor_division(op, a[0], float(n.args[1].attr), n.dtype == "int")
     if op in ("ge", "gt", "le", "lt", "eq", "ne"):
         (alo, ahi), (blo, bhi) = a
         if op in ("le", "lt"):
@@ -255,6 +266,21 @@ def _interval(n: Expr, a: list, idx, customs, B, H, bM, bN, b_used, h_used):
         return lo, hi
     # pow and anything else: unknown
     return torch.tensor(-_INF, dtype=torch.float64), torch.tensor(_INF, dtype=torch.float64)
+
+
+def _floor_division(op: str, x, c: float, integer: bool):
+    """Interval of x // c or x % c (floor semantics), c a nonzero constant."""
+    lo, hi = x
+    qlo, qhi = torch.floor(lo / c), torch.floor(hi / c)
+    if op == "floordiv":
+        return torch.minimum(qlo, qhi), torch.maximum(qlo, qhi)
+    # x % c = x - c * floor(x / c): exact where the interval stays within one period
+    same = qlo == qhi
+    top = c - 1 if integer and c > 0 else (c + 1 if integer else c)  # ints: c - 1 (c > 0)
+    span_lo, span_hi = (0.0, top) if c > 0 else (top, 0.0)
+    r_lo, r_hi = lo - c * qlo, hi - c * qlo
+    return (torch.where(same, torch.minimum(r_lo, r_hi), torch.full_like(r_lo, span_lo)),
+            torch.where(same, torch.maximum(r_lo, r_hi), torch.full_like(r_hi, span_hi)))
 
 
 def _tri(true: torch.Tensor, false: torch.Tensor):

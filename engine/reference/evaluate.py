@@ -65,6 +65,14 @@ def _const(node: Expr, env: Env) -> torch.Tensor:
     return torch.tensor(node.attr, dtype=dt, device=env.device)
 
 
+# Elementwise functions of a float tensor, by DSL op (round: halves to even, as torch).
+_TORCH_MATH = {
+    "sin": torch.sin, "cos": torch.cos, "tan": torch.tan, "sqrt": torch.sqrt,
+    "rsqrt": torch.rsqrt, "log1p": torch.log1p, "expm1": torch.expm1, "erf": torch.erf,
+    "floor": torch.floor, "ceil": torch.ceil, "round": torch.round,
+}
+
+
 def _eval_node(node: Expr, a: list[torch.Tensor], env: Env) -> torch.Tensor:
     op = node.op
     if op == "const":
@@ -95,6 +103,14 @@ def _eval_node(node: Expr, a: list[torch.Tensor], env: Env) -> torch.Tensor:
         return torch.tanh(f(a[0]))
     if op == "sigmoid":
         return torch.sigmoid(f(a[0]))
+    if op in _TORCH_MATH:
+        return _TORCH_MATH[op](f(a[0]))
+    if op == "toint":
+        return a[0].to(torch.int64)  # truncation towards zero, as torch's .long()
+    if op == "floordiv":
+        return torch.div(a[0], a[1], rounding_mode="floor")
+    if op == "mod":
+        return torch.remainder(a[0], a[1])  # floor semantics: the sign of the divisor
     if op == "abs":
         return torch.abs(a[0])
     if op == "not":

@@ -282,9 +282,9 @@ def _sm_if(score, io, b, h, q_idx, kv_idx):
 
 SCORE_MOD_ERRORS = [
     (
-        "sqrt",
-        _sm(lambda s, io, b, h, qi, ki: s.sqrt()),
-        r"score_mod: the DSL has no operation 'sqrt'",
+        "cosh",
+        _sm(lambda s, io, b, h, qi, ki: s.cosh()),
+        r"score_mod: the DSL has no operation 'cosh'",
     ),
     (
         "torch_exp",
