@@ -37,6 +37,7 @@ from engine.dsl.online import (
     SymbolScalar,
     Var,
 )
+from engine.flex import flex_attention
 from engine.ir.trace import TraceError
 from engine.mask.block_mask import BlockMask, create_block_mask
 from engine.plan.config import ConfigError, KernelConfig
@@ -64,6 +65,7 @@ __all__ = [
     "exp",
     "exp2",
     "expm1",
+    "flex_attention",
     "floor",
     "kernel_backward_enabled",
     "log",

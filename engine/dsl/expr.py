@@ -12,6 +12,7 @@ b and h have none. Broadcasting is the union of axes, in canonical order.
 
 from __future__ import annotations
 
+import contextvars
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -36,6 +37,16 @@ _INDEX_AXES = {"b": (), "h": (), "q": ("m",), "kv": ("n",)}
 
 class DSLError(TypeError):
     """A user function used the DSL in a way it does not support."""
+
+
+# While a FlexAttention-style function is traced (engine.flex), the tensors it captures from
+# its scope become custom inputs: this holds the object that turns them into custom reads.
+TENSOR_CAPTURE: contextvars.ContextVar[Any] = contextvars.ContextVar("tensor_capture",
+                                                                     default=None)
+
+
+def _is_tensor(x: Any) -> bool:
+    return type(x).__module__.startswith("torch") and hasattr(x, "dim")
 
 
 def _axes(*groups: Iterable[str]) -> tuple[str, ...]:
@@ -90,6 +101,9 @@ class Expr:
             return Expr("const", attr=int(x), axes=(), dtype="int")
         if isinstance(x, float):
             return Expr("const", attr=float(x), axes=(), dtype="float")
+        capture = TENSOR_CAPTURE.get()
+        if capture is not None and _is_tensor(x):
+            return capture.whole(x)
         raise DSLError(
             f"cannot use a {type(x).__name__} in an attention expression; expected a DSL "
             "expression or a Python number (tensors enter through CustomIO)"
@@ -201,6 +215,13 @@ class Expr:
 
     def __iter__(self):
         raise DSLError("a symbolic expression cannot be iterated")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        # torch.tanh(x), torch.where(...), tensor[b, h] and the like (engine.dsl.torch_funcs)
+        from engine.dsl.torch_funcs import torch_function
+
+        return torch_function(func, args, kwargs or {})
 
     # ----------------------------------------------------------------- methods of the DSL
     def exp(self) -> Expr:

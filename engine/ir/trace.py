@@ -6,7 +6,10 @@ import dataclasses
 import inspect
 import types
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from engine.dsl.expr import DSLError, Expr, index_leaf, leaf, topo
 from engine.dsl.io import CustomIO
@@ -58,22 +61,38 @@ def _with_aliases(fn: Callable, aliases: dict[str, Any]) -> Callable:
     )
 
 
-def _call(hook: str, fn: Callable, args: tuple, aliases: dict[str, Any] | None = None) -> Any:
+def call_hook(hook: str, fn: Callable, args: tuple, aliases: dict[str, Any] | None = None
+              ) -> Any:
+    """`fn(*args)` with symbolic arguments; a fault becomes a TraceError naming the hook, the
+    fault and the line of the user's code where it happened."""
     if aliases:
         fn = _with_aliases(fn, aliases)
     try:
         return fn(*args)
-    except DSLError as exc:
-        raise TraceError(f"{hook}: {exc}") from None
-    except AttributeError as exc:
-        raise TraceError(f"{hook}: {exc}") from None
+    except (DSLError, AttributeError, NameError) as exc:
+        raise TraceError(f"{hook}: {exc}{_user_line(exc)}") from None
     except TypeError as exc:
         raise TraceError(
-            f"{hook}: {exc} (hooks receive symbolic values: use the DSL's operators and methods "
-            "such as .exp(), .max(x), get_reduce(), not torch or math functions)"
+            f"{hook}: {exc}{_user_line(exc)} (hooks receive symbolic values: use the DSL's "
+            "operators and methods such as .exp(), .max(x), get_reduce())"
         ) from None
-    except NameError as exc:
-        raise TraceError(f"{hook}: {exc}") from None
+
+
+_call = call_hook
+# The engine's own frames and torch's (its __torch_function__ dispatch) are not the user's.
+_LIBRARY_DIRS = (str(Path(__file__).resolve().parents[1]), str(Path(torch.__file__).resolve().parent))
+
+
+def _user_line(exc: BaseException) -> str:
+    """' (at FILE:LINE)' of the innermost frame of the user's code in the traceback, or ''."""
+    where = ""
+    tb = exc.__traceback__
+    while tb is not None:
+        path = str(Path(tb.tb_frame.f_code.co_filename).resolve())
+        if not path.startswith(_LIBRARY_DIRS):
+            where = f" (at {Path(path).name}:{tb.tb_lineno})"
+        tb = tb.tb_next
+    return where
 
 
 def _positional_arity(fn: Callable) -> int | None:

@@ -1,0 +1,201 @@
+"""engine.flex_attention and engine.create_block_mask against torch's FlexAttention (eager, on
+the CPU) for functions written as FlexAttention's users write them: torch calls, tensors
+captured from the scope, GQA, the log-sum-exp, gradients of a captured tensor; the module cache;
+what is not supported yet and the errors (issue 19)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch.nn.attention import flex_attention as torch_flex
+
+import engine
+from engine import TraceError
+from engine.flex import _MODULES
+
+B, HQ, S, D = 2, 4, 48, 16
+GEN = torch.Generator().manual_seed(19)
+SLOPES = torch.tensor([2.0 ** (-8.0 * (i + 1) / HQ) for i in range(HQ)])
+DOC = torch.cat([torch.zeros(B, 20, dtype=torch.long), torch.ones(B, 17, dtype=torch.long),
+                 torch.full((B, S - 37), 2, dtype=torch.long)], 1)
+DOC[1, :9] = 3  # the second sequence's documents differ
+PREFIX = torch.tensor([10, 30])
+
+
+def alibi(score, b, h, q_idx, kv_idx):
+    return score + SLOPES[h] * (kv_idx - q_idx)
+
+
+def softcap(score, b, h, q_idx, kv_idx):
+    return 30.0 * torch.tanh(score / 30.0)
+
+
+def sliding_window(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < 16)
+
+
+def document(b, h, q_idx, kv_idx):
+    return DOC[b, q_idx] == DOC[b, kv_idx]
+
+
+def prefix_lm(b, h, q_idx, kv_idx):
+    return (kv_idx < PREFIX[b]) | (q_idx >= kv_idx)
+
+
+def dilated(b, h, q_idx, kv_idx):
+    return ((q_idx - kv_idx) % 2 == 0) & (q_idx >= kv_idx)
+
+
+def neighbourhood_2d(b, h, q_idx, kv_idx):  # a 6 x 8 image, flattened
+    return (torch.abs(q_idx // 8 - kv_idx // 8) <= 1) & (torch.abs(q_idx % 8 - kv_idx % 8) <= 2)
+
+
+TEMP = torch.tensor(0.7)
+
+
+def torch_calls(score, b, h, q_idx, kv_idx):
+    """Scalar tensor on the left, clamp, where, maximum, relu, as torch code is written."""
+    s = TEMP * torch.clamp(score, -2.0, 2.0) + torch.nn.functional.relu(score) * 0.1
+    s = torch.where(q_idx >= kv_idx, s, torch.maximum(s - 1.0, s * 0.5))
+    return s + torch.sin(score) * torch.sqrt(torch.abs(score) + 1.0)
+
+
+CATALOGUE = {
+    "alibi": (alibi, None), "softcap": (softcap, None), "sliding_window": (None, sliding_window),
+    "document": (None, document), "prefix_lm": (None, prefix_lm), "dilated": (None, dilated),
+    "neighbourhood_2d": (None, neighbourhood_2d), "softcap_causal_window": (softcap, sliding_window),
+    "torch_calls": (torch_calls, prefix_lm),
+}
+
+
+def _qkv(hkv=HQ, requires_grad=False):
+    return [torch.randn(B, h, S, D, generator=GEN).requires_grad_(requires_grad)
+            for h in (HQ, hkv, hkv)]
+
+
+def _torch(q, k, v, score_mod, mask_mod, **kw):
+    bm = torch_flex.create_block_mask(mask_mod, B, None, S, S, device="cpu") if mask_mod else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # return_lse's deprecation note
+        return torch_flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, **kw)
+
+
+def _engine(q, k, v, score_mod, mask_mod, **kw):
+    bm = engine.create_block_mask(mask_mod, B, None, S, S, device="cpu") if mask_mod else None
+    return engine.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, **kw)
+
+
+@pytest.mark.parametrize("name", sorted(CATALOGUE))
+def test_catalogue_matches_torch_flex(name):
+    score_mod, mask_mod = CATALOGUE[name]
+    q, k, v = _qkv()
+    torch.testing.assert_close(_engine(q, k, v, score_mod, mask_mod),
+                               _torch(q, k, v, score_mod, mask_mod), rtol=2e-5, atol=2e-5)
+
+
+def test_gqa_scale_and_lse_match_torch_flex():
+    q, k, v = _qkv(hkv=2)
+    got, lse = _engine(q, k, v, softcap, dilated, enable_gqa=True, scale=0.3, return_lse=True)
+    want, want_lse = _torch(q, k, v, softcap, dilated, enable_gqa=True, scale=0.3,
+                            return_lse=True)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    assert lse.shape == (B, HQ, S) and lse.dtype == torch.float32
+    torch.testing.assert_close(lse, want_lse, rtol=2e-5, atol=2e-5)
+
+
+def test_gradients_reach_a_captured_tensor():
+    """FlexAttention has no CPU backward: the gradients are checked against autograd through the
+    same attention written in plain torch."""
+    slopes = SLOPES.clone().requires_grad_()
+
+    def learned_alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    leaves = _qkv(requires_grad=True)
+    out = engine.flex_attention(*leaves, score_mod=learned_alibi)
+    do = torch.randn(out.shape, generator=GEN)
+    got = torch.autograd.grad(out, [*leaves, slopes], do)
+    ref = [t.detach().double().requires_grad_() for t in (*leaves, SLOPES)]
+    q, k, v, ref_slopes = ref
+    pos = torch.arange(S, dtype=torch.float64)
+    s = q @ k.transpose(-1, -2) / math.sqrt(D)
+    s = s + ref_slopes.view(1, HQ, 1, 1) * (pos.view(1, -1) - pos.view(-1, 1))
+    want = torch.autograd.grad(torch.softmax(s, -1) @ v, ref, do.double())
+    for name, a, w in zip(("dq", "dk", "dv", "dslopes"), got, want, strict=True):
+        torch.testing.assert_close(a.double(), w, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_one_module_per_function_and_shape_with_the_current_tensor_values():
+    _MODULES.clear()
+    q, k, v = _qkv()
+    bias = torch.randn(HQ, generator=GEN)
+
+    def head_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[h]
+
+    first = engine.flex_attention(q, k, v, score_mod=head_bias)
+    assert len(_MODULES) == 1
+    bias = torch.randn(HQ, generator=GEN)  # a new tensor object, as a training step makes
+    second = engine.flex_attention(q, k, v, score_mod=head_bias)
+    assert len(_MODULES) == 1, "same functions and shapes: the same module"
+    torch.testing.assert_close(second, _torch(q, k, v, head_bias, None), rtol=2e-5, atol=2e-5)
+    assert not torch.allclose(first, second)
+    engine.flex_attention(q[:, :, :40], k, v, score_mod=head_bias)
+    assert len(_MODULES) == 2, "another length: another module"
+
+
+def test_torch_block_masks_are_accepted():
+    q, k, v = _qkv()
+    bm = torch_flex.create_block_mask(prefix_lm, B, None, S, S, device="cpu")
+    torch.testing.assert_close(engine.flex_attention(q, k, v, block_mask=bm),
+                               _torch(q, k, v, None, prefix_lm), rtol=2e-5, atol=2e-5)
+
+
+def test_engine_block_mask_classifies_with_captured_data():
+    bm = engine.create_block_mask(document, B, None, S, S, BLOCK_SIZE=8)
+    dense = (DOC[:, :, None] == DOC[:, None, :])
+    for b in range(B):
+        for qb in range(S // 8):
+            for kb in range(S // 8):
+                tile = dense[b, qb * 8:(qb + 1) * 8, kb * 8:(kb + 1) * 8]
+                c = int(bm.classes[b if bm.classes.shape[0] > 1 else 0, 0, qb, kb])
+                assert not (c == 0 and tile.any()) and not (c == 2 and not tile.all())
+    assert bm.counts()["empty"] > 0
+
+
+def test_table_lookups_are_refused_with_a_clear_error():
+    rel = torch.randn(HQ, 2 * S - 1, generator=GEN)
+
+    def relative_bias(score, b, h, q_idx, kv_idx):
+        return score + rel[h, q_idx - kv_idx + S - 1]
+
+    q, k, v = _qkv()
+    with pytest.raises(TraceError, match=r"score_mod: a captured tensor indexed by an "
+                       r"expression .*not supported yet.*\(at test_flex_front_door.py:\d+\)"):
+        engine.flex_attention(q, k, v, score_mod=relative_bias)
+
+
+@pytest.mark.parametrize("fn, match", [
+    (lambda s, b, h, q, kv: s if q > kv else -s, r"no truth value.*\(at test_flex_front_door"),
+    (lambda s, b, h, q, kv: torch.softmax(s, -1), r"torch function torch.softmax has no DSL"),
+    (lambda s, b, h, q, kv: s + SLOPES, r"shape \(4,\) is used whole"),
+])
+def test_what_cannot_be_expressed_is_named(fn, match):
+    q, k, v = _qkv()
+    with pytest.raises(TraceError, match=match):
+        engine.flex_attention(q, k, v, score_mod=fn)
+
+
+def test_bad_tensors_are_argument_errors():
+    q, k, v = _qkv(hkv=2)
+    with pytest.raises(ValueError, match="enable_gqa=True"):
+        engine.flex_attention(q, k, v)
+    with pytest.raises(ValueError, match="4-D tensor"):
+        engine.flex_attention(q[0], k, v)
+    bm = engine.create_block_mask(dilated, B, None, S, 32)
+    with pytest.raises(ValueError, match=r"lengths \(48, 32\)"):
+        engine.flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
+    assert math.isfinite(float(engine.flex_attention(q, k, v, enable_gqa=True).sum()))
