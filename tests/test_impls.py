@@ -125,3 +125,41 @@ def test_every_impl_on_gpu_is_ok_or_skipped(variants, tmp_path):
            if r["status"] not in ("ok", "skipped")]
     assert not bad, bad
     assert {r["impl"] for r in rows if r["status"] == "ok"} >= {"sdpa-cudnn", "flex", "reference"}
+
+
+FLEX_FORMS = ["softmax", "softmax_causal", "alibi", "softcap", "sliding_window", "document",
+              "prefix_lm"]
+
+
+@pytest.mark.parametrize("name", FLEX_FORMS)
+def test_engine_flex_runs_the_flex_functions_like_the_engine(variants, name):
+    """engine-flex: the variant's FlexAttention functions through engine.flex_attention give
+    the variant's output and gradients (here on the reference executor; on a Hopper GPU the same
+    call runs the kernels)."""
+    import torch
+
+    v = variants[name]
+    sz = dict(batch=2, heads_q=4, heads_kv=2, seqlen_q=64, seqlen_kv=64, head_dim=32,
+              head_dim_v=32)
+    c = case(variant=name, **sz)
+    inputs = v.make_inputs(**sz, dtype=torch.float32, device="cpu", seed=5)
+    impl = type(get_impl("engine-flex"))()
+    impl.backend = "reference"  # fp32 on the CPU: no backward-kernel check
+    p = impl.prepare(c, v, inputs, needs_grad=True)
+    out = p.to_common(p.forward())
+    assert out.shape == (2, 64, 4, 32)
+    ref_inputs = {n: t.detach().clone().requires_grad_(n in "qkv") for n, t in inputs.items()}
+    ref = v.torch_reference(ref_inputs, dtype=torch.float64)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    do = torch.randn(out.shape, generator=torch.Generator().manual_seed(6))
+    got = torch.autograd.grad(out, p.leaves, do)
+    want = torch.autograd.grad(ref, [ref_inputs[n] for n in "qkv"], do.double())
+    for n, a, w in zip("qkv", got, want, strict=True):
+        torch.testing.assert_close(a, w, rtol=1e-4, atol=1e-5, msg=lambda m, n=n: f"d{n}: {m}")
+
+
+def test_engine_flex_needs_a_flex_form(variants):
+    from attnbench.impls.base import Unsupported
+
+    with pytest.raises(Unsupported, match="no FlexAttention form"):
+        get_impl("engine-flex").prepare(case(variant="sigmoid"), variants["sigmoid"], {}, False)

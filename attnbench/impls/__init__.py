@@ -20,7 +20,8 @@ from attnbench.impls.base import (
 )
 
 IMPL_NAMES: tuple[str, ...] = (
-    "engine", "engine-dynamic", "engine-deterministic", "flash-attention-3", "sdpa-cudnn",
+    "engine", "engine-dynamic", "engine-deterministic", "engine-flex", "flash-attention-3",
+    "sdpa-cudnn",
     "sdpa-flash", "sdpa-efficient", "sdpa-math",
     "flex", "reference", "fla",
 )
@@ -34,6 +35,7 @@ def registry() -> dict[str, Impl]:
     from attnbench.impls.engine import (
         EngineDeterministicImpl,
         EngineDynamicImpl,
+        EngineFlexImpl,
         EngineImpl,
         ReferenceImpl,
     )
@@ -42,7 +44,8 @@ def registry() -> dict[str, Impl]:
     from attnbench.impls.flex import FlexImpl
     from attnbench.impls.sdpa import sdpa_impls
 
-    impls: list[Impl] = [EngineImpl(), EngineDynamicImpl(), EngineDeterministicImpl(), FA3Impl(),
+    impls: list[Impl] = [EngineImpl(), EngineDynamicImpl(), EngineDeterministicImpl(),
+                         EngineFlexImpl(), FA3Impl(),
                          *sdpa_impls(), FlexImpl(), ReferenceImpl(), FlaImpl()]
     reg = {i.name: i for i in impls}
     assert tuple(reg) == IMPL_NAMES, "IMPL_NAMES out of sync with the registry"

@@ -121,3 +121,36 @@ class EngineDeterministicImpl(EngineImpl):
     def caps(self) -> Capabilities:
         base = super().caps
         return dataclasses.replace(base, modes=base.modes - {"fwd"})
+
+
+class EngineFlexImpl(EngineImpl):
+    """The functions FlexAttention runs (the variant's flex form), through engine.flex_attention
+    with engine.create_block_mask: what a user gets by changing one import, timed beside
+    `engine` (the same spec through AttentionEngine)."""
+
+    name = "engine-flex"
+    description = "engine.flex_attention with the variant's FlexAttention functions"
+
+    def prepare(self, case: Case, variant, inputs: dict, needs_grad: bool) -> Prepared:
+        from attnbench.impls.flex import flex_functions
+        from engine import create_block_mask, flex_attention
+
+        score_mod, mask_mod = flex_functions(case, variant, inputs)
+        if needs_grad and self.backend == "tilelang":
+            reason = self.build(case, variant).backward_problem()
+            if reason is not None:
+                raise Unsupported(f"engine backward: {reason}", modes=GRAD_MODES)
+        block_mask = None if mask_mod is None else create_block_mask(
+            mask_mod, case.batch, case.heads_q, case.seqlen_q, case.seqlen_kv)
+        scale = (variant.sdpa_kwargs(inputs) or {}).get("scale")
+        gqa = case.heads_q != case.heads_kv
+        q, k, v = grad_leaves(inputs, needs_grad)  # [B, S, H, D]: a model's q/k/v before
+        # the transpose it makes for FlexAttention, so the views below copy nothing
+
+        def forward():
+            out = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                 score_mod=score_mod, block_mask=block_mask, scale=scale,
+                                 enable_gqa=gqa)
+            return out.transpose(1, 2)
+
+        return Prepared(forward=forward, leaves=(q, k, v))

@@ -24,6 +24,19 @@ MIN_PLAUSIBLE_TFLOPS = 20.0
 MIN_CHECKED_FLOPS = 1e11
 
 
+def flex_functions(case: Case, variant, inputs: dict) -> tuple:
+    """The variant's (score_mod, mask_mod) as FlexAttention takes them (None: absent); shared
+    with `engine-flex`, which runs the same functions through engine.flex_attention."""
+    mods = variant.flex_mods(inputs)
+    plain = variant.sdpa_kwargs(inputs)
+    if mods is None and plain is not None and not plain.get("is_causal"):
+        mods = (None, None)  # plain softmax without a mask needs no mods
+    if mods is None:
+        raise Unsupported(f"variant {case.variant} has no FlexAttention form "
+                          "(its row normaliser is not softmax)")
+    return mods
+
+
 class FlexImpl(Impl):
     name = "flex"
     description = "torch.compile(flex_attention) with its block mask, compiled per case"
@@ -37,14 +50,7 @@ class FlexImpl(Impl):
         from torch._dynamo.utils import counters
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-        mods = variant.flex_mods(inputs)
-        plain = variant.sdpa_kwargs(inputs)
-        if mods is None and plain is not None and not plain.get("is_causal"):
-            mods = (None, None)  # plain softmax without a mask needs no mods
-        if mods is None:
-            raise Unsupported(f"variant {case.variant} has no FlexAttention form "
-                              "(its row normaliser is not softmax)")
-        score_mod, mask_mod = mods
+        score_mod, mask_mod = flex_functions(case, variant, inputs)
         device = inputs["q"].device
         block_mask = None
         if mask_mod is not None:
