@@ -45,6 +45,15 @@ TENSOR_CAPTURE: contextvars.ContextVar[Any] = contextvars.ContextVar("tensor_cap
                                                                      default=None)
 
 
+_TORCH_FUNCTIONS: Any = None
+
+
+def set_torch_functions(handler: Any) -> None:
+    """Give expressions the meaning of torch functions (`handler(func, args, kwargs)`)."""
+    global _TORCH_FUNCTIONS
+    _TORCH_FUNCTIONS = handler
+
+
 def _is_tensor(x: Any) -> bool:
     return type(x).__module__.startswith("torch") and hasattr(x, "dim")
 
@@ -218,10 +227,11 @@ class Expr:
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        # torch.tanh(x), torch.where(...), tensor[b, h] and the like (engine.dsl.torch_funcs)
-        from engine.dsl.torch_funcs import torch_function
-
-        return torch_function(func, args, kwargs or {})
+        # torch.tanh(x), torch.where(...), tensor[b, h] and the like: engine.dsl.torch_funcs
+        # (registered when the engine package is imported)
+        if _TORCH_FUNCTIONS is None:
+            raise DSLError(f"torch function {func} on a symbolic expression")
+        return _TORCH_FUNCTIONS(func, args, kwargs or {})
 
     # ----------------------------------------------------------------- methods of the DSL
     def exp(self) -> Expr:

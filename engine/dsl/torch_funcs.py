@@ -20,7 +20,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.dsl.expr import TENSOR_CAPTURE, DSLError, Expr, custom_leaf, where
+from engine.dsl.expr import (
+    TENSOR_CAPTURE,
+    DSLError,
+    Expr,
+    custom_leaf,
+    set_torch_functions,
+    where,
+)
 
 # torch function -> the Expr method of the same meaning (one argument)
 _UNARY = {
@@ -69,6 +76,9 @@ def torch_function(func: Any, args: tuple, kwargs: dict) -> Expr:
         return getattr(args[0], f"__{'truediv' if name == 'div' else name}__")(args[1])
     raise DSLError(f"torch function {_qualified(func)} has no DSL equivalent here; see the "
                    "DSL's operations (README) or write it with them")
+
+
+set_torch_functions(torch_function)
 
 
 def _plain(func: Any, kwargs: dict) -> bool:
