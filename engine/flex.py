@@ -137,5 +137,5 @@ def _build(capture: TensorCapture, score_mod, mask_mod, scale: float, query, key
     io = CustomIO({n: dims for n, (_, dims) in capture.inputs.items()})
     mod = AttentionEngine(meta, io, score_mod=engine_score,
                           mask_mod=engine_mask if mask_mod else None, online_func=OnlineSoftmax())
-    replay.inputs.clear()  # the module keeps no captured tensor alive
+    replay.release()  # the module keeps no captured tensor alive
     return mod

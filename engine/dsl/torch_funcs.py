@@ -159,6 +159,11 @@ class TensorCapture:
         dims = self.inputs[name][1]
         return custom_leaf(name, dims, kinds)
 
+    def release(self) -> None:
+        """Forget the captured tensors (a cached module must not keep them alive)."""
+        self.inputs.clear()
+        self._names.clear()
+
     def _name(self, t: torch.Tensor, dims: tuple, key: tuple) -> str:
         if key not in self._names:
             name = f"captured{len(self.inputs)}"
