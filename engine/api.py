@@ -138,6 +138,9 @@ class AttentionEngine(torch.nn.Module):
 
         self.dynamic_shapes = DYNAMIC_SHAPES  # see engine.kernels.attention_fwd.plan
         self._kernel_cache = KernelCache()
+        from engine.runtime.ops import register
+
+        self._op_handle = register(self)  # names the module in the custom ops (torch.compile)
 
     @classmethod
     def from_traced(
@@ -323,6 +326,17 @@ class AttentionEngine(torch.nn.Module):
         **named: torch.Tensor,
     ):
         customs = self._check_inputs(q, k, v, custom, named)
+        if torch.compiler.is_compiling():  # one opaque op for the compiler (engine.runtime.ops)
+            from engine.runtime.ops import compiled_forward
+
+            o, finals = compiled_forward(self, q, k, v, customs)
+        else:
+            o, finals = self.eager_forward(q, k, v, customs)
+        return (o, finals) if return_lse else o
+
+    def eager_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      customs: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        """(o, final row scales) of checked inputs, through the module's autograd Function."""
         if self.resolved_backend(q.device) == "tilelang":
             from engine.runtime.tilelang_backend import run as run_kernels
 
@@ -333,7 +347,7 @@ class AttentionEngine(torch.nn.Module):
             from engine.runtime.reference_backend import run as run_reference
 
             o, finals = run_reference(self.spec, tuple(self.custom_io.names()), q, k, v, customs)
-        return (o, finals) if return_lse else o
+        return o, finals
 
     def _tune_first(self, q, k, v, customs: list[torch.Tensor]) -> None:
         """tune=True: once per module, before its kernels are built, tune a shape without an

@@ -206,17 +206,15 @@ def backward(
 
 
 def _scatter_custom_grad(t: torch.Tensor, index: tuple, g: torch.Tensor, env: Env) -> torch.Tensor:
-    """Accumulate a tile-shaped gradient `g` back into the shape of custom tensor `t`."""
-    from engine.reference.evaluate import custom_value
-
-    src = t.detach().to(g.dtype).requires_grad_(True)
-    with torch.enable_grad():
-        val = custom_value(src, index, env)
-        g = g.expand(torch.broadcast_shapes(g.shape, val.shape))
-        # sum g over the dims that val broadcasts along
-        red = [d for d in range(4) if val.shape[d] == 1 and g.shape[d] != 1]
-        gs = g.sum(dim=red, keepdim=True) if red else g
-        (grad,) = torch.autograd.grad(val, src, grad_outputs=gs.expand(val.shape).contiguous())
+    """Accumulate a tile-shaped gradient `g` back into the shape of custom tensor `t`: the
+    adjoint of reading `t` at `index` (a scatter-add; no autograd, so that it also runs inside
+    a custom op, where autograd is off)."""
+    idx = [env.index[i] if isinstance(i, str) else torch.zeros((), dtype=torch.long,
+                                                                  device=t.device)
+           for i in index]
+    shape = torch.broadcast_shapes(g.shape, *(i.shape for i in idx))
+    grad = torch.zeros(t.shape, dtype=g.dtype, device=g.device)
+    grad.index_put_(tuple(i.expand(shape) for i in idx), g.expand(shape), accumulate=True)
     return grad
 
 

@@ -36,28 +36,35 @@ def reference_backward(ctx, do):
         return (None,) * (6 + len(ctx.names))  # only the anchor: nothing to compute
     q, k, v, o, *rest = ctx.saved_tensors
     nf = len(ctx.final_names)
-    finals = dict(zip(ctx.final_names, rest[:nf], strict=True))
     custom = rest[nf:]
-    customs = dict(zip(ctx.names, custom, strict=True))
-    want = tuple(
-        n
-        for n, t, needs in zip(ctx.names, custom, ctx.needs_input_grad[6:], strict=True)
-        if needs and t.is_floating_point()
-    )
+    want = tuple(n for n, needs in zip(ctx.names, ctx.needs_input_grad[6:], strict=True)
+                 if needs)
+    dq, dk, dv, grads = reference_grads(ctx.spec, ctx.names, q, k, v, o, rest[:nf], do, custom,
+                                        want)
+    return (None, None, None, dq, dk, dv, *(grads.get(n) for n in ctx.names))
+
+
+def reference_grads(spec: TracedSpec, names: tuple[str, ...], q, k, v, o, finals, do, custom,
+                    want: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """dq, dk, dv (the inputs' dtypes) and {name: gradient} of the CustomIO tensors in `want`
+    (floating point ones), by the reference rules; `finals` in spec.final_names order."""
+    customs = dict(zip(names, custom, strict=True))
+    want = tuple(n for n in want if customs[n].is_floating_point())
     # Gradients of CustomIO tensors are derived through score_mod only; one that the online
     # functions read would get a silently wrong gradient, so refuse it.
-    bad = sorted(set(want) & ctx.spec.online_custom_reads())
+    bad = sorted(set(want) & spec.online_custom_reads())
     if bad:
         raise RuntimeError(
             f"CustomIO input(s) {bad} require grad but are read in the online functions; the engine "
             "differentiates CustomIO tensors only through score_mod (detach them or move the use "
             "into score_mod)"
         )
+    fin = dict(zip(spec.final_names, finals, strict=True))
     dq, dk, dv, cg = executor.backward(
-        ctx.spec, q, k, v, customs, o, finals, do, dtype=compute_dtype(q.dtype), custom_grads=want
+        spec, q, k, v, customs, o, fin, do, dtype=compute_dtype(q.dtype), custom_grads=want
     )
-    grads_c = [cg[n].to(customs[n].dtype) if n in cg else None for n in ctx.names]
-    return (None, None, None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *grads_c)
+    grads = {n: cg[n].to(customs[n].dtype) for n in want if n in cg}
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), grads
 
 
 # In grad mode the output always joins the autograd graph through this anchor, so that
