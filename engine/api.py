@@ -142,6 +142,13 @@ class AttentionEngine(torch.nn.Module):
 
         self._op_handle = register(self)  # names the module in the custom ops (torch.compile)
 
+    def __setstate__(self, state: dict) -> None:
+        # a copy (deepcopy, unpickling) is a module of its own in the custom ops
+        super().__setstate__(state)
+        from engine.runtime.ops import register
+
+        self._op_handle = register(self)
+
     @classmethod
     def from_traced(
         cls,

@@ -149,3 +149,18 @@ def test_a_small_transformer_trains_compiled_like_sdpa():
     assert want[-1] < want[0] - 0.1, "the reference model must learn something"
     assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4
     assert all(math.isfinite(x) for x in got)
+
+
+def test_a_copied_module_outlives_its_original_under_compile():
+    import copy
+    import gc
+
+    original = _alibi_module()
+    mod = copy.deepcopy(original)
+    assert mod._op_handle != original._op_handle
+    del original
+    gc.collect()
+    q, k, v, slopes = _inputs(grad=False)
+    torch._dynamo.reset()
+    got = torch.compile(lambda *a: mod(*a), fullgraph=True, backend="aot_eager")(q, k, v, slopes)
+    torch.testing.assert_close(got, mod(q, k, v, slopes))
