@@ -11,19 +11,22 @@ once per such key.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+import torch._dynamo
 
 from engine.api import AttentionEngine
 from engine.dsl.expr import index_leaf, leaf, to_text
 from engine.dsl.io import CustomIO, meta_tensor
 from engine.dsl.online import OnlineSoftmax
-from engine.dsl.torch_funcs import TensorCapture
-from engine.ir.trace import call_hook
+from engine.dsl.torch_funcs import TensorCapture, derive
+from engine.ir.trace import TraceError, call_hook
+from engine.runtime.ops import attention_forward
 
 _MODULES: OrderedDict[tuple, AttentionEngine] = OrderedDict()
 CACHE_SIZE = 64  # modules kept (each holds its compiled kernels)
@@ -45,14 +48,74 @@ def flex_attention(
     _check_tensors(query, key, value, enable_gqa)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     mask_mod = _mask_mod(block_mask, query.shape[2], key.shape[2])
+    shapes = _Shapes(tuple(query.shape), tuple(key.shape), tuple(value.shape), query.dtype,
+                     query.device.type)
+    if torch.compiler.is_compiling():
+        return _compiled_call(query, key, value, score_mod, mask_mod, scale, shapes, return_lse)
     capture, traced = _trace(score_mod, mask_mod, scale)
     customs = {n: t for n, (t, _) in capture.inputs.items()}
-    mod = _module(traced, capture, score_mod, mask_mod, scale, query, key, value)
+    mod = _module(traced, capture, score_mod, mask_mod, scale, shapes)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     if not return_lse:
         return mod(q, k, v, **customs).transpose(1, 2)
     out, finals = mod(q, k, v, return_lse=True, **customs)
     return out.transpose(1, 2), finals["lse"].float()
+
+
+class _Shapes(NamedTuple):
+    query: tuple[int, ...]
+    key: tuple[int, ...]
+    value: tuple[int, ...]
+    dtype: torch.dtype
+    device: str
+
+
+def _compiled_call(query, key, value, score_mod, mask_mod, scale: float, shapes: _Shapes,
+                   return_lse: bool):
+    """Under torch.compile: the functions are traced once, while compiling (`_plan`, which
+    dynamo runs as a constant), and each captured tensor is read again where the functions
+    read it (a closure cell or a module global), so that it is an input of the graph and the
+    module is one custom op (engine.runtime.ops)."""
+    handle, sources, lse_at = _plan(score_mod, mask_mod, scale, *shapes)  # plain constants
+    fns = (score_mod, mask_mod)
+    customs = [derive(_read(fns[f], kind, where), picks, whole)
+               for f, kind, where, picks, whole in sources]
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    outs = attention_forward(handle, q, k, v, customs)
+    out = outs[0].transpose(1, 2)
+    return (out, outs[1 + lse_at].float()) if return_lse else out
+
+
+@torch._dynamo.assume_constant_result
+def _plan(score_mod, mask_mod, scale: float, *shapes: Any) -> tuple:
+    """(module handle, where each captured tensor is read, the position of "lse" among the
+    final row scales): constants for the compiler."""
+    shapes = _Shapes(*shapes)
+    capture, traced = _trace(score_mod, mask_mod, scale)
+    mod = _module(traced, capture, score_mod, mask_mod, scale, shapes)
+    sources = tuple((*_source(score_mod, mask_mod, t), picks, whole)
+                    for t, picks, whole in capture.sources.values())
+    return mod._op_handle, sources, list(mod.spec.final_names).index("lse")
+
+
+def _source(score_mod, mask_mod, t: torch.Tensor) -> tuple[int, str, int | str]:
+    """Which function reads `t`, and from where: ("closure", cell index) or ("global", name)."""
+    for f, fn in enumerate((score_mod, mask_mod)):
+        for i, cell in enumerate(getattr(fn, "__closure__", None) or ()):
+            with contextlib.suppress(ValueError):  # an empty cell
+                if cell.cell_contents is t:
+                    return f, "closure", i
+        for name, val in getattr(fn, "__globals__", {}).items():
+            if val is t:
+                return f, "global", name
+    raise TraceError(
+        f"under torch.compile, engine.flex_attention reads captured tensors from the "
+        f"functions' closures or module globals; a tensor of shape {tuple(t.shape)} was reached "
+        "another way (an attribute, a helper function): bind it to a variable the function uses")
+
+
+def _read(fn, kind: str, where: int | str) -> torch.Tensor:
+    return fn.__closure__[where].cell_contents if kind == "closure" else fn.__globals__[where]
 
 
 def _check_tensors(query, key, value, enable_gqa: bool) -> None:
@@ -102,13 +165,12 @@ def _text(value: Any) -> str:
 
 
 def _module(traced: str, capture: TensorCapture, score_mod, mask_mod, scale: float,
-            query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> AttentionEngine:
+            shapes: _Shapes) -> AttentionEngine:
     inputs = tuple((n, dims, tuple(t.shape), t.dtype) for n, (t, dims) in capture.inputs.items())
-    cache_key = (traced, inputs, tuple(query.shape), tuple(key.shape), tuple(value.shape),
-                 query.dtype, query.device.type, scale)
+    cache_key = (traced, inputs, *shapes, scale)
     mod = _MODULES.get(cache_key)
     if mod is None:
-        mod = _build(capture, score_mod, mask_mod, scale, query, key, value)
+        mod = _build(capture, score_mod, mask_mod, scale, shapes)
         _MODULES[cache_key] = mod
         while len(_MODULES) > CACHE_SIZE:
             _MODULES.popitem(last=False)
@@ -116,7 +178,7 @@ def _module(traced: str, capture: TensorCapture, score_mod, mask_mod, scale: flo
     return mod
 
 
-def _build(capture: TensorCapture, score_mod, mask_mod, scale: float, query, key, value
+def _build(capture: TensorCapture, score_mod, mask_mod, scale: float, shapes: _Shapes
            ) -> AttentionEngine:
     """An AttentionEngine of the functions; its tracing captures the same tensors under the
     same names (the capture is replayed in the same order), then lets them go."""
@@ -130,10 +192,10 @@ def _build(capture: TensorCapture, score_mod, mask_mod, scale: float, query, key
         with replay.active():
             return mask_mod(b, h, q_idx, kv_idx)
 
-    (B, Hq, Sq, D), (_, Hkv, Skv, Dv) = query.shape, value.shape
-    meta = (meta_tensor(B, Hq, Sq, D, dtype=query.dtype),
-            meta_tensor(B, Hkv, Skv, D, dtype=key.dtype),
-            meta_tensor(B, Hkv, Skv, Dv, dtype=value.dtype))
+    (B, Hq, Sq, D), (_, Hkv, Skv, Dv) = shapes.query, shapes.value
+    meta = (meta_tensor(B, Hq, Sq, D, dtype=shapes.dtype),
+            meta_tensor(B, Hkv, Skv, D, dtype=shapes.dtype),
+            meta_tensor(B, Hkv, Skv, Dv, dtype=shapes.dtype))
     io = CustomIO({n: dims for n, (_, dims) in capture.inputs.items()})
     mod = AttentionEngine(meta, io, score_mod=engine_score,
                           mask_mod=engine_mask if mask_mod else None, online_func=OnlineSoftmax())

@@ -118,6 +118,9 @@ class TensorCapture:
 
     def __init__(self) -> None:
         self.inputs: dict[str, tuple[torch.Tensor, tuple]] = {}
+        # name -> (the tensor the function read, the constant indices that selected from it,
+        # whether it was used whole): how to get the input again from the same tensor
+        self.sources: dict[str, tuple[torch.Tensor, tuple, bool]] = {}
         self._names: dict[tuple, str] = {}
 
     @contextlib.contextmanager
@@ -133,7 +136,7 @@ class TensorCapture:
         if t.numel() != 1:
             raise DSLError(f"a captured tensor of shape {tuple(t.shape)} is used whole; index "
                            "it with b, h, q_idx or kv_idx (only one-element tensors are numbers)")
-        name = self._name(t.reshape(1), (1,), key=(id(t), "whole"))
+        name = self._name(t.reshape(1), (1,), key=(id(t), "whole"), source=(t, (), True))
         return custom_leaf(name, (1,), (0,))
 
     def index(self, t: Any, index: Any) -> Expr:
@@ -144,9 +147,7 @@ class TensorCapture:
             raise DSLError(f"a captured tensor of shape {tuple(t.shape)} is indexed with "
                            f"{len(idx)} indices; give one per dimension")
         picks = tuple((d, i) for d, i in enumerate(idx) if isinstance(i, int))
-        sel = t
-        for d, i in reversed(picks):
-            sel = sel.select(d, i)
+        sel = derive(t, picks, whole=False)
         syms = [Expr.wrap(i) for i in idx if not isinstance(i, int)]
         for e in syms:
             if e.op != "idx":
@@ -155,21 +156,31 @@ class TensorCapture:
                     "bias[h, q_idx - kv_idx]) is not supported yet; index it with b, h, q_idx, "
                     "kv_idx or a constant")
         kinds = tuple(e.attr for e in syms)
-        name = self._name(sel, tuple(_INDEX_DIMS[k] for k in kinds), key=(id(t), picks))
+        name = self._name(sel, tuple(_INDEX_DIMS[k] for k in kinds), key=(id(t), picks),
+                          source=(t, picks, False))
         dims = self.inputs[name][1]
         return custom_leaf(name, dims, kinds)
 
     def release(self) -> None:
         """Forget the captured tensors (a cached module must not keep them alive)."""
         self.inputs.clear()
+        self.sources.clear()
         self._names.clear()
 
-    def _name(self, t: torch.Tensor, dims: tuple, key: tuple) -> str:
+    def _name(self, t: torch.Tensor, dims: tuple, key: tuple, source: tuple) -> str:
         if key not in self._names:
             name = f"captured{len(self.inputs)}"
             self._names[key] = name
             self.inputs[name] = (t, dims)
+            self.sources[name] = source
         return self._names[key]
+
+
+def derive(t: torch.Tensor, picks: tuple, whole: bool) -> torch.Tensor:
+    """The custom input a capture made of tensor `t` (see TensorCapture.sources)."""
+    for d, i in reversed(picks):
+        t = t.select(d, i)
+    return t.reshape(1) if whole else t
 
 
 def capture_tensors(hook: str, fn: Any, args: Any) -> TensorCapture:

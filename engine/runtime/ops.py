@@ -20,7 +20,6 @@ from engine.runtime.reference_backend import reference_grads
 
 _MODULES: dict[int, weakref.ref] = {}
 _HANDLES = itertools.count(1)
-_N_BEFORE_CUSTOM = 4  # handle, q, k, v: the op's arguments before the custom tensors
 
 
 def register(mod: nn.Module) -> int:
@@ -94,7 +93,10 @@ def _(handle, q, k, v, o, finals, do, custom, wants):
 def _setup_context(ctx, inputs, output) -> None:
     handle, q, k, v, custom = inputs
     o, *finals = output
-    ctx.handle, ctx.n_finals, ctx.n_custom = handle, len(finals), len(custom)
+    ctx.handle, ctx.n_finals = handle, len(finals)
+    # which custom tensors want a gradient (needs_input_grad's layout for a list argument
+    # differs between eager autograd and AOT tracing)
+    ctx.wants = [bool(c.requires_grad) for c in custom]
     ctx.save_for_backward(q, k, v, o, *finals, *custom)
     ctx.mark_non_differentiable(*finals)  # row scales, as in the eager module
 
@@ -102,8 +104,7 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, grads):
     q, k, v, o, *rest = ctx.saved_tensors
     finals, custom = rest[:ctx.n_finals], rest[ctx.n_finals:]
-    first = _N_BEFORE_CUSTOM
-    wants = [bool(w) for w in ctx.needs_input_grad[first:first + ctx.n_custom]]
+    wants = ctx.wants
     dq, dk, dv, *dc = attention_backward(ctx.handle, q, k, v, o, list(finals), grads[0],
                                          list(custom), wants)
     it = iter(dc)

@@ -199,3 +199,59 @@ def test_bad_tensors_are_argument_errors():
     with pytest.raises(ValueError, match=r"lengths \(48, 32\)"):
         engine.flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
     assert math.isfinite(float(engine.flex_attention(q, k, v, enable_gqa=True).sum()))
+
+
+def test_under_torch_compile_one_graph_with_the_captured_tensors_as_inputs():
+    """fullgraph: the functions are traced once while compiling; the captured tensors (a
+    closure's learnable slopes, a module global's document ids) are read where the functions
+    read them, so gradients reach them and a new value of the global is seen."""
+    global DOC
+    import torch._dynamo
+
+    slopes = SLOPES.clone().requires_grad_()
+
+    def learned_alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    bm = engine.create_block_mask(document, B, None, S, S)
+
+    def step(q, k, v):
+        return engine.flex_attention(q, k, v, score_mod=learned_alibi, block_mask=bm,
+                                     return_lse=True)
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(step)(*_qkv())
+    assert explained.graph_break_count == 0
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    leaves = _qkv(requires_grad=True)
+    (out, lse), (want, want_lse) = compiled(*leaves), step(*leaves)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(lse, want_lse)
+    got_g = torch.autograd.grad(out.square().sum(), [*leaves, slopes])
+    want_g = torch.autograd.grad(want.square().sum(), [*leaves, slopes])
+    for a, w in zip(got_g, want_g, strict=True):
+        torch.testing.assert_close(a, w)
+    saved = DOC
+    try:
+        DOC = torch.zeros_like(saved)  # one document: the global is read again at each call
+        q, k, v = _qkv()
+        torch.testing.assert_close(compiled(q, k, v)[0], step(q, k, v)[0])
+    finally:
+        DOC = saved
+
+
+def test_under_torch_compile_a_tensor_out_of_reach_is_named():
+    import torch._dynamo
+
+    class Holder:
+        bias = torch.randn(HQ, generator=GEN)
+
+    def attr_bias(score, b, h, q_idx, kv_idx):
+        return score + Holder.bias[h]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: engine.flex_attention(q, k, v, score_mod=attr_bias),
+                             fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="closures or module globals"):
+        compiled(*_qkv())
