@@ -45,3 +45,22 @@ def test_front_door_kernels_match_torch_flex(name):
     want = torch_flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=True)
     assert not torch.isnan(got).any()
     assert rel_err(got, want) < 1e-2, f"rel err {rel_err(got, want):.3e}"
+
+
+def test_front_door_compiles_to_one_graph_on_the_gpu():
+    import torch._dynamo
+
+    score_mod, mask_mod = _cases()["alibi_document"]
+    bm = engine.create_block_mask(mask_mod, B, None, S, S)
+    q, k, v = (torch.randn(B, h, S, D, device="cuda", dtype=torch.bfloat16)
+               for h in (HQ, HKV, HKV))
+
+    def call(q, k, v):
+        return engine.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm,
+                                     enable_gqa=True)
+
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(call)(q, k, v).graph_break_count == 0
+    torch._dynamo.reset()
+    got = torch.compile(call, fullgraph=True)(q, k, v)
+    assert rel_err(got, call(q, k, v)) < 1e-3
