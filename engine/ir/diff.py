@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from engine.dsl.expr import Expr, leaves, topo, where
+from engine.dsl.expr import ROUNDING_OPS, Expr, leaves, topo, where
 
 _LN2 = math.log(2.0)
 
@@ -58,8 +58,14 @@ def diff(root: Expr, wrt: Expr) -> Expr:
     return grads[root.key]
 
 
-# d f(x) / dx of the smooth math ops, from x and the node f(x) itself.
+# d f(x) / dx of the smooth math ops, from x (as a float) and the node y = f(x) itself.
 _MATH_RULES = {
+    "exp": lambda x, y: y,
+    "exp2": lambda x, y: y * _LN2,
+    "log": lambda x, y: 1.0 / x,
+    "log2": lambda x, y: 1.0 / (x * _LN2),
+    "tanh": lambda x, y: 1.0 - y * y,
+    "sigmoid": lambda x, y: y * (1.0 - y),
     "sin": lambda x, y: x.cos(),
     "cos": lambda x, y: -x.sin(),
     "tan": lambda x, y: 1.0 + y * y,
@@ -76,21 +82,9 @@ def _rule(node: Expr, ds: list[Expr]) -> Expr:
     x = a[0]
     if op == "neg":
         return _mul(_c(-1.0), ds[0])
-    if op == "exp":
-        return _mul(node, ds[0])
-    if op == "exp2":
-        return _mul(node * _LN2, ds[0])
-    if op == "log":
-        return _mul(1.0 / _float(x), ds[0])
-    if op == "log2":
-        return _mul(1.0 / (_float(x) * _LN2), ds[0])
-    if op == "tanh":
-        return _mul(1.0 - node * node, ds[0])
-    if op == "sigmoid":
-        return _mul(node * (1.0 - node), ds[0])
     if op in _MATH_RULES:
         return _mul(_MATH_RULES[op](_float(x), node), ds[0])
-    if op in ("floor", "ceil", "round", "toint", "floordiv"):
+    if op in (*ROUNDING_OPS, "toint", "floordiv"):
         return _c(0.0)  # piecewise constant
     if op == "mod":
         return ds[0]  # x - c * floor(x / c), c a constant

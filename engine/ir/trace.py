@@ -77,8 +77,6 @@ def call_hook(hook: str, fn: Callable, args: tuple, aliases: dict[str, Any] | No
             "operators and methods such as .exp(), .max(x), get_reduce())"
         ) from None
 
-
-_call = call_hook
 # The engine's own frames and torch's (its __torch_function__ dispatch) are not the user's.
 _LIBRARY_DIRS = (str(Path(__file__).resolve().parents[1]), str(Path(torch.__file__).resolve().parent))
 
@@ -181,7 +179,7 @@ def trace_mask(mask_mod: Callable, customs: CustomIO | None = None) -> Expr:
     if _positional_arity(mask_mod) not in (None, 4):
         raise TraceError("mask_mod must take (b, h, q_idx, kv_idx)")
     b, h, q, kv = (index_leaf(n) for n in ("b", "h", "q", "kv"))
-    mval = _call("mask_mod", mask_mod, (b, h, q, kv))
+    mval = call_hook("mask_mod", mask_mod, (b, h, q, kv))
     if isinstance(mval, bool):
         raise TraceError(
             "mask_mod: returned a Python bool; it must return a comparison of "
@@ -247,7 +245,7 @@ def _trace_score_mod(score_mod: Callable | None, customs: CustomIO) -> Expr:
             f"score_mod takes {arity} positional parameters; expected "
             "(score, custom_fwd_inputs, b, h, q_idx, kv_idx) or (score, b, h, q_idx, kv_idx)"
         )
-    return _check("score_mod", "the result", _call("score_mod", sm, args), {"m", "n"}, customs)
+    return _check("score_mod", "the result", call_hook("score_mod", sm, args), {"m", "n"}, customs)
 
 
 def _trace_online_fwd(of: OnlineFunc, customs: CustomIO
@@ -259,7 +257,7 @@ def _trace_online_fwd(of: OnlineFunc, customs: CustomIO
     score = leaf("score", ("m", "n"))
     res = _tuple_result(
         "online_fwd",
-        _call("online_fwd", of.online_fwd, (score, dict(rs), b, h, q)),
+        call_hook("online_fwd", of.online_fwd, (score, dict(rs), b, h, q)),
         3,
         "scores, new_online_rowscales, o_scale",
     )
@@ -283,7 +281,7 @@ def _trace_epilogue(of: OnlineFunc, customs: CustomIO
     o = leaf("o", ("m", "d"))
     res = _tuple_result(
         "online_fwd_epilogue",
-        _call("online_fwd_epilogue", of.online_fwd_epilogue, (o, dict(rs), b, h, q)),
+        call_hook("online_fwd_epilogue", of.online_fwd_epilogue, (o, dict(rs), b, h, q)),
         2,
         "o, final_rowscales",
     )
@@ -305,12 +303,12 @@ def _trace_rules(of: OnlineFunc, customs: CustomIO) -> tuple[Expr, Expr]:
     recompute = _check(
         "forward",
         "the result",
-        _call("forward", of.forward, (score, dict(fl), b, h, q, kv)),
+        call_hook("forward", of.forward, (score, dict(fl), b, h, q, kv)),
         {"m", "n"},
         customs,
     )
     dp, pp, doosum = leaf("dp", ("m", "n")), leaf("p", ("m", "n")), leaf("doosum", ("m",))
-    bwd_val = _call(
+    bwd_val = call_hook(
         "backward",
         of.backward,
         (dp, pp, dict(fl), doosum, b, h, q, kv),

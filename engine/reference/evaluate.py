@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.dsl.expr import Expr, topo
+from engine.dsl.expr import MATH_OPS, ROUNDING_OPS, Expr, topo
 
 _NEUTRAL = {"max": float("-inf"), "min": float("inf"), "sum": 0.0, "abssum": 0.0}
 
@@ -41,13 +41,16 @@ def index_tensors(
     }
 
 
+def custom_index(index: tuple, env: Env, device: torch.device) -> list[torch.Tensor]:
+    """Index tensors of a custom read at the symbolic `index` (entries "b", "h", "q", "kv" or
+    0), broadcasting over [b, h, q, kv]."""
+    return [env.index[i] if isinstance(i, str)
+            else torch.zeros((), dtype=torch.long, device=device) for i in index]
+
+
 def custom_value(t: torch.Tensor, index: tuple, env: Env) -> torch.Tensor:
     """Read custom tensor `t` at the symbolic `index` (entries "b", "h", "q", "kv" or 0)."""
-    idx = [
-        env.index[i] if isinstance(i, str) else torch.zeros((), dtype=torch.long, device=t.device)
-        for i in index
-    ]
-    val = t[tuple(idx)]
+    val = t[tuple(custom_index(index, env, t.device))]
     while val.dim() < 4:
         val = val.unsqueeze(0)
     return val
@@ -65,12 +68,9 @@ def _const(node: Expr, env: Env) -> torch.Tensor:
     return torch.tensor(node.attr, dtype=dt, device=env.device)
 
 
-# Elementwise functions of a float tensor, by DSL op (round: halves to even, as torch).
-_TORCH_MATH = {
-    "sin": torch.sin, "cos": torch.cos, "tan": torch.tan, "sqrt": torch.sqrt,
-    "rsqrt": torch.rsqrt, "log1p": torch.log1p, "expm1": torch.expm1, "erf": torch.erf,
-    "floor": torch.floor, "ceil": torch.ceil, "round": torch.round,
-}
+# Elementwise functions of a float tensor, by DSL op: torch's of the same name (round halves
+# to even, as the kernels' nearbyint).
+_TORCH_MATH = {op: getattr(torch, op) for op in (*MATH_OPS, *ROUNDING_OPS)}
 
 
 def _eval_node(node: Expr, a: list[torch.Tensor], env: Env) -> torch.Tensor:
@@ -91,18 +91,6 @@ def _eval_node(node: Expr, a: list[torch.Tensor], env: Env) -> torch.Tensor:
     f = lambda t: t.to(env.dtype) if not t.is_floating_point() else t  # noqa: E731
     if op == "neg":
         return -a[0]
-    if op == "exp":
-        return torch.exp(f(a[0]))
-    if op == "exp2":
-        return torch.exp2(f(a[0]))
-    if op == "log":
-        return torch.log(f(a[0]))
-    if op == "log2":
-        return torch.log2(f(a[0]))
-    if op == "tanh":
-        return torch.tanh(f(a[0]))
-    if op == "sigmoid":
-        return torch.sigmoid(f(a[0]))
     if op in _TORCH_MATH:
         return _TORCH_MATH[op](f(a[0]))
     if op == "toint":

@@ -25,7 +25,7 @@ import torch
 from engine.ir.diff import score_mod_derivatives
 from engine.ir.spec import TracedSpec
 from engine.problem import Problem
-from engine.reference.evaluate import Env, evaluate, index_tensors
+from engine.reference.evaluate import Env, custom_index, evaluate, index_tensors
 
 
 def _bhsd(x: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
@@ -209,9 +209,7 @@ def _scatter_custom_grad(t: torch.Tensor, index: tuple, g: torch.Tensor, env: En
     """Accumulate a tile-shaped gradient `g` back into the shape of custom tensor `t`: the
     adjoint of reading `t` at `index` (a scatter-add; no autograd, so that it also runs inside
     a custom op, where autograd is off)."""
-    idx = [env.index[i] if isinstance(i, str) else torch.zeros((), dtype=torch.long,
-                                                                  device=t.device)
-           for i in index]
+    idx = custom_index(index, env, t.device)
     shape = torch.broadcast_shapes(g.shape, *(i.shape for i in idx))
     grad = torch.zeros(t.shape, dtype=g.dtype, device=g.device)
     grad.index_put_(tuple(i.expand(shape) for i in idx), g.expand(shape), accumulate=True)
