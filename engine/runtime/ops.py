@@ -71,14 +71,14 @@ def attention_backward(handle: int, q: Tensor, k: Tensor, v: Tensor, o: Tensor,
     names = mod.spec.custom_names
     want = tuple(n for n, w in zip(names, wants, strict=True) if w)
     if mod.resolved_backend(q.device) == "tilelang":
-        from engine.runtime.tilelang_backend import backward_kernel_call, backward_problem
+        from engine.runtime.tilelang_backend import kernel_grads
 
-        req = mod.kernel_request()
-        if backward_problem(mod._kernel_cache, req, want) is None:
-            dq, dk, dv, dc = backward_kernel_call(mod._kernel_cache, req, q, k, v, o, finals,
-                                                  do.contiguous(), custom, custom_grads=want)
-            return [t.contiguous() for t in (dq, dk, dv, *(dc[n] for n in want))]
-    dq, dk, dv, grads = reference_grads(mod.spec, names, q, k, v, o, finals, do, custom, want)
+        dq, dk, dv, grads = kernel_grads(mod._kernel_cache, mod.kernel_request(), q, k, v, o,
+                                         finals, do.contiguous(), custom, want)
+    else:
+        dq, dk, dv, grads = reference_grads(mod.spec, names, q, k, v, o, finals, do, custom,
+                                            want)
+    # an integer custom tensor has no gradient: zeros keep the op's output list fixed
     dc = (grads[n] if n in grads else torch.zeros_like(c)
           for n, c in zip(names, custom, strict=True) if n in want)
     return [t.contiguous() for t in (dq, dk, dv, *dc)]

@@ -20,7 +20,7 @@ from engine.kernels.registry import ATTENTION_BWD, ATTENTION_FWD
 from engine.plan.config import ConfigError
 from engine.plan.request import KernelRequest
 from engine.runtime.kernel_cache import KernelCache
-from engine.runtime.reference_backend import GRAD_ANCHOR, reference_backward
+from engine.runtime.reference_backend import GRAD_ANCHOR, reference_grads
 
 log = logging.getLogger("engine")
 # Tests set this to fill outputs with NaN before each launch, to prove every element is written.
@@ -87,6 +87,20 @@ def backward_kernel_call(
     return ATTENTION_BWD.launch(bk, q, k, v, o, list(finals), do, cdict)
 
 
+def kernel_grads(cache: KernelCache, req: KernelRequest, q, k, v, o, finals, do, custom,
+                 want: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """dq, dk, dv and {name: gradient} of the CustomIO tensors in `want`: by the generated
+    backward kernels where they can run, else by the reference rules (said once in the log)."""
+    reason = backward_problem(cache, req, want)
+    if reason is None:
+        return backward_kernel_call(cache, req, q, k, v, o, finals, do, custom, custom_grads=want)
+    if reason not in _logged:
+        _logged.add(reason)
+        log.info("engine: backward by the reference rules: %s", reason)
+    spec = req.spec
+    return reference_grads(spec, spec.custom_names, q, k, v, o, finals, do, custom, want)
+
+
 class TileLangAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, cache, req, anchor, q, k, v, *custom):
@@ -105,16 +119,10 @@ class TileLangAttention(torch.autograd.Function):
             return (None,) * (6 + n_custom)
         wants = tuple(n for n, need in zip(ctx.names, ctx.needs_input_grad[6:], strict=False)
                       if need)
-        reason = backward_problem(ctx.cache, ctx.req, wants)
-        if reason is not None:
-            if reason not in _logged:
-                _logged.add(reason)
-                log.info("engine: backward by the reference rules: %s", reason)
-            return reference_backward(ctx, do)
         q, k, v, o, *rest = ctx.saved_tensors
         nf = len(ctx.final_names)
-        dq, dk, dv, dc = backward_kernel_call(ctx.cache, ctx.req, q, k, v, o, rest[:nf], do,
-                                              rest[nf:], custom_grads=wants)
+        dq, dk, dv, dc = kernel_grads(ctx.cache, ctx.req, q, k, v, o, rest[:nf], do, rest[nf:],
+                                      wants)
         return (None, None, None, dq, dk, dv, *(dc.get(n) for n in ctx.names))
 
 
