@@ -260,16 +260,15 @@ def _with_reference(frame: pd.DataFrame) -> pd.DataFrame:
     """Adds ref_latency_ms and ref_spread_ms: the latency and spread of the row's `baseline`
     implementation in the same frame (same suite, case and mode; an ok row of another
     implementation), NaN where there is none."""
-    out = frame.copy()
-    out["ref_latency_ms"] = out["ref_spread_ms"] = math.nan
-    if out.empty or "baseline" not in out.columns:
-        return out
-    ok = out[out["status"].astype(str) == "ok"]
-    ref = {(r.suite, r.case, r.mode, r.impl): (r.latency_ms, r.latency_spread_ms)
-           for r in ok.itertuples(index=False)}
-    for i, r in zip(out.index, out.itertuples(index=False), strict=True):
-        if r.baseline != r.impl and (got := ref.get((r.suite, r.case, r.mode, r.baseline))):
-            out.loc[i, ["ref_latency_ms", "ref_spread_ms"]] = got
+    cols = ["suite", "case", "mode", "impl", "latency_ms", "latency_spread_ms"]
+    if frame.empty or "baseline" not in frame.columns:
+        return frame.assign(ref_latency_ms=math.nan, ref_spread_ms=math.nan)
+    ref = frame.loc[frame["status"].astype(str) == "ok", cols].rename(columns={
+        "impl": "baseline", "latency_ms": "ref_latency_ms", "latency_spread_ms": "ref_spread_ms"})
+    out = frame.merge(ref, on=["suite", "case", "mode", "baseline"], how="left")
+    out.index = frame.index
+    own = out["baseline"] == out["impl"]  # the baseline row itself has no reference
+    out.loc[own, ["ref_latency_ms", "ref_spread_ms"]] = math.nan
     return out
 
 
@@ -344,21 +343,20 @@ def _spread(value) -> float:
 
 
 def _same_run_check(b: pd.Series, n: pd.Series, rule: GateRule, verdict: dict,
-                    reasons: list[str]) -> dict:
-    """A slower verdict stands only if the row is also slower against its same-run baseline
-    (module doc); else it becomes "clock" and its reason is dropped."""
+                    why: list[str]) -> tuple[dict, list[str]]:
+    """(verdict, why) after the same-run check: a slower verdict stands only if the row is
+    also slower against its same-run baseline (module doc), else it becomes "clock" with no
+    reason."""
     if not (rule.same_run and verdict.get("perf") == "slower"):
-        return verdict
+        return verdict, why
     if not all(_f(r["ref_latency_ms"]) > 0 and _f(r["latency_ms"]) > 0 for r in (b, n)):
-        return verdict
+        return verdict, why
     bv, bs = _metric(b, "ratio")
     nv, ns = _metric(n, "ratio")
-    why: list[str] = []
-    if _judge(bv, bs, nv, ns, replace(rule, metric="latency_ms"), why)["perf"] == "slower":
-        reasons.append(f"x the same run's baseline {bv:.3f} -> {nv:.3f} ({(nv - bv) / bv:+.1%})")
-        return verdict
-    reasons.pop()  # the metric's own "slower" reason: explained by the run as a whole
-    return {**verdict, "perf": "clock", "ratio_change": (nv - bv) / bv}
+    if _judge(bv, bs, nv, ns, replace(rule, metric="latency_ms"), [])["perf"] == "slower":
+        return verdict, [*why, f"x the same run's baseline {bv:.3f} -> {nv:.3f} "
+                               f"({(nv - bv) / bv:+.1%})"]
+    return {**verdict, "perf": "clock", "ratio_change": (nv - bv) / bv}, []
 
 
 def _classify(key, b: pd.Series, n: pd.Series, rule: GateRule) -> RowChange:
@@ -381,8 +379,10 @@ def _classify(key, b: pd.Series, n: pd.Series, rule: GateRule) -> RowChange:
             # shown, never judged: the runner could not measure it tightly
             fields.update(perf="noisy", change=(nv - bv) / bv if bv > 0 else math.nan)
         else:
-            fields.update(_same_run_check(b, n, rule, _judge(bv, bs, nv, ns, rule, reasons),
-                                          reasons))
+            why: list[str] = []
+            verdict, why = _same_run_check(b, n, rule, _judge(bv, bs, nv, ns, rule, why), why)
+            fields.update(verdict)
+            reasons += why
 
     acc = _accuracy(b, n, b_status, n_status)
     fields.update(acc)
