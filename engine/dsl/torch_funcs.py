@@ -182,12 +182,3 @@ def derive(t: torch.Tensor, picks: tuple, whole: bool) -> torch.Tensor:
         t = t.select(d, i)
     return t.reshape(1) if whole else t
 
-
-def capture_tensors(hook: str, fn: Any, args: Any) -> TensorCapture:
-    """Call `fn(*args)` once with symbolic arguments to learn which tensors it captures."""
-    from engine.ir.trace import call_hook
-
-    capture = TensorCapture()
-    with capture.active():
-        call_hook(hook, fn, tuple(args))
-    return capture

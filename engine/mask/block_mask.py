@@ -9,8 +9,8 @@ import torch
 
 from engine.dsl.expr import index_leaf
 from engine.dsl.io import CustomIO
-from engine.dsl.torch_funcs import TensorCapture, capture_tensors
-from engine.ir.trace import trace_mask
+from engine.dsl.torch_funcs import TensorCapture
+from engine.ir.trace import call_hook, trace_mask
 from engine.mask.analysis import EMPTY, FULL, PARTIAL, BlockClasses, classify
 
 
@@ -75,7 +75,9 @@ def create_block_mask(
     if device is not None and not isinstance(device, (str, torch.device)):
         raise ValueError(f"create_block_mask: device={device!r}: expected a str or torch.device")
     bm, bn = (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, int) else BLOCK_SIZE
-    captured = capture_tensors("mask_mod", mask_mod, (index_leaf(n) for n in ("b", "h", "q", "kv")))
+    captured = TensorCapture()  # first learn which tensors of its scope the mask reads
+    with captured.active():
+        call_hook("mask_mod", mask_mod, tuple(index_leaf(n) for n in ("b", "h", "q", "kv")))
     decls = dict(custom_fwd_inputs.decls) if custom_fwd_inputs is not None else {}
     decls.update({n: dims for n, (_, dims) in captured.inputs.items()})
     with TensorCapture().active():  # the same tensors, read again under the same names
