@@ -18,6 +18,7 @@ from engine.plan.config import KernelConfig
 from engine.plan.request import KernelOptions, KernelRequest
 from engine.problem import Problem
 from engine.runtime.kernel_cache import KernelCache
+from engine.runtime.ops import compiled_forward, register
 
 log = logging.getLogger("engine")
 
@@ -138,15 +139,11 @@ class AttentionEngine(torch.nn.Module):
 
         self.dynamic_shapes = DYNAMIC_SHAPES  # see engine.kernels.attention_fwd.plan
         self._kernel_cache = KernelCache()
-        from engine.runtime.ops import register
-
         self._op_handle = register(self)  # names the module in the custom ops (torch.compile)
 
     def __setstate__(self, state: dict) -> None:
         # a copy (deepcopy, unpickling) is a module of its own in the custom ops
         super().__setstate__(state)
-        from engine.runtime.ops import register
-
         self._op_handle = register(self)
 
     @classmethod
@@ -334,8 +331,6 @@ class AttentionEngine(torch.nn.Module):
     ):
         customs = self._check_inputs(q, k, v, custom, named)
         if torch.compiler.is_compiling():  # one opaque op for the compiler (engine.runtime.ops)
-            from engine.runtime.ops import compiled_forward
-
             o, finals = compiled_forward(self, q, k, v, customs)
         else:
             o, finals = self.eager_forward(q, k, v, customs)
