@@ -90,6 +90,20 @@ class Emitter:
         q = f"T.floor({self.float_(x)} / {self.float_(c)})"
         return q if e.op == "floordiv" else f"({self.float_(x)} - {self.float_(c)} * {q})"
 
+    @staticmethod
+    def _power(x: str, c: float) -> str:
+        """x ** c as torch computes it. TileLang's pow lowers to exp2(c * log2(x)), NaN for any
+        x < 0, so integer exponents multiply out (small ones) or take |x| and restore the sign."""
+        if c != int(c):
+            return f"T.pow({x}, T.float32({c!r}))"
+        n = int(c)
+        if n == 0:
+            return "T.float32(1.0)"
+        if 1 <= n <= 4:
+            return "(" + " * ".join([x] * n) + ")" if n > 1 else x
+        p = f"T.pow(T.abs({x}), T.float32({c!r}))"
+        return p if n % 2 == 0 else f"T.if_then_else({x} < T.float32(0.0), -{p}, {p})"
+
     def _render(self, e: Expr) -> str:
         op, a = e.op, e.args
         if op == "const":
@@ -133,11 +147,7 @@ class Emitter:
                 return f"{fn}({self.text(a[0])}, {self.text(a[1])})"
             return f"{fn}({self.float_(a[0])}, {self.float_(a[1])})"
         if op == "pow":
-            c = e.attr
-            if c == 2.0:
-                x = self.float_(a[0])
-                return f"({x} * {x})"
-            return f"T.pow({self.float_(a[0])}, T.float32({c!r}))"
+            return self._power(self.float_(a[0]), e.attr)
         if op == "where":
             if e.dtype == "float":
                 return (

@@ -162,3 +162,29 @@ def test_integer_results_stay_integers():
     assert (q * 0.5).long().dtype == "int" and (q // 2.5).dtype == "float"
     assert q.floor() is q and q.long() is q and q.float().dtype == "float"
     assert (q > kv).float().dtype == "float"
+
+
+class _GpuIntrinsics:
+    """The TileLang names an emitted power uses, with the GPU's semantics: pow lowers to
+    exp2(c * log2(x)), NaN for a negative base whatever the exponent."""
+
+    @staticmethod
+    def pow(x, c):
+        return torch.exp2(c * torch.log2(x))
+
+    abs = staticmethod(torch.abs)
+    if_then_else = staticmethod(torch.where)
+    float32 = staticmethod(float)
+
+
+@pytest.mark.parametrize("c", [0, 1, 2, 3, 4, 5, 6, -1, -3, 0.5])
+def test_emitted_powers_match_torch_on_negative_bases(c):
+    from engine.codegen.emit import Emitter
+
+    x = index_leaf("q").float() * 0.5 - 1.25  # any float expression will do
+    text = Emitter(lambda n: "x" if n is x else None).text(x.pow(c))
+    xs = torch.tensor([-2.5, -1.0, -0.3, 0.4, 1.7], dtype=torch.float64)
+    got = eval(text, {"T": _GpuIntrinsics}, {"x": xs})  # noqa: S307 - our own emitted text
+    want = xs.pow(c)
+    torch.testing.assert_close(torch.as_tensor(got, dtype=torch.float64).expand_as(xs), want,
+                               equal_nan=c == 0.5)
