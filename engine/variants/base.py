@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -198,7 +199,9 @@ class Variant:
     def sdpa_kwargs(self, inputs: dict[str, torch.Tensor]) -> dict | None:
         if self.sdpa_causal is None:
             return None
-        return {"is_causal": self.sdpa_causal, "scale": inputs["q"].shape[-1] ** -0.5}
+        # 1/sqrt(D) as the library's score_mods write it (D ** -0.5 differs in the last bit),
+        # so the same functions through engine.flex_attention make the same kernel
+        return {"is_causal": self.sdpa_causal, "scale": 1.0 / math.sqrt(inputs["q"].shape[-1])}
 
     def unmasked_fraction(self, seqlen_q: int, seqlen_kv: int) -> float:
         """Exact fraction of (q, kv) pairs not masked (custom tensors from make_inputs)."""
