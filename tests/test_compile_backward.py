@@ -18,7 +18,7 @@ from engine.mask.analysis import EMPTY, FULL, PARTIAL, classify
 from engine.plan.config import KernelConfig
 from engine.runtime.tilelang_backend import backward_kernel_call
 from engine.variants import VARIANTS
-from tests import dsl_math_spec
+from tests import dsl_math_spec, table_spec
 
 SHAPE = dict(batch=2, heads_q=8, heads_kv=2, seqlen_q=1000, seqlen_kv=1000)  # GQA 4
 COMPILED = ["softmax_causal", "softmax", "alibi", "softcap", "sigmoid", "retnet", "document"]
@@ -461,3 +461,21 @@ def test_dsl_math_compiles_forward_and_backward(tmp_path, monkeypatch):
     bk = mod.backward_kernels()
     bk.compile()
     assert "__global__" in bk.main.compiled().get_kernel_source()
+
+
+@pytest.mark.compile
+@needs_nvcc
+def test_table_lookups_compile_forward_and_backward(tmp_path, monkeypatch):
+    """Learnable tables read at index expressions: the forward reads them clamped, the
+    backward adds their gradients with fp32 atomics; both nvcc-compile for sm_90a."""
+    from engine.runtime.compile import compile_source
+
+    monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
+    mod = table_spec.module(torch.bfloat16, 2, 8, 2, 1000, 64)
+    assert "C_rel[by, T.max(T.min(" in mod.kernel_source
+    compile_source(mod.kernel_source)
+    assert mod.backward_problem(("rel", "t5")) is None
+    bk = mod.backward_kernels(custom_grads=("rel", "t5"))
+    assert "T.atomic_add(dC_rel[by, T.max(T.min(" in bk.main.source
+    bk.compile()
+    assert "AtomicAdd((&(dC_rel[" in bk.main.compiled().get_kernel_source()

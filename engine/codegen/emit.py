@@ -133,6 +133,8 @@ class Emitter:
 
             inner = distribute_exp_scale(a[0], LOG2E, stop=lambda n: self.bind(n) is not None)
             return f"T.exp2({self.float_(inner)})"
+        if op == "abs" and e.dtype == "int":  # |q_idx - kv_idx| stays an integer index
+            return f"T.abs({self.text(a[0])})"
         if op in _UNARY:
             return f"{_UNARY[op]}({self.float_(a[0])})"
         if op == "expm1":  # no TileLang intrinsic; CUDA's keeps small x exact, unlike exp(x) - 1
@@ -155,3 +157,24 @@ class Emitter:
                 )
             return f"T.if_then_else({self.text(a[0])}, {self.text(a[1])}, {self.text(a[2])})"
         raise ValueError(f"codegen: op {op!r} cannot be emitted here")
+
+
+def gather_text(node: Expr, bind: Callable[[Expr], str | None], sizes: dict[str, object],
+                prefix: str = "C_") -> str:
+    """A table lookup (op "gather") as `C_name[...]` (or the gradient's `dC_name[...]`), each
+    index clamped into its dim: a kernel never reads or writes outside the tensor (the
+    reference executor raises IndexError there instead). `sizes` gives the named dims'
+    extents (numbers or symbol texts)."""
+    name, dims = node.attr
+    em = Emitter(bind)
+    parts = []
+    for dim, arg in zip(dims, node.args, strict=True):
+        n = sizes[dim] if isinstance(dim, str) else dim
+        last = n - 1 if isinstance(n, int) else f"{n} - 1"
+        if arg.op == "const" and isinstance(n, int):
+            parts.append(str(min(max(int(arg.attr), 0), last)))
+        elif arg.op == "idx" and (arg.attr, dim) in (("b", "batch"), ("h", "heads")):
+            parts.append(em.text(arg))  # always inside its own dim
+        else:
+            parts.append(f"T.max(T.min({em.text(arg)}, {last}), 0)")
+    return f"{prefix}{name}[{', '.join(parts)}]"

@@ -29,10 +29,10 @@ def param(name: str, shape: tuple, dtype: str) -> KernelParam:
 
 
 def custom_param(name: str, dims: tuple, batch, heads, seq_len, seq_len_kv) -> KernelParam:
-    """A CustomIO tensor declared with `dims` (names of the problem's axes, or 1): fp32, one
+    """A CustomIO tensor declared with `dims` (names of the problem's axes, or sizes): fp32, one
     extent per dim (sizes as numbers or symbol texts)."""
     sizes = {"batch": batch, "heads": heads, "seq_len": seq_len, "seq_len_kv": seq_len_kv}
-    extents = tuple(str(sizes[d]) if isinstance(d, str) else "1" for d in dims)
+    extents = tuple(str(sizes[d]) if isinstance(d, str) else str(d) for d in dims)
     return KernelParam(name, extents, "float32", trailing_comma=True)
 
 

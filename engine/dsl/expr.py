@@ -29,7 +29,9 @@ BINARY_OPS = ("add", "sub", "mul", "div", "max", "min", "floordiv", "mod")
 COMPARE_OPS = ("ge", "gt", "le", "lt", "eq", "ne")
 LOGIC_OPS = ("and", "or")
 REDUCE_KINDS = ("max", "sum", "abssum", "min")
-# Leaves: const, score, o, rowscale, final, dp, p, doosum, idx, custom.
+# Leaves: const, score, o, rowscale, final, dp, p, doosum, idx, custom. A custom input read at
+# integer expressions of the indices (a table lookup) is the node "gather" (name, dims) whose
+# args are the index per dim.
 LEAF_OPS = ("const", "score", "o", "rowscale", "final", "dp", "p", "doosum", "idx", "custom")
 INDEX_NAMES = ("b", "h", "q", "kv")
 _INDEX_AXES = {"b": (), "h": (), "q": ("m",), "kv": ("n",)}
@@ -341,25 +343,25 @@ class Expr:
 
     # ----------------------------------------------------------------- custom inputs
     def attr_index(self, index: Any) -> Expr:
+        """The custom input read at `index`: b, h, q_idx, kv_idx or 0 per dim (a plain read,
+        staged by the kernels), or integer expressions of them (a table lookup, `gather`)."""
         name, dims, _ = self.attr
         idx = index if isinstance(index, tuple) else (index,)
         if len(idx) != len(dims):
             raise DSLError(
                 f"CustomIO '{name}' has {len(dims)} dims {dims}; indexed with {len(idx)}"
             )
-        out = []
-        for dim, i in zip(dims, idx, strict=True):
-            i = Expr.wrap(i)
-            if i.op == "idx":
-                out.append(i.attr)
-            elif i.op == "const" and i.dtype == "int" and i.attr == 0:
-                out.append(0)
-            else:
+        entries = [Expr.wrap(i) for i in idx]
+        if all(e.op == "idx" or (e.op == "const" and e.dtype == "int" and e.attr == 0)
+               for e in entries):
+            return custom_leaf(name, dims, tuple(e.attr if e.op == "idx" else 0 for e in entries))
+        for dim, e in zip(dims, entries, strict=True):
+            if e.dtype != "int":
                 raise DSLError(
-                    f"CustomIO '{name}' dim {dim!r}: index with b, h, q_idx, kv_idx or 0, "
-                    f"not an expression"
+                    f"CustomIO '{name}' dim {dim!r}: index with an integer expression of b, h, "
+                    f"q_idx, kv_idx (got a {e.dtype} value; round a float with .long())"
                 )
-        return custom_leaf(name, dims, tuple(out))
+        return Expr("gather", tuple(entries), attr=(name, tuple(dims)), dtype="float")
 
     def __repr__(self) -> str:
         return f"Expr({to_text(self)})"
@@ -461,6 +463,8 @@ def to_text(root: Expr) -> str:
     if root.op == "custom":
         name, _, index = root.attr
         return f"{name}[{', '.join(str(i) for i in index)}]"
+    if root.op == "gather":
+        return f"{root.attr[0]}[{', '.join(to_text(a) for a in root.args)}]"
     if root.op in ("rowscale", "final"):
         return f"{root.op}.{root.attr}"
     if not root.args:

@@ -15,10 +15,15 @@ class CustomIO:
     """Extra input tensors, declared by name with their dims.
 
     Each dim is one of "batch", "heads" (query heads), "seq_len" (query positions),
-    "seq_len_kv" (key positions) or the integer 1 (broadcast). Inside `score_mod` and the
-    online functions, `custom_fwd_inputs["name"]` (or `.input_tensors["name"]`) reads the
-    tensor at the current (b, h, q_idx, kv_idx); `custom_fwd_inputs["name"][b, kv_idx]`
-    indexes it explicitly (e.g. document ids read at a key position).
+    "seq_len_kv" (key positions) or a positive integer size (1: broadcast; more: a table
+    indexed explicitly). Inside `score_mod` and the online functions,
+    `custom_fwd_inputs["name"]` (or `.input_tensors["name"]`) reads the tensor at the current
+    (b, h, q_idx, kv_idx); `custom_fwd_inputs["name"][b, kv_idx]` indexes it explicitly (e.g.
+    document ids read at a key position). In `score_mod` and `mask_mod` an index may be any
+    integer expression of b, h, q_idx and kv_idx, e.g. a relative-position table declared
+    `("heads", 2 * S - 1)` read as `["rel"][h, q_idx - kv_idx + S - 1]`: an index outside the
+    tensor is an IndexError on the reference executor; the kernels clamp it to the nearest
+    entry (they never read out of bounds).
     """
 
     def __init__(self, decls: dict[str, tuple] | None = None):
@@ -44,8 +49,9 @@ class CustomIO:
                     if d in seen:
                         raise DSLError(f"CustomIO[{name!r}]: dim {d!r} appears twice")
                     seen.add(d)
-                elif not (isinstance(d, int) and d == 1):
-                    raise DSLError(f"CustomIO[{name!r}]: dim {d!r}: expected a named dim or 1")
+                elif isinstance(d, bool) or not (isinstance(d, int) and d >= 1):
+                    raise DSLError(f"CustomIO[{name!r}]: dim {d!r}: expected a named dim or a "
+                                   "positive integer size")
             self.decls[name] = dims
 
     @property
@@ -69,7 +75,7 @@ class CustomIO:
         return len(self.decls)
 
     def expected_shape(self, name: str, sizes: dict[str, int]) -> tuple[int, ...]:
-        return tuple(sizes[d] if isinstance(d, str) else 1 for d in self.decls[name])
+        return tuple(sizes[d] if isinstance(d, str) else d for d in self.decls[name])
 
     def __repr__(self) -> str:
         return f"CustomIO({self.decls!r})"

@@ -7,8 +7,10 @@ the same meaning; a torch function without one is a `DSLError` naming it.
 
 Captured tensors (only while `TensorCapture.active()`, as engine.flex does): a tensor indexed by
 `b`, `h`, `q_idx`, `kv_idx` (or a constant, which selects) becomes a custom input read at those
-positions; a one-element tensor used whole becomes a scalar input. Each distinct tensor is one
-custom input, named in order of first use (`captured0`, `captured1`, ...).
+positions; one indexed by integer expressions of them (`bias[h, q_idx - kv_idx + S]`)
+becomes a table input read by a lookup; a one-element tensor used whole becomes a scalar
+input. Each distinct tensor is one custom input, named in order of first use (`captured0`,
+`captured1`, ...).
 """
 
 from __future__ import annotations
@@ -122,6 +124,7 @@ class TensorCapture:
         # whether it was used whole): how to get the input again from the same tensor
         self.sources: dict[str, tuple[torch.Tensor, tuple, bool]] = {}
         self._names: dict[tuple, str] = {}
+        self._integer: set[str] = set()  # inputs made of integer tensors (usable as indices)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[TensorCapture]:
@@ -146,31 +149,41 @@ class TensorCapture:
         if len(idx) != t.dim():
             raise DSLError(f"a captured tensor of shape {tuple(t.shape)} is indexed with "
                            f"{len(idx)} indices; give one per dimension")
+        syms = [Expr.wrap(i) for i in idx if not isinstance(i, int)]
+        if any(e.op != "idx" for e in syms):
+            return self._table(t, idx)
         picks = tuple((d, i) for d, i in enumerate(idx) if isinstance(i, int))
         sel = derive(t, picks, whole=False)
-        syms = [Expr.wrap(i) for i in idx if not isinstance(i, int)]
-        for e in syms:
-            if e.op != "idx":
-                raise DSLError(
-                    "a captured tensor indexed by an expression (a table lookup such as "
-                    "bias[h, q_idx - kv_idx]) is not supported yet; index it with b, h, q_idx, "
-                    "kv_idx or a constant")
         kinds = tuple(e.attr for e in syms)
         name = self._name(sel, tuple(_INDEX_DIMS[k] for k in kinds), key=(id(t), picks),
                           source=(t, picks, False))
         dims = self.inputs[name][1]
         return custom_leaf(name, dims, kinds)
 
+    def _table(self, t: torch.Tensor, idx: tuple) -> Expr:
+        """A tensor indexed by expressions (bias[h, q_idx - kv_idx], or table[h, ids[q_idx,
+        kv_idx]] with an integer tensor `ids`): the whole tensor is one input with integer
+        dims, read by a table lookup."""
+        dims = tuple(int(n) for n in t.shape)
+        name = self._name(t, dims, key=(id(t), "table"), source=(t, (), False))
+        # custom inputs reach the kernels as fp32: exact for integers below 2 ** 24
+        idx = tuple(i.long() if isinstance(i, Expr) and i.dtype == "float" and i.op in
+                    ("custom", "gather") and i.attr[0] in self._integer else i for i in idx)
+        return custom_leaf(name, dims, (0,) * len(dims)).attr_index(idx)
+
     def release(self) -> None:
         """Forget the captured tensors (a cached module must not keep them alive)."""
         self.inputs.clear()
         self.sources.clear()
         self._names.clear()
+        self._integer.clear()
 
     def _name(self, t: torch.Tensor, dims: tuple, key: tuple, source: tuple) -> str:
         if key not in self._names:
             name = f"captured{len(self.inputs)}"
             self._names[key] = name
+            if not t.is_floating_point() and t.dtype != torch.bool:
+                self._integer.add(name)
             self.inputs[name] = (t, dims)
             self.sources[name] = source
         return self._names[key]

@@ -118,13 +118,13 @@ def _rule(node: Expr, ds: list[Expr]) -> Expr:
 
 
 def score_mod_derivatives(spec) -> tuple[Expr, dict[str, tuple[Expr, Expr]]]:
-    """d score_mod / d score, and for each custom read in score_mod, keyed by the read's text,
-    (the read's leaf, d score_mod / d read). Shared by the reference backward and the backward
+    """d score_mod / d score, and for each custom read (or table lookup) in score_mod, keyed by
+    the read's key, (the read's node, d score_mod / d read). Shared by the reference backward and the backward
     kernel generator."""
     score = next((n for n in leaves([spec.score_mod]) if n.op == "score"), None)
     ds = diff(spec.score_mod, score) if score is not None else Expr.wrap(0.0)
     dc = {}
-    for n in leaves([spec.score_mod]):
-        if n.op == "custom":
+    for n in topo([spec.score_mod]):
+        if n.op in ("custom", "gather"):
             dc[n.key] = (n, diff(spec.score_mod, n))
     return ds, dc

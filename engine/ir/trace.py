@@ -144,7 +144,10 @@ def _check(
             )
         if not node.args and node.op not in _ALLOWED[hook]:
             raise TraceError(f"{hook}: {what} reads '{node.op}', which this hook cannot see")
-        if node.op == "custom" and node.attr[0] not in customs.decls:
+        if node.op == "gather" and hook not in ("score_mod", "mask_mod"):
+            raise TraceError(f"{hook}: reads CustomIO input {node.attr[0]!r} at computed "
+                             "indices; table lookups are for score_mod and mask_mod")
+        if node.op in ("custom", "gather") and node.attr[0] not in customs.decls:
             raise TraceError(
                 f"{hook}: reads CustomIO input {node.attr[0]!r}, which is not "
                 f"declared in custom_fwd_inputs ({sorted(customs.decls) or 'none'})"

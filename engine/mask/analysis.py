@@ -62,7 +62,7 @@ class BlockClasses:
 def reads_data(mask: Expr | None) -> bool:
     """Whether the mask reads CustomIO tensors (e.g. document ids): its block tables then
     depend on the data, and evaluating it costs memory reads."""
-    return mask is not None and any(n.op == "custom" for n in topo([mask]))
+    return mask is not None and any(n.op in ("custom", "gather") for n in topo([mask]))
 
 
 def mask_reads(mask: Expr | None, sym: str) -> bool:
@@ -205,6 +205,12 @@ def _interval(n: Expr, a: list, idx, customs, B, H, bM, bN, b_used, h_used):
         if name not in customs:
             return torch.tensor(-_INF, dtype=torch.float64), torch.tensor(_INF, dtype=torch.float64)
         return _custom_interval(customs[name], index, B, H, bM, bN, b_used, h_used)
+    if op == "gather":  # a table lookup: bounded by the whole table's range
+        t = customs.get(n.attr[0])
+        if t is None or t.numel() == 0:
+            return torch.tensor(-_INF, dtype=torch.float64), torch.tensor(_INF, dtype=torch.float64)
+        t = t.detach().double()
+        return t.min(), t.max()
     if op == "add":
         return a[0][0] + a[1][0], a[0][1] + a[1][1]
     if op == "sub":

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.dsl.expr import MATH_OPS, ROUNDING_OPS, Expr, topo
+from engine.dsl.expr import MATH_OPS, ROUNDING_OPS, Expr, to_text, topo
 
 _NEUTRAL = {"max": float("-inf"), "min": float("inf"), "sum": 0.0, "abssum": 0.0}
 
@@ -22,7 +22,7 @@ class Env:
 
     dtype: torch.dtype
     device: torch.device
-    leaves: dict[str, torch.Tensor] = field(default_factory=dict)  # score, o, dp, p, doosum
+    leaves: dict[str, torch.Tensor] = field(default_factory=dict)  # score, o, dp, p, doosum, tensor
     rowscale: dict[str, torch.Tensor] = field(default_factory=dict)
     final: dict[str, torch.Tensor] = field(default_factory=dict)
     index: dict[str, torch.Tensor] = field(default_factory=dict)  # b, h, q, kv
@@ -50,10 +50,36 @@ def custom_index(index: tuple, env: Env, device: torch.device) -> list[torch.Ten
 
 def custom_value(t: torch.Tensor, index: tuple, env: Env) -> torch.Tensor:
     """Read custom tensor `t` at the symbolic `index` (entries "b", "h", "q", "kv" or 0)."""
-    val = t[tuple(custom_index(index, env, t.device))]
+    return _as_tile(t[tuple(custom_index(index, env, t.device))])
+
+
+def _as_tile(val: torch.Tensor) -> torch.Tensor:
     while val.dim() < 4:
         val = val.unsqueeze(0)
     return val
+
+
+def gather_index(node: Expr, index: list[torch.Tensor], env: Env) -> list[torch.Tensor]:
+    """The index tensors of table lookup `node` (its evaluated args), checked against the
+    custom tensor's extents: an index outside it is an IndexError naming the input."""
+    name = node.attr[0]
+    t = env.customs[name]
+    out = []
+    for dim, (i, n) in enumerate(zip(index, t.shape, strict=True)):
+        i = i.to(device=t.device, dtype=torch.long)
+        lo, hi = int(i.min()), int(i.max())
+        if lo < 0 or hi >= n:
+            raise IndexError(f"custom input {name!r}: index {to_text(node.args[dim])} takes "
+                             f"values {lo}..{hi}, outside dim {dim} of size {n}")
+        out.append(i)
+    return out
+
+
+def read_index(node: Expr, env: Env) -> list[torch.Tensor]:
+    """Index tensors of a custom read or a table lookup (broadcasting over [b, h, q, kv])."""
+    if node.op == "gather":
+        return gather_index(node, evaluate(list(node.args), env), env)
+    return custom_index(node.attr[2], env, env.customs[node.attr[0]].device)
 
 
 def evaluate(roots: list[Expr], env: Env) -> list[torch.Tensor]:
@@ -82,11 +108,14 @@ def _eval_node(node: Expr, a: list[torch.Tensor], env: Env) -> torch.Tensor:
     if op == "custom":
         name, _, index = node.attr
         return custom_value(env.customs[name], index, env).to(env.dtype)
+    if op == "gather":
+        t = env.customs[node.attr[0]]
+        return _as_tile(t[tuple(gather_index(node, a, env))]).to(env.dtype)
     if op == "rowscale":
         return env.rowscale[node.attr]
     if op == "final":
         return env.final[node.attr]
-    if op in ("score", "o", "dp", "p", "doosum"):
+    if op in ("score", "o", "dp", "p", "doosum", "tensor"):
         return env.leaves[op]
     f = lambda t: t.to(env.dtype) if not t.is_floating_point() else t  # noqa: E731
     if op == "neg":

@@ -25,7 +25,7 @@ import torch
 from engine.ir.diff import score_mod_derivatives
 from engine.ir.spec import TracedSpec
 from engine.problem import Problem
-from engine.reference.evaluate import Env, custom_index, evaluate, index_tensors
+from engine.reference.evaluate import Env, evaluate, index_tensors, read_index
 
 
 def _bhsd(x: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
@@ -194,22 +194,22 @@ def backward(
         ds = torch.where(mask, ds_mod * dsm_ds, zero)
         dq[:, :, q_idx] = ds @ kh
         dk += ds.transpose(-1, -2) @ qc
-        for (leaf_node, _), dcv in zip(dcustom.values(), dcs, strict=True):
-            name, _, index = leaf_node.attr
+        for (read, _), dcv in zip(dcustom.values(), dcs, strict=True):
+            name = read.attr[0]
             if name in cgrads:
                 g = torch.where(mask, ds_mod * dcv, zero)
-                cgrads[name] += _scatter_custom_grad(customs[name], index, g, env)
+                cgrads[name] += _scatter_custom_grad(customs[name], read_index(read, env), g)
     if G > 1:
         dk = dk.view(prob.batch, prob.heads_kv, G, prob.seqlen_kv, -1).sum(2)
         dv = dv.view(prob.batch, prob.heads_kv, G, prob.seqlen_kv, -1).sum(2)
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), cgrads
 
 
-def _scatter_custom_grad(t: torch.Tensor, index: tuple, g: torch.Tensor, env: Env) -> torch.Tensor:
+def _scatter_custom_grad(t: torch.Tensor, idx: list[torch.Tensor], g: torch.Tensor
+                         ) -> torch.Tensor:
     """Accumulate a tile-shaped gradient `g` back into the shape of custom tensor `t`: the
-    adjoint of reading `t` at `index` (a scatter-add; no autograd, so that it also runs inside
-    a custom op, where autograd is off)."""
-    idx = custom_index(index, env, t.device)
+    adjoint of reading `t` at index tensors `idx` (a scatter-add; no autograd, so that it also
+    runs inside a custom op, where autograd is off)."""
     shape = torch.broadcast_shapes(g.shape, *(i.shape for i in idx))
     grad = torch.zeros(t.shape, dtype=g.dtype, device=g.device)
     grad.index_put_(tuple(i.expand(shape) for i in idx), g.expand(shape), accumulate=True)

@@ -212,7 +212,9 @@ def test_misuse_of_the_dsl_raises():
     [
         ({"x": ("time",)}, "not one of"),
         ({"x": ("heads", "heads")}, "appears twice"),
-        ({"x": (2,)}, "expected a named dim or 1"),
+        ({"x": (0,)}, "expected a named dim or a positive integer size"),
+        ({"x": (2.5,)}, "expected a named dim or a positive integer size"),
+        ({"x": (True,)}, "expected a named dim or a positive integer size"),
         ({"x": ()}, "at least one dim"),
         ({"q": ("heads",)}, "other than q, k, v"),
         ({"1x": ("heads",)}, "must be an identifier"),

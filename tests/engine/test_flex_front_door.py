@@ -1,7 +1,7 @@
 """engine.flex_attention and engine.create_block_mask against torch's FlexAttention (eager, on
 the CPU) for functions written as FlexAttention's users write them: torch calls, tensors
 captured from the scope, GQA, the log-sum-exp, gradients of a captured tensor; the module cache;
-what is not supported yet and the errors (issue 19)."""
+table lookups (a learnable relative-bias table, T5 buckets), the errors (issue 19)."""
 
 from __future__ import annotations
 
@@ -53,6 +53,28 @@ def neighbourhood_2d(b, h, q_idx, kv_idx):  # a 6 x 8 image, flattened
     return (torch.abs(q_idx // 8 - kv_idx // 8) <= 1) & (torch.abs(q_idx % 8 - kv_idx % 8) <= 2)
 
 
+REL = torch.randn(HQ, 2 * S - 1, generator=GEN)
+_d = torch.arange(S).view(1, -1) - torch.arange(S).view(-1, 1)  # kv_idx - q_idx
+# T5's relative buckets, precomputed as its users do (bidirectional, 16 per direction)
+T5_BUCKETS = (_d > 0).long() * 16 + torch.where(
+    _d.abs() < 8, _d.abs(),
+    (8 + torch.log(_d.abs().clamp(min=1) / 8.0) / math.log(128 / 8) * 8).long().clamp(max=15))
+T5_TABLE = torch.randn(HQ, 32, generator=GEN)
+GATE = torch.randn(HQ, generator=GEN)
+
+
+def relative_bias(score, b, h, q_idx, kv_idx):
+    return score + REL[h, q_idx - kv_idx + S - 1]
+
+
+def t5_bias(score, b, h, q_idx, kv_idx):
+    return score + T5_TABLE[h, T5_BUCKETS[q_idx, kv_idx]]
+
+
+def key_gate(score, b, h, q_idx, kv_idx):  # a per-head learned gate on the keys
+    return score * torch.sigmoid(GATE[h])
+
+
 TEMP = torch.tensor(0.7)
 
 
@@ -67,7 +89,8 @@ CATALOGUE = {
     "alibi": (alibi, None), "softcap": (softcap, None), "sliding_window": (None, sliding_window),
     "document": (None, document), "prefix_lm": (None, prefix_lm), "dilated": (None, dilated),
     "neighbourhood_2d": (None, neighbourhood_2d), "softcap_causal_window": (softcap, sliding_window),
-    "torch_calls": (torch_calls, prefix_lm),
+    "torch_calls": (torch_calls, prefix_lm), "relative_bias": (relative_bias, None),
+    "t5_bias": (t5_bias, None), "key_gate": (key_gate, sliding_window),
 }
 
 
@@ -166,16 +189,38 @@ def test_engine_block_mask_classifies_with_captured_data():
     assert bm.counts()["empty"] > 0
 
 
-def test_table_lookups_are_refused_with_a_clear_error():
-    rel = torch.randn(HQ, 2 * S - 1, generator=GEN)
+def test_gradients_reach_a_learnable_table():
+    """A relative-position bias table read at h, q_idx - kv_idx + S - 1: its gradient (a
+    scatter-add over the score tile) against autograd through plain torch."""
+    rel = REL.clone().requires_grad_()
 
-    def relative_bias(score, b, h, q_idx, kv_idx):
+    def learned_bias(score, b, h, q_idx, kv_idx):
         return score + rel[h, q_idx - kv_idx + S - 1]
 
-    q, k, v = _qkv()
-    with pytest.raises(TraceError, match=r"score_mod: a captured tensor indexed by an "
-                       r"expression .*not supported yet.*\(at test_flex_front_door.py:\d+\)"):
-        engine.flex_attention(q, k, v, score_mod=relative_bias)
+    leaves = _qkv(requires_grad=True)
+    out = engine.flex_attention(*leaves, score_mod=learned_bias, block_mask=engine.create_block_mask(
+        sliding_window, B, None, S, S, device="cpu"))
+    do = torch.randn(out.shape, generator=GEN)
+    got = torch.autograd.grad(out, [*leaves, rel], do)
+    ref = [t.detach().double().requires_grad_() for t in (*leaves, REL)]
+    q, k, v, ref_rel = ref
+    qi, ki = torch.arange(S).view(-1, 1), torch.arange(S).view(1, -1)
+    s = q @ k.transpose(-1, -2) / math.sqrt(D) + ref_rel[:, qi - ki + S - 1]
+    s = s.masked_fill(~sliding_window(0, 0, qi, ki), float("-inf"))
+    want = torch.autograd.grad(torch.softmax(s, -1) @ v, ref, do.double())
+    for name, a, w in zip(("dq", "dk", "dv", "drel"), got, want, strict=True):
+        torch.testing.assert_close(a.double(), w, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_table_index_outside_the_table_is_an_index_error():
+    short = torch.randn(HQ, S, generator=GEN)  # too short for q_idx - kv_idx + S - 1
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score + short[h, q_idx - kv_idx + S - 1]
+
+    with pytest.raises(IndexError, match=r"custom input 'captured0': index .* takes values "
+                                         rf"0\.\.{2 * S - 2}, outside dim 1 of size {S}"):
+        engine.flex_attention(*_qkv(), score_mod=bias)
 
 
 @pytest.mark.parametrize("fn, match", [

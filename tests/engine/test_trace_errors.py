@@ -406,18 +406,30 @@ def test_undeclared_customio_read_from_another_customio_object():
         trace_spec(scaled(0.1), lambda b, h, qi, ki: doc[b, qi] == doc[b, ki], OnlineSoftmax())
 
 
-def test_customio_index_must_be_an_index_leaf():
+def test_customio_index_must_be_an_integer_expression():
     io = CustomIO({"doc": ("batch", "seq_len")})
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return io["doc"][b, q_idx + 1] == io["doc"][b, kv_idx]
+        return io["doc"][b, q_idx * 0.5] == io["doc"][b, kv_idx]
 
     with pytest.raises(
-        TraceError, match=r"mask_mod: CustomIO 'doc' dim 'seq_len': index with b, h, "
+        TraceError, match=r"mask_mod: CustomIO 'doc' dim 'seq_len': index with an integer "
     ):
         trace_spec(scaled(0.1), mask_mod, OnlineSoftmax(), io)
     with pytest.raises(TraceError, match=r"mask_mod: CustomIO 'doc' has 2 dims .*indexed with 1"):
         trace_spec(scaled(0.1), lambda b, h, qi, ki: io["doc"][qi] >= 0, OnlineSoftmax(), io)
+
+
+def test_table_lookups_only_in_score_mod_and_mask_mod():
+    io = CustomIO({"t": ("heads", 8)})
+
+    class Scaled(OnlineSoftmax):
+        def online_fwd(self, scores, online_rowscales, b, h, q_idx):
+            return super().online_fwd(scores * io["t"][h, q_idx % 8], online_rowscales, b, h,
+                                      q_idx)
+
+    with pytest.raises(TraceError, match="table lookups are for score_mod and mask_mod"):
+        trace_spec(scaled(0.1), None, Scaled(), io)
 
 
 def test_online_func_object_checks():

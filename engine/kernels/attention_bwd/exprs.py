@@ -25,17 +25,24 @@ def check_spec(spec: TracedSpec) -> None:
             raise NotImplementedError(f"backward kernel: {name} reads {sorted(bad)}")
 
 
-def custom_grad_problem(spec: TracedSpec, name: str) -> str | None:
+def custom_grad_problem(spec: TracedSpec, name: str, deterministic: bool = False) -> str | None:
     """Why the kernel cannot produce the gradient of CustomIO tensor `name` (None: it can).
-    The kernel sums a custom gradient over the query positions of its kv block in registers,
-    so a read indexed by the query position is left to the reference rules."""
+    The kernel sums a plain read's gradient over the query positions of its kv block in
+    registers, so a read indexed by the query position is left to the reference rules; a table
+    lookup's gradient is added per element with fp32 atomics, which the deterministic mode
+    does not use."""
     if name in spec.online_custom_reads():
         return f"custom input {name!r} is read in the online functions"
-    reads = [leaf_ for leaf_, _ in score_mod_derivatives(spec)[1].values() if leaf_.attr[0] == name]
+    reads = [r for r, _ in score_mod_derivatives(spec)[1].values() if r.attr[0] == name]
     if not reads:
         return f"custom input {name!r} is not read in score_mod (its gradient is zero)"
-    for leaf_ in reads:
-        syms = [s for s in leaf_.attr[2] if isinstance(s, str)]
+    for read in reads:
+        if read.op == "gather":
+            if deterministic:
+                return (f"custom input {name!r} is a table lookup, whose gradient the kernels "
+                        "add with atomics (deterministic=True)")
+            continue
+        syms = [s for s in read.attr[2] if isinstance(s, str)]
         if "q" in syms:
             return f"custom input {name!r} is indexed by the query position"
         if len(syms) != len(set(syms)):
@@ -46,10 +53,11 @@ def custom_grad_problem(spec: TracedSpec, name: str) -> str | None:
 class BackwardExprs:
     """P, dS', d score_mod / d score, and per wanted custom read (name, index, d/d read)."""
 
-    def __init__(self, spec: TracedSpec, custom_grads: tuple[str, ...]):
+    def __init__(self, spec: TracedSpec, custom_grads: tuple[str, ...],
+                 deterministic: bool = False):
         check_spec(spec)
         for name in custom_grads:
-            why = custom_grad_problem(spec, name)
+            why = custom_grad_problem(spec, name, deterministic)
             if why is not None:
                 raise NotImplementedError(f"backward kernel: {why}")
         score = leaf("score", ("m", "n"))
@@ -58,16 +66,20 @@ class BackwardExprs:
         self.p = substitute(spec.fwd_recompute, {score.key: smod})
         self.ds_mod = substitute(spec.bwd, {score.key: smod})
         self.dsm_ds = substitute(diff(spec.score_mod, score), {score.key: raw})
+        wanted = [(read, substitute(d, {score.key: raw}))
+                  for read, d in score_mod_derivatives(spec)[1].values()
+                  if read.attr[0] in custom_grads]
+        # plain reads (name, index, d/d read), summed per key; table lookups (read, d/d read),
+        # added per element
         self.dc_reads: list[tuple[str, tuple, Expr]] = [
-            (read.attr[0], read.attr[2], substitute(d, {score.key: raw}))
-            for read, d in score_mod_derivatives(spec)[1].values()
-            if read.attr[0] in custom_grads
-        ]
+            (read.attr[0], read.attr[2], d) for read, d in wanted if read.op == "custom"]
+        self.dc_gathers: list[tuple[Expr, Expr]] = [
+            (read, d) for read, d in wanted if read.op == "gather"]
 
     @property
     def ds_reads_score(self) -> bool:
         """Whether dS (or a custom gradient) reads the raw score, keeping S^T live after P."""
-        roots = [self.ds_mod, self.dsm_ds, *(d for _, _, d in self.dc_reads)]
+        roots = [self.ds_mod, self.dsm_ds, *self._custom_derivatives()]
         return any(n.op == "rawscore" for n in leaves(roots))
 
     @property
@@ -78,5 +90,8 @@ class BackwardExprs:
     def tile_roots(self, spec: TracedSpec) -> list[Expr]:
         """Every expression a tile loop reads: P, dS', its chain rule, the custom derivatives
         and the mask."""
-        roots = [self.p, self.ds_mod, self.dsm_ds, *(d for _, _, d in self.dc_reads)]
+        roots = [self.p, self.ds_mod, self.dsm_ds, *self._custom_derivatives()]
         return roots + ([spec.mask] if spec.mask is not None else [])
+
+    def _custom_derivatives(self) -> list[Expr]:
+        return [d for _, _, d in self.dc_reads] + [d for _, d in self.dc_gathers]

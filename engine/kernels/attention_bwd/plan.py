@@ -345,7 +345,7 @@ def plan_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
     them once). Deterministic: no atomics and no dQ in the main kernel; dK and dV per query
     head, custom gradients per (b, h, key) row, dQ from the dQ kernel; every output element
     has one writer, so runs are bitwise identical."""
-    ex = BackwardExprs(spec, custom_grads)
+    ex = BackwardExprs(spec, custom_grads, deterministic)
     if warp_specialized is None:
         warp_specialized = warp_specialized_default(spec, shape, cfg, deterministic)
     elif warp_specialized and deterministic:

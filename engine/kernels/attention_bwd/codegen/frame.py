@@ -50,6 +50,13 @@ class Frame:
         return f"HiT[{self.d.mb}, {self.d.mh}, bx]"
 
     @property
+    def sizes(self) -> dict[str, int]:
+        """The named dims' extents, as table lookups clamp their indices."""
+        s = self.shape
+        return {"batch": s.batch, "heads": s.heads_q, "seq_len": s.seqlen_q,
+                "seq_len_kv": s.seqlen_kv}
+
+    @property
     def q_rows(self) -> str:
         return f"qb * {self.d.bM}:(qb + 1) * {self.d.bM}"
 
@@ -57,7 +64,7 @@ class Frame:
 def frame(spec: TracedSpec, shape: KernelShape, plan: BackwardPlan) -> Frame:
     cfg = plan.config
     d = dims(shape, cfg)
-    ex = BackwardExprs(spec, plan.custom_grads)
+    ex = BackwardExprs(spec, plan.custom_grads, plan.deterministic)
     head = "hq" if plan.heads_loop else "by"
     q_idx, kv_idx = f"(qb * {d.bM} + j)", f"(bx * {d.bN} + i)"
     st = cfg.num_stages

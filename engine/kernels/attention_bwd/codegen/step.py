@@ -9,7 +9,7 @@ masked entries give P = 0 and dS = 0."""
 
 from __future__ import annotations
 
-from engine.codegen.emit import Emitter
+from engine.codegen.emit import Emitter, gather_text
 from engine.codegen.source import SourceWriter
 from engine.kernels.attention_bwd.codegen.fragments import dq_fragment_index
 from engine.kernels.attention_bwd.codegen.frame import Frame
@@ -96,7 +96,8 @@ def _emit_fused_tiles(w: SourceWriter, f: Frame) -> None:
 
 def _emit_custom_grad_sums(w: SourceWriter, f: Frame) -> None:
     """Per custom read whose gradient is wanted: dS' * d score_mod / d read, summed over the
-    step's queries into its per-key accumulator."""
+    step's queries into its per-key accumulator; per table lookup, added element by element
+    into the table's gradient with fp32 atomics."""
     bN, bM = f.d.bN, f.d.bM
     for r, (_, _, d_read) in enumerate(f.ex.dc_reads):
         em = Emitter(f.bind)
@@ -106,6 +107,11 @@ def _emit_custom_grad_sums(w: SourceWriter, f: Frame) -> None:
         w.line("T.reduce_sum(cg_tile, cg_row, dim=1)")
         with w.block(f"for i in T.Parallel({bN}):"):
             w.line(f"cg_acc{r}[i] += cg_row[i]")
+    for read, d_read in f.ex.dc_gathers:
+        em = Emitter(f.bind)
+        target = gather_text(read, f.bind, f.sizes, prefix="dC_")
+        with w.block(f"for i, j in T.Parallel({bN}, {bM}):"), w.block(f"if {f.mask}:"):
+            w.line(f"T.atomic_add({target}, {em.float_(f.ex.ds_mod)} * {em.float_(d_read)})")
 
 
 def _emit_dq_product(w: SourceWriter, f: Frame) -> None:
