@@ -373,5 +373,144 @@ _add(
     )
 )
 
+
+# ---------------------------------------------------------------- reach (issue 19): what people
+# write for FlexAttention - table lookups, index arithmetic, learned gates
+T5_BUCKETS = 32  # causal T5: exact distances below 16, log-spaced up to 128, then the last
+DILATION = 2
+IMAGE_WIDTH = 64  # the 2-D neighbourhood mask: tokens are an image of 64-pixel rows
+NEIGHBOURHOOD = 8  # radius of the window, in rows and columns
+
+
+def _rel_bias_table(sz, gen):
+    return {"rel_bias": 0.5 * torch.randn(sz["heads_q"], sz["seqlen_q"] + sz["seqlen_kv"] - 1,
+                                          generator=gen)}
+
+
+def _rel_bias_mod(s, io, b, h, q_idx, kv_idx, skv):
+    return s + io["rel_bias"][h, q_idx - kv_idx + (skv - 1)]
+
+
+def t5_bucket(rel):
+    """T5's causal bucket of rel = q_idx - kv_idx (clamped at 0): the distance itself below 16,
+    then 16 log-spaced buckets up to 128, the last one beyond. Written in torch, as FlexAttention
+    users write it; the same function traces into the DSL."""
+    d = torch.clamp(rel, min=0)
+    far = (16 + torch.log(d.float() / 16.0) * (16 / math.log(8))).long()
+    return torch.where(d < 16, d, torch.clamp(far, max=T5_BUCKETS - 1))
+
+
+def _t5_table(sz, gen):
+    return {"t5_bias": 0.5 * torch.randn(sz["heads_q"], T5_BUCKETS, generator=gen)}
+
+
+def _gate(sz, gen):
+    return {"key_gate": torch.randn(sz["heads_q"], generator=gen)}
+
+
+def _dilated(q, k):
+    return (q >= k) & ((q - k) % DILATION == 0)
+
+
+def _neighbourhood(q, k):
+    rows = (q // IMAGE_WIDTH - k // IMAGE_WIDTH).abs() <= NEIGHBOURHOOD
+    return rows & ((q % IMAGE_WIDTH - k % IMAGE_WIDTH).abs() <= NEIGHBOURHOOD)
+
+
+def _with_sizes(make):
+    """A spec maker whose score_mod needs the sizes (the table's offset)."""
+    def spec(sz):
+        return _softmax_spec(causal_mask, lambda *a: make(*a, sz["seqlen_kv"]),
+                             {"rel_bias": ("heads", sz["seqlen_q"] + sz["seqlen_kv"] - 1)})(sz)
+
+    return spec
+
+
+def _rel_bias_flex(customs, sz):
+    skv = sz["seqlen_kv"]
+    return _flex(lambda c, b, h, q, k: q >= k,
+                 lambda s, c, b, h, q, k: s + c["rel_bias"][h, q - k + skv - 1])(customs, sz)
+
+
+def _rel_bias_ref(q, k, v, customs, sz):
+    skv = sz["seqlen_kv"]
+    return _softmax_ref(_causal_t, lambda s, c, qi, ki: s + c["rel_bias"][:, qi - ki + skv - 1])(
+        q, k, v, customs, sz)
+
+
+_add(
+    Variant(
+        "rel_bias",
+        "causal softmax with a learnable relative-position bias table (heads x (Sq + Skv - 1))",
+        "softmax",
+        "causal",
+        True,
+        _with_sizes(_rel_bias_mod),
+        _rel_bias_table,
+        _rel_bias_ref,
+        flex_fn=_rel_bias_flex,
+        learnable=("rel_bias",),
+    )
+)
+_add(
+    Variant(
+        "t5_bias",
+        f"causal softmax with T5's learnable relative buckets ({T5_BUCKETS} per head, log-spaced)",
+        "softmax",
+        "causal",
+        True,
+        _softmax_spec(causal_mask, lambda s, io, b, h, q, k: s + io["t5_bias"][h, t5_bucket(q - k)],
+                      {"t5_bias": ("heads", T5_BUCKETS)}),
+        _t5_table,
+        _softmax_ref(_causal_t, lambda s, c, q, k: s + c["t5_bias"][:, t5_bucket(q - k)]),
+        flex_fn=_flex(lambda c, b, h, q, k: q >= k,
+                      lambda s, c, b, h, q, k: s + c["t5_bias"][h, t5_bucket(q - k)]),
+        learnable=("t5_bias",),
+    )
+)
+_add(
+    Variant(
+        "dilated",
+        f"causal softmax over every {DILATION}nd key (a dilated mask)",
+        "softmax",
+        "dilated",
+        True,
+        _softmax_spec(lambda b, h, q, k: _dilated(q, k)),
+        _no_customs,
+        _softmax_ref(lambda c, q, k: _dilated(q, k)),
+        flex_fn=_flex(lambda c, b, h, q, k: _dilated(q, k)),
+    )
+)
+_add(
+    Variant(
+        "neighbourhood_2d",
+        f"softmax over a {2 * NEIGHBOURHOOD + 1}x{2 * NEIGHBOURHOOD + 1} pixel neighbourhood "
+        f"(tokens: an image {IMAGE_WIDTH} pixels wide)",
+        "softmax",
+        "neighbourhood_2d",
+        False,
+        _softmax_spec(lambda b, h, q, k: _neighbourhood(q, k)),
+        _no_customs,
+        _softmax_ref(lambda c, q, k: _neighbourhood(q, k)),
+        flex_fn=_flex(lambda c, b, h, q, k: _neighbourhood(q, k)),
+    )
+)
+_add(
+    Variant(
+        "key_gate",
+        "causal softmax with a learnable per-head key gate (q.k * sigmoid(gate[h]))",
+        "softmax",
+        "causal",
+        True,
+        _softmax_spec(causal_mask, lambda s, io, b, h, q, k: s * io["key_gate"].sigmoid(),
+                      {"key_gate": ("heads",)}),
+        _gate,
+        _softmax_ref(_causal_t, lambda s, c, q, k: s * torch.sigmoid(c["key_gate"]).view(1, -1, 1, 1)),
+        flex_fn=_flex(lambda c, b, h, q, k: q >= k,
+                      lambda s, c, b, h, q, k: s * torch.sigmoid(c["key_gate"][h])),
+        learnable=("key_gate",),
+    )
+)
+
 # Expose the select used by users writing their own variants alongside these.
 __all__ = ["VARIANTS", "where"]
