@@ -11,12 +11,14 @@ import torch
 from engine.dsl.io import CustomIO
 from engine.dsl.online import OnlineFunc, OnlineSoftmax
 from engine.ir.spec import TracedSpec
+from engine.ir.tensor_mods import mod_only_customs, trace_qkv_mods
 from engine.ir.trace import trace_spec
 from engine.kernels.attention_bwd.launch import BackwardKernels
 from engine.kernels.attention_fwd.launch import ForwardKernel
 from engine.plan.config import KernelConfig
 from engine.plan.request import KernelOptions, KernelRequest
 from engine.problem import Problem
+from engine.reference.tensor_mods import apply_qkv_mods
 from engine.runtime.kernel_cache import KernelCache
 from engine.runtime.ops import compiled_forward, register
 
@@ -88,6 +90,16 @@ class AttentionEngine(torch.nn.Module):
     length. Changing an option after construction selects new kernels. tune=True
     tunes the forward kernel; the backward's config comes from its tune file (attnbench tune
     --mode bwd) or backward_config=.
+
+    query_mod, key_mod, value_mod (seed 001; None: the identity): functions applied elementwise
+    to q, k, v before the attention, as `mod(x)` or `mod(x, custom_fwd_inputs, b, h, pos)`,
+    where x is one element (a DSL expression), b the batch index, pos the query position for
+    query_mod and the key position for key_mod and value_mod, and h the query head for
+    query_mod but the kv head for key_mod and value_mod: with GQA a "heads" CustomIO input
+    read in a key or value mod is read at h < Hkv (index it explicitly to choose otherwise).
+    They run as a pre-pass of torch ops (one more read and write of each modded tensor, not
+    fused into the kernels' loads), so the kernels do not change; autograd gives q, k, v and
+    the CustomIO tensors they read their gradients, on every backend and under torch.compile.
     """
 
     def __init__(
@@ -105,6 +117,9 @@ class AttentionEngine(torch.nn.Module):
         config: KernelConfig | None = None,
         backward_config: KernelConfig | None = None,
         deterministic: bool = False,
+        query_mod: Callable | None = None,
+        key_mod: Callable | None = None,
+        value_mod: Callable | None = None,
     ):
         super().__init__()
         self.problem, self.dtype = _check_meta(qkv_meta)
@@ -129,6 +144,9 @@ class AttentionEngine(torch.nn.Module):
         self.custom_io = custom_fwd_inputs if custom_fwd_inputs is not None else CustomIO({})
         self.online_func = online_func if online_func is not None else OnlineSoftmax()
         self.spec: TracedSpec = trace_spec(score_mod, mask_mod, self.online_func, self.custom_io)
+        self.qkv_mods = trace_qkv_mods(query_mod, key_mod, value_mod, self.custom_io)
+        self._mod_only_customs = (mod_only_customs(self.qkv_mods, self.spec)
+                                  if self.qkv_mods is not None else frozenset())
         self.backend_name = backend
         self.config = config
         self.backward_config = backward_config
@@ -174,7 +192,9 @@ class AttentionEngine(torch.nn.Module):
 
     @property
     def ir_text(self) -> str:
-        return self.spec.describe()
+        """The traced IR: the spec, then the q/k/v mods (not part of the spec or its hash)."""
+        text = self.spec.describe()
+        return text if self.qkv_mods is None else f"{text}\n{self.qkv_mods.describe()}"
 
     @property
     def kernel_source(self) -> str:
@@ -330,11 +350,24 @@ class AttentionEngine(torch.nn.Module):
         **named: torch.Tensor,
     ):
         customs = self._check_inputs(q, k, v, custom, named)
+        if self.qkv_mods is not None:
+            q, k, v, customs = self._apply_mods(q, k, v, customs)
         if torch.compiler.is_compiling():  # one opaque op for the compiler (engine.runtime.ops)
             o, finals = compiled_forward(self, q, k, v, customs)
         else:
             o, finals = self.eager_forward(q, k, v, customs)
         return (o, finals) if return_lse else o
+
+    def _apply_mods(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    customs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor,
+                                                          torch.Tensor, list[torch.Tensor]]:
+        """The q/k/v mods' pre-pass: modded q, k, v, and the custom tensors for the attention,
+        those only the mods differentiate detached (engine.ir.tensor_mods.mod_only_customs)."""
+        names = self.custom_io.names()
+        q, k, v = apply_qkv_mods(self.qkv_mods, q, k, v, dict(zip(names, customs, strict=True)))
+        customs = [c.detach() if n in self._mod_only_customs else c
+                   for n, c in zip(names, customs, strict=True)]
+        return q, k, v, customs
 
     def eager_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       customs: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:

@@ -29,6 +29,10 @@ _ALLOWED = {
     "online_fwd_epilogue": {"o", "rowscale", "idx", "custom", "const"},
     "forward": {"score", "final", "idx", "custom", "const"},
     "backward": {"dp", "p", "final", "doosum", "idx", "custom", "const"},
+    # q/k/v mods (engine.ir.tensor_mods): one element of their tensor, its indices, customs
+    "query_mod": {"tensor", "idx", "custom", "const"},
+    "key_mod": {"tensor", "idx", "custom", "const"},
+    "value_mod": {"tensor", "idx", "custom", "const"},
 }
 # Names the seeds use for the backward's row sum of dO*O; resolved even when the parameter is
 # called something else (seed 000 names the parameter `doosum` but reads `doosum_rowscales`).

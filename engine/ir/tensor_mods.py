@@ -1,0 +1,108 @@
+"""q/k/v mods: user functions applied elementwise to the query, key and value tensors (seed
+001: `scores = query_mod(query) @ key_mod(key)`, `o = p @ value_mod(value)`).
+
+Each mod is traced once into an expression of one element of its tensor (the leaf `tensor`,
+axes (position, "d")), the indices b, h and the position, constants and CustomIO reads. The
+mods are not part of the TracedSpec: engines apply them before the attention as a pre-pass of
+torch ops (engine.reference.tensor_mods), so the kernels are the same with or without them.
+Nothing here is specific to softmax attention: any engine whose inputs are [B, S, H, D]
+tensors (a linear attention's q/k/v mods too) traces its mods with `trace_tensor_mod`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from engine.dsl.expr import Expr, index_leaf, leaf, to_text, topo
+from engine.dsl.io import CustomIO
+from engine.ir.spec import TracedSpec
+from engine.ir.trace import TraceError, _as_expr, _check, _positional_arity, call_hook
+
+TENSOR_LEAF = "tensor"  # the leaf op of the modded tensor's element (engine.reference.evaluate)
+_FORMS = "(x) or (x, custom_fwd_inputs, b, h, pos)"
+# A mod's position index ("q" or "kv"): the tile axis it varies along and its name in errors.
+_POSITIONS = {"q": ("m", "query position"), "kv": ("n", "key position")}
+_AXIS_NAMES = {"m": "query position (q_idx)", "n": "key position (kv_idx)"}
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: Expr's == builds an expression
+class TensorMod:
+    """One traced mod, `hook` its name: `expr` reads the leaf `tensor`, b, h and the index
+    `pos` ("q": the tensor's rows are query positions; "kv": key positions)."""
+
+    hook: str
+    expr: Expr
+    pos: str
+
+    def describe(self) -> str:
+        return f"{self.hook} = {to_text(self.expr)}"
+
+
+@dataclass(frozen=True, eq=False)
+class QKVMods:
+    """The traced query, key and value mods of an attention (None: the identity)."""
+
+    query: TensorMod | None
+    key: TensorMod | None
+    value: TensorMod | None
+
+    def present(self) -> list[TensorMod]:
+        return [m for m in (self.query, self.key, self.value) if m is not None]
+
+    def custom_reads(self) -> set[str]:
+        return custom_reads(m.expr for m in self.present())
+
+    def describe(self) -> str:
+        return "\n".join(m.describe() for m in self.present())
+
+
+def custom_reads(roots: Iterable[Expr]) -> set[str]:
+    """The CustomIO names the expressions read (plain reads and table lookups)."""
+    return {n.attr[0] for n in topo(roots) if n.op in ("custom", "gather")}
+
+
+def trace_tensor_mod(hook: str, fn: Callable | None, pos: str, customs: CustomIO
+                     ) -> TensorMod | None:
+    """Trace `fn`, the mod named `hook`, of a tensor whose rows are indexed by `pos` ("q" or
+    "kv"): `fn(x)` or `fn(x, custom_fwd_inputs, b, h, pos)`, elementwise in x. None for None
+    (the identity); a malformed mod raises a TraceError naming `hook` and the fault."""
+    if fn is None:
+        return None
+    if not callable(fn):
+        raise TraceError(f"{hook}: expected a callable {_FORMS}, got {type(fn).__name__}")
+    arity = _positional_arity(fn)
+    if arity not in (None, 1, 5):  # None (*args, a builtin): called as fn(x)
+        raise TraceError(f"{hook} takes {arity} positional parameters; expected {_FORMS}")
+    axis, position = _POSITIONS[pos]
+    x = leaf(TENSOR_LEAF, (axis, "d"))
+    args = (x,) if arity != 5 else (x, customs, index_leaf("b"), index_leaf("h"),
+                                    index_leaf(pos))
+    result = _as_expr(hook, "the result", call_hook(hook, fn, args))
+    other = set(result.axes) - {axis, "d"}
+    if other:
+        raise TraceError(
+            f"{hook}: the result varies along the {_AXIS_NAMES[other.pop()]}, but {hook} sees "
+            f"one {position} (pos): read CustomIO inputs at pos explicitly, e.g. "
+            "custom_fwd_inputs[name][b, pos]"
+        )
+    return TensorMod(hook, _check(hook, "the result", result, {axis, "d"}, customs), pos)
+
+
+def trace_qkv_mods(query_mod: Callable | None, key_mod: Callable | None,
+                   value_mod: Callable | None, customs: CustomIO) -> QKVMods | None:
+    """The traced mods of an attention's q (rows: query positions), k and v (key positions);
+    None when all three are None."""
+    mods = QKVMods(trace_tensor_mod("query_mod", query_mod, "q", customs),
+                   trace_tensor_mod("key_mod", key_mod, "kv", customs),
+                   trace_tensor_mod("value_mod", value_mod, "kv", customs))
+    return mods if mods.present() else None
+
+
+def mod_only_customs(mods: QKVMods, spec: TracedSpec) -> frozenset[str]:
+    """CustomIO names the mods read and the attention's differentiable hooks do not (score_mod
+    and the online functions; the mask has no gradient). Engines give these to the attention
+    detached: their gradient comes from the mods' torch ops, and the attention's backward is
+    not asked for a zero gradient (which sends the backward kernels to the reference rules)."""
+    attention = custom_reads([spec.score_mod]) | spec.online_custom_reads()
+    return frozenset(mods.custom_reads() - attention)

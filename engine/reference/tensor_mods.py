@@ -1,0 +1,49 @@
+"""Apply traced q/k/v mods (engine.ir.tensor_mods) to runtime [B, S, H, D] tensors.
+
+A pre-pass of torch ops: each modded tensor is read and written once more before the attention
+runs, and the kernels then load it as any q, k or v (the mods are not fused into their tile
+loads). Autograd differentiates these ops (q, k, v and CustomIO tensors that require grad) on
+every backend, and torch.compile traces them as ordinary ops.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.ir.tensor_mods import TENSOR_LEAF, QKVMods, TensorMod
+from engine.reference.evaluate import Env, evaluate
+
+
+def _layout_index(B: int, S: int, H: int, pos: str, device: torch.device
+                 ) -> dict[str, torch.Tensor]:
+    """Index tensors b, `pos`, h broadcasting over the runtime layout [B, S, H, D]. Custom
+    reads index with these as they are, so they broadcast over the same layout."""
+    return {
+        "b": torch.arange(B, device=device).view(B, 1, 1, 1),
+        pos: torch.arange(S, device=device).view(1, S, 1, 1),
+        "h": torch.arange(H, device=device).view(1, 1, H, 1),
+    }
+
+
+def apply_tensor_mod(mod: TensorMod, x: torch.Tensor, customs: dict[str, torch.Tensor]
+                     ) -> torch.Tensor:
+    """`mod` of `x` [B, S, H, D] (S indexed by mod.pos, H the heads of x), computed in float32
+    (float64 stays float64), in x's dtype and shape; `customs` the CustomIO tensors by name."""
+    B, S, H, _ = x.shape
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    env = Env(dtype=dtype, device=x.device, leaves={TENSOR_LEAF: x.to(dtype)},
+              index=_layout_index(B, S, H, mod.pos, x.device), customs=customs)
+    (y,) = evaluate([mod.expr], env)
+    y = y.to(x.dtype)
+    # a result constant along some dims (e.g. a mod that ignores x) is broadcast; the kernels
+    # need a unit last-dim stride, which an expanded view lacks
+    return y if y.shape == x.shape else y.expand(x.shape).contiguous()
+
+
+def apply_qkv_mods(mods: QKVMods, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   customs: dict[str, torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v through their mods (a tensor without one is returned as it is)."""
+    q, k, v = (x if m is None else apply_tensor_mod(m, x, customs)
+               for m, x in ((mods.query, q), (mods.key, k), (mods.value, v)))
+    return q, k, v
