@@ -12,6 +12,7 @@
 #   user-loop: tune=True on three custom variants, then both modules timed in a user loop
 #     (scripts/tune_user_loop.py; record and tune files to $OUT/tune)
 #   RUN_FILTER=PATTERN: suites run only the cases matching PATTERN (attnbench run --filter)
+#   TEST_FILTER=EXPR: the tests steps run only the tests pytest -k EXPR selects
 #   clock-trace: a long kernel's repetition times beside the SM clock and power (NVML)
 #     (scripts/clock_trace.py; $OUT/clock-trace.json)
 set -uo pipefail
@@ -51,7 +52,8 @@ for step in "${steps[@]}"; do
     what=tests/gpu; [ "$step" != tests ] && what="tests/gpu/test_${step#*:}_kernels.py"
     # One process: each module's fixture already compiles all its kernels in parallel workers
     # (pytest-xdist would repeat that whole precompile in every xdist worker).
-    timeout 560 python -m pytest -m gpu "$what" -q -p no:cacheprovider -rf 2>&1 \
+    filter=(); [ -n "${TEST_FILTER:-}" ] && filter=(-k "$TEST_FILTER")
+    timeout 560 python -m pytest -m gpu "$what" "${filter[@]}" -q -p no:cacheprovider -rf 2>&1 \
       | tee "$OUT/gpu-${step/:/-}.log" | grep -v "^FAILED" | tail -40
   elif [ "$step" = compare-grid ]; then
     mkdir -p "$OUT/tune"
