@@ -24,3 +24,11 @@ def cross_product(head_dims: list[tuple[int, int]]) -> list[tuple]:
 def case_id(c: tuple) -> str:
     name, dt, B, Hq, Hkv, Sq, Skv, D, Dv = c
     return f"{name}-{'bf16' if dt is BF16 else 'fp16'}-B{B}-H{Hq}x{Hkv}-S{Sq}x{Skv}-D{D}x{Dv}"
+
+
+def selected_params(request, param: str) -> set:
+    """The values of parameter `param` among the session's selected tests of the requesting
+    module: a precompile fixture compiles only what will run (under pytest -k, say)."""
+    return {item.callspec.params[param] for item in request.session.items
+            if item.module is request.module and hasattr(item, "callspec")
+            and param in item.callspec.params}

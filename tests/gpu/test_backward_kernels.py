@@ -18,7 +18,7 @@ from engine.reference.executor import rel_err
 from engine.runtime.tilelang_backend import backward_kernel_call
 from engine.variants import VARIANTS
 
-from .cases import BF16, FP16, case_id, cross_product
+from .cases import BF16, FP16, case_id, cross_product, selected_params
 
 pytestmark = pytest.mark.gpu
 
@@ -49,15 +49,18 @@ def _build(case, backward_config=None):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _precompiled():
-    """Compile every case's kernels in parallel workers first (nvcc is the slow part)."""
+def _precompiled(request):
+    """Compile every selected case's kernels in parallel workers first (nvcc is the slow
+    part)."""
     from engine.runtime.precompile import precompile
 
     srcs = []
-    for case in CASES:
+    chosen = selected_params(request, "case")
+    for case in (c for c in CASES if c in chosen):
         learn = tuple(VARIANTS[case[0]].learnable)
         srcs += _build(case)[0].backward_kernels(custom_grads=learn).sources()
-    for name, hkv in DETERMINISTIC:
+    chosen = selected_params(request, "name")
+    for name, hkv in (d for d in DETERMINISTIC if d[0] in chosen):
         mod = _build((name, BF16, 2, 8, hkv, 1000, 1000, 128, 128))[0]
         learn = tuple(VARIANTS[name].learnable)
         srcs += mod.backward_kernels(custom_grads=learn, deterministic=True).sources()

@@ -15,7 +15,7 @@ from engine.reference import executor
 from engine.reference.executor import rel_err
 from engine.variants import VARIANTS
 
-from .cases import BF16, FP16, case_id, cross_product
+from .cases import BF16, FP16, case_id, cross_product, selected_params
 
 pytestmark = pytest.mark.gpu
 
@@ -47,13 +47,14 @@ DYNAMIC_PRECOMPILE = {("softmax_causal", 2, 1000), ("document", 2, 1000), ("alib
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _precompiled():
-    """Compile every case's kernel in parallel workers first (nvcc is the slow part)."""
+def _precompiled(request):
+    """Compile every selected case's kernel in parallel workers first (nvcc is the slow part)."""
     from engine.runtime import tilelang_backend
     from engine.runtime.precompile import precompile
 
     srcs = []
-    for name, dt, B, Hq, Hkv, Sq, Skv, D, Dv in CASES:
+    chosen = selected_params(request, "case")
+    for name, dt, B, Hq, Hkv, Sq, Skv, D, Dv in (c for c in CASES if c in chosen):
         mod = VARIANTS[name].build(
             batch=B,
             heads_q=Hq,
