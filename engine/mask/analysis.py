@@ -209,7 +209,7 @@ def _interval(n: Expr, a: list, idx, customs, B, H, bM, bN, b_used, h_used):
         t = customs.get(n.attr[0])
         if t is None or t.numel() == 0:
             return torch.tensor(-_INF, dtype=torch.float64), torch.tensor(_INF, dtype=torch.float64)
-        t = t.detach().double()
+        t = t.detach().to("cpu", torch.float64)  # the tables are built on the host
         return t.min(), t.max()
     if op == "add":
         return a[0][0] + a[1][0], a[0][1] + a[1][1]

@@ -86,3 +86,4 @@ def test_kernels_clamp_table_reads_and_add_table_gradients_atomically():
     assert main.count("T.atomic_add(dC_rel[") == 1 and main.count("T.atomic_add(dC_t5[") == 1
     mod.deterministic = True
     assert "table lookup" in mod.backward_problem(("rel",))
+
