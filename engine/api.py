@@ -208,10 +208,15 @@ class AttentionEngine(torch.nn.Module):
         return self._kernel_cache
 
     def kernel_request(self) -> KernelRequest:
-        """What selects this module's kernels now: its spec, problem, dtype and options."""
+        """What selects this module's kernels now: its spec, problem, dtype and options (the
+        request is kept while they stay the same: building it per call cost host time)."""
         options = KernelOptions(self.config, self.backward_config, self.tune_file,
                                 bool(self.dynamic_shapes), bool(self.deterministic))
-        return KernelRequest(self.spec, self.problem, self.dtype, options)
+        req = self.__dict__.get("_request")
+        if req is None or req.options != options or req.spec is not self.spec:
+            req = KernelRequest(self.spec, self.problem, self.dtype, options)
+            self.__dict__["_request"] = req
+        return req
 
     def forward_kernel(self) -> ForwardKernel:
         """The forward kernel (generated, not compiled): its source, config and tables."""

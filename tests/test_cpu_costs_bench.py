@@ -75,3 +75,40 @@ def test_load_tune_file(benchmark, tmp_path):
         shape={**shape, "seqlen_q": 3000, "seqlen_kv": 3000},
     )
     assert hit is not None
+
+
+@pytest.fixture
+def stubbed_module(monkeypatch):
+    """A module that takes the TileLang path with every kernel launch a no-op (CPU tensors):
+    what is timed is the engine's own host work per call (checks, kernel and table lookups,
+    argument binding, output allocation, autograd), not TileLang's launch or the GPU."""
+    from engine import api
+    from engine.runtime import kernel
+
+    monkeypatch.setattr(kernel.Kernel, "compiled", lambda self: (lambda *args: None))
+    monkeypatch.setattr(api.AttentionEngine, "resolved_backend", lambda self, device: "tilelang")
+    shape = dict(SHAPE, batch=1, seqlen_q=128, seqlen_kv=128, head_dim=64, head_dim_v=64)
+    mod = get_variant("softmax_causal").build(**shape, dtype=torch.bfloat16, backend="auto")
+    qkv = [torch.randn(1, 128, h, 64, dtype=torch.bfloat16, requires_grad=True)
+           for h in (shape["heads_q"], shape["heads_kv"], shape["heads_kv"])]
+    return mod, qkv, torch.randn(1, 128, shape["heads_q"], 64, dtype=torch.bfloat16)
+
+
+def test_module_forward_host_path(benchmark, stubbed_module):
+    mod, qkv, _ = stubbed_module
+
+    def call():
+        with torch.no_grad():
+            return mod(*qkv)
+
+    assert benchmark(call).shape == (1, 128, 8, 64)
+
+
+def test_module_forward_backward_host_path(benchmark, stubbed_module):
+    mod, qkv, do = stubbed_module
+
+    def step():
+        mod(*qkv).backward(do)
+
+    benchmark(step)
+    assert qkv[0].grad is not None
