@@ -13,6 +13,8 @@
 #     (scripts/tune_user_loop.py; record and tune files to $OUT/tune)
 #   RUN_FILTER=PATTERN: suites run only the cases matching PATTERN (attnbench run --filter)
 #   TEST_FILTER=EXPR: the tests steps run only the tests pytest -k EXPR selects
+#   host-overhead: the module's per-call host time against its kernel's launch and time
+#     (scripts/host_overhead.py; $OUT/host-overhead.json)
 #   clock-trace: a long kernel's repetition times beside the SM clock and power (NVML)
 #     (scripts/clock_trace.py; $OUT/clock-trace.json)
 set -uo pipefail
@@ -69,6 +71,8 @@ for step in "${steps[@]}"; do
     mkdir -p "$OUT/tune"
     ATTNBENCH_TUNE_TRIALS=${ATTNBENCH_TUNE_TRIALS:-16} ATTNBENCH_TUNE_SECONDS=${ATTNBENCH_TUNE_SECONDS:-120} \
       python scripts/tune_user_loop.py "$OUT/tune" 2>&1 | grep -v "^\[I \|INFO" | tail -30
+  elif [ "$step" = host-overhead ]; then
+    python scripts/host_overhead.py "$OUT/host-overhead.json" 2>&1 | grep -v INFO | tail -25
   elif [ "$step" = clock-trace ]; then
     python scripts/clock_trace.py "$OUT/clock-trace.json" 2>&1 | tail -5
   elif [ "${step%%:*}" = tune-suite ]; then
