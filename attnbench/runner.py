@@ -299,7 +299,9 @@ class Runner:
                 out = p.forward()
                 # Keep the graph only when the backward alone is timed on it below.
                 grads = torch.autograd.grad(out, p.leaves, g, retain_graph=mode == "bwd")
-                outs = [p.to_common(out)] + [p.to_common(x) for x in grads]
+                # q, k, v's gradients are checked here; a learnable custom input's (timed
+                # too) is checked by the GPU tests against the reference executor
+                outs = [p.to_common(out)] + [p.to_common(x) for x in grads[:3]]
                 refs = list(ctx.reference(True))
                 if mode == "bwd":
                     def fn():

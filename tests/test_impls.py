@@ -148,13 +148,14 @@ def test_engine_flex_runs_the_flex_functions_like_the_engine(variants, name):
     p = impl.prepare(c, v, inputs, needs_grad=True)
     out = p.to_common(p.forward())
     assert out.shape == (2, 64, 4, 32)
-    ref_inputs = {n: t.detach().clone().requires_grad_(n in "qkv") for n, t in inputs.items()}
+    wrt = ["q", "k", "v", *v.learnable]  # a learnable input's gradient is computed (and timed)
+    ref_inputs = {n: t.detach().clone().requires_grad_(n in wrt) for n, t in inputs.items()}
     ref = v.torch_reference(ref_inputs, dtype=torch.float64)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     do = torch.randn(out.shape, generator=torch.Generator().manual_seed(6))
     got = torch.autograd.grad(out, p.leaves, do)
-    want = torch.autograd.grad(ref, [ref_inputs[n] for n in "qkv"], do.double())
-    for n, a, w in zip("qkv", got, want, strict=True):
+    want = torch.autograd.grad(ref, [ref_inputs[n] for n in wrt], do.double())
+    for n, a, w in zip(wrt, got, want, strict=True):
         torch.testing.assert_close(a, w, rtol=1e-4, atol=1e-5, msg=lambda m, n=n: f"d{n}: {m}")
 
 

@@ -127,6 +127,20 @@ class Prepared:
     extra: dict = field(default_factory=dict)
 
 
+def learnable_customs(variant, inputs: dict, needs_grad: bool) -> dict[str, torch.Tensor]:
+    """The custom tensors of `inputs`; in the gradient modes the variant's learnable ones are
+    fresh leaves that require grad, so that their gradients (an ALiBi slope's, a bias table's)
+    are computed and timed with q, k and v's, as training computes them."""
+    return {n: t.detach().clone().requires_grad_(True) if needs_grad and n in variant.learnable
+            else t for n, t in inputs.items() if n not in ("q", "k", "v")}
+
+
+def learnable_leaves(variant, customs: dict) -> tuple[torch.Tensor, ...]:
+    """The custom tensors that require grad, in the variant's order (after q, k, v)."""
+    return tuple(customs[n] for n in variant.learnable
+                 if n in customs and customs[n].requires_grad)
+
+
 def grad_leaves(inputs: dict, needs_grad: bool) -> tuple[torch.Tensor, ...]:
     """Fresh leaf copies of q, k, v in [B, S, H, D] (never views of the shared inputs)."""
     return tuple(

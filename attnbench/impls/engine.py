@@ -18,6 +18,8 @@ from attnbench.impls.base import (
     Prepared,
     Unsupported,
     grad_leaves,
+    learnable_customs,
+    learnable_leaves,
 )
 
 
@@ -55,16 +57,16 @@ class _EngineBase(Impl):
             raise Unsupported(f"engine backend {self.backend!r} not implemented: {exc}") from exc
         if needs_grad and self.backend == "tilelang":
             # Never time the reference rules as if they were the engine's backward kernel.
-            reason = mod.backward_problem()
+            reason = mod.backward_problem(tuple(variant.learnable))
             if reason is not None:
                 raise Unsupported(f"engine backward: {reason}", modes=GRAD_MODES)
         q, k, v = grad_leaves(inputs, needs_grad)
-        others = {n: t for n, t in inputs.items() if n not in ("q", "k", "v")}
+        others = learnable_customs(variant, inputs, needs_grad)
 
         def forward():
             return mod(q=q, k=k, v=v, **others)
 
-        return Prepared(forward=forward, leaves=(q, k, v))
+        return Prepared(forward=forward, leaves=(q, k, v, *learnable_leaves(variant, others)))
 
 
 class EngineImpl(_EngineBase):
@@ -135,9 +137,10 @@ class EngineFlexImpl(EngineImpl):
         from attnbench.impls.flex import flex_functions
         from engine import create_block_mask, flex_attention
 
-        score_mod, mask_mod = flex_functions(case, variant, inputs)
+        customs = learnable_customs(variant, inputs, needs_grad)
+        score_mod, mask_mod = flex_functions(case, variant, {**inputs, **customs})
         if needs_grad and self.backend == "tilelang":
-            reason = self.build(case, variant).backward_problem()
+            reason = self.build(case, variant).backward_problem(tuple(variant.learnable))
             if reason is not None:
                 raise Unsupported(f"engine backward: {reason}", modes=GRAD_MODES)
         block_mask = None if mask_mod is None else create_block_mask(
@@ -153,4 +156,4 @@ class EngineFlexImpl(EngineImpl):
                                  enable_gqa=gqa)
             return out.transpose(1, 2)
 
-        return Prepared(forward=forward, leaves=(q, k, v))
+        return Prepared(forward=forward, leaves=(q, k, v, *learnable_leaves(variant, customs)))

@@ -18,7 +18,15 @@ from __future__ import annotations
 import time
 
 from attnbench.cases import Case
-from attnbench.impls.base import ALL_DTYPES, Capabilities, Impl, Prepared, Unsupported
+from attnbench.impls.base import (
+    ALL_DTYPES,
+    Capabilities,
+    Impl,
+    Prepared,
+    Unsupported,
+    learnable_customs,
+    learnable_leaves,
+)
 
 MIN_PLAUSIBLE_TFLOPS = 20.0
 MIN_CHECKED_FLOPS = 1e11
@@ -50,7 +58,8 @@ class FlexImpl(Impl):
         from torch._dynamo.utils import counters
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-        score_mod, mask_mod = flex_functions(case, variant, inputs)
+        customs = learnable_customs(variant, inputs, needs_grad)
+        score_mod, mask_mod = flex_functions(case, variant, {**inputs, **customs})
         device = inputs["q"].device
         block_mask = None
         if mask_mod is not None:
@@ -81,7 +90,8 @@ class FlexImpl(Impl):
             forward()
         if needs_grad:
             out = forward()
-            torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+            torch.autograd.grad(out, (q, k, v, *learnable_leaves(variant, customs)),
+                                torch.randn_like(out))
         if device.type == "cuda":
             torch.cuda.synchronize()
         compile_s = time.perf_counter() - t0
@@ -100,7 +110,8 @@ class FlexImpl(Impl):
             return None
 
         return Prepared(
-            forward=forward, leaves=(q, k, v), to_common=lambda t: t.transpose(1, 2),
+            forward=forward, leaves=(q, k, v, *learnable_leaves(variant, customs)),
+            to_common=lambda t: t.transpose(1, 2),
             from_common=lambda t: t.transpose(1, 2).contiguous(), context=context,
             compile_s=compile_s, verify=verify,
         )
