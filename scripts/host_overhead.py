@@ -42,6 +42,23 @@ def gpu_ms(fn, n: int = 50) -> float:
     return start.elapsed_time(end) / n
 
 
+def profile(fn, n: int = 500) -> str:
+    """Where the host time of `fn` goes: cProfile's top functions by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+    return text.getvalue()
+
+
 def setup(batch: int, seqlen: int, hq: int, hkv: int, d: int):
     sizes = dict(batch=batch, heads_q=hq, heads_kv=hkv, seqlen_q=seqlen, seqlen_kv=seqlen,
                  head_dim=d, head_dim_v=d)
@@ -71,6 +88,7 @@ def main(out: str) -> None:
     tiny = {"shape": "B1 S128 Hq8 Hkv2 D64 bf16 causal",
             "forward_us": per_call_us(fwd), "forward_backward_us": per_call_us(fwd_bwd, 1000),
             "kernel_launch_us": per_call_us(kernel), "forward_gpu_ms": gpu_ms(kernel)}
+    tiny["profile"] = profile(fwd)
     fwd, fwd_bwd, kernel = setup(2, 4096, 32, 8, 128)
     big = {"shape": "B2 S4096 Hq32 Hkv8 D128 bf16 causal (llama3-8b)",
            "module_forward_ms": gpu_ms(fwd), "kernel_forward_ms": gpu_ms(kernel)}

@@ -20,6 +20,7 @@ import time
 from attnbench.cases import Case
 from attnbench.impls.base import (
     ALL_DTYPES,
+    GRAD_MODES,
     Capabilities,
     Impl,
     Prepared,
@@ -89,9 +90,16 @@ class FlexImpl(Impl):
         with torch.no_grad():
             forward()
         if needs_grad:
-            out = forward()
-            torch.autograd.grad(out, (q, k, v, *learnable_leaves(variant, customs)),
-                                torch.randn_like(out))
+            try:
+                out = forward()
+                torch.autograd.grad(out, (q, k, v, *learnable_leaves(variant, customs)),
+                                    torch.randn_like(out))
+            except Exception as exc:  # noqa: BLE001 - inductor could not build the backward
+                # (e.g. a captured tensor's gradient: its Triton template ran out of shared
+                # memory at D 128); the forward is still measured
+                first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+                raise Unsupported(f"flex backward did not compile: {type(exc).__name__}: "
+                                  f"{first}", modes=GRAD_MODES) from exc
         if device.type == "cuda":
             torch.cuda.synchronize()
         compile_s = time.perf_counter() - t0
