@@ -159,12 +159,11 @@ class Emitter:
         raise ValueError(f"codegen: op {op!r} cannot be emitted here")
 
 
-def gather_text(node: Expr, bind: Callable[[Expr], str | None], sizes: dict[str, object],
-                prefix: str = "C_") -> str:
-    """A table lookup (op "gather") as `C_name[...]` (or the gradient's `dC_name[...]`), each
-    index clamped into its dim: a kernel never reads or writes outside the tensor (the
-    reference executor raises IndexError there instead). `sizes` gives the named dims'
-    extents (numbers or symbol texts)."""
+def gather_parts(node: Expr, bind: Callable[[Expr], str | None],
+                 sizes: dict[str, object]) -> list[str]:
+    """The index texts of a table lookup (op "gather"), each clamped into its dim: a kernel
+    never reads or writes outside the tensor (the reference executor raises IndexError there
+    instead). `sizes` gives the named dims' extents (numbers or symbol texts)."""
     name, dims = node.attr
     em = Emitter(bind)
     parts = []
@@ -177,4 +176,10 @@ def gather_text(node: Expr, bind: Callable[[Expr], str | None], sizes: dict[str,
             parts.append(em.text(arg))  # always inside its own dim
         else:
             parts.append(f"T.max(T.min({em.text(arg)}, {last}), 0)")
-    return f"{prefix}{name}[{', '.join(parts)}]"
+    return parts
+
+
+def gather_text(node: Expr, bind: Callable[[Expr], str | None], sizes: dict[str, object],
+                prefix: str = "C_") -> str:
+    """A table lookup as `C_name[...]` (or the gradient's `dC_name[...]`), indices clamped."""
+    return f"{prefix}{node.attr[0]}[{', '.join(gather_parts(node, bind, sizes))}]"

@@ -50,6 +50,22 @@ def custom_grad_problem(spec: TracedSpec, name: str, deterministic: bool = False
     return None
 
 
+# Entries of a table row a thread block sums in shared memory before its global atomics: per
+# element atomics to few entries (T5's 32 buckets) serialise (58x the backward's time at
+# llama3-8b S 4k on the H100).
+HIST_MAX = 1024
+
+
+def hist_dim(read: Expr) -> int | None:
+    """The one dim of table lookup `read` that varies within a thread block, when every other
+    dim is read at the block's own batch or head and that dim has at most HIST_MAX entries."""
+    rest = [i for i, (dim, arg) in enumerate(zip(read.attr[1], read.args, strict=True))
+            if not (arg.op == "idx" and (arg.attr, dim) in (("b", "batch"), ("h", "heads")))]
+    if len(rest) != 1 or not isinstance(read.attr[1][rest[0]], int):
+        return None
+    return rest[0] if read.attr[1][rest[0]] <= HIST_MAX else None
+
+
 class BackwardExprs:
     """P, dS', d score_mod / d score, and per wanted custom read (name, index, d/d read)."""
 
@@ -75,6 +91,9 @@ class BackwardExprs:
             (read.attr[0], read.attr[2], d) for read, d in wanted if read.op == "custom"]
         self.dc_gathers: list[tuple[Expr, Expr]] = [
             (read, d) for read, d in wanted if read.op == "gather"]
+        # per table lookup: the dim of a small table row summed in shared memory (None: each
+        # element goes to global memory by an atomic)
+        self.hist_dims: list[int | None] = [hist_dim(read) for read, _ in self.dc_gathers]
 
     @property
     def ds_reads_score(self) -> bool:

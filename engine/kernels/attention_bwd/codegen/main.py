@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from engine.codegen.emit import gather_parts
 from engine.codegen.params import GeneratedKernel, KernelParam, custom_param, param
 from engine.codegen.source import SourceWriter, write_header
 from engine.ir.spec import TracedSpec
@@ -24,6 +25,7 @@ from engine.kernels.attention_bwd.codegen.step import emit_step
 from engine.kernels.attention_bwd.panels import panel_order
 from engine.kernels.attention_bwd.plan import (
     DQ_ROW,
+    WS_CONSUMER_BARRIER,
     WS_CONSUMER_REGS,
     WS_PRODUCER_THREADS,
     BackwardPlan,
@@ -136,6 +138,8 @@ def _emit_buffers(w: SourceWriter, f: Frame) -> None:
     if f.ex.dc_reads:
         w.line(f'cg_tile = T.alloc_fragment(({bN}, {bM}), "float32")')
         w.line(f'cg_row = T.alloc_fragment(({bN},), "float32")')
+    for r, table_rows in _table_rows(f):
+        w.line(f'tg{r} = T.alloc_shared(({table_rows},), "float32")')
     for r in range(len(f.ex.dc_reads)):
         w.line(f'cg_acc{r} = T.alloc_fragment(({bN},), "float32")')
         if not plan.warp_specialized:
@@ -158,6 +162,7 @@ def _emit_ws_body(w: SourceWriter, f: Frame) -> None:
         w.lines(["T.clear(dk)", "T.clear(dv)", "T.mbarrier_wait_parity(kv_full[0], 0)"])
         with per_head(w, heads):
             w.lines([f"T.clear(cg_acc{r})" for r in range(len(f.ex.dc_reads))])
+            _emit_table_rows_clear(w, f)
             f.by_kv.emit_load(w)
             with steps(w, heads):
                 emit_step(w, f)
@@ -171,6 +176,7 @@ def _emit_pipelined_body(w: SourceWriter, f: Frame) -> None:
     w.line(f"T.copy(K[bz, {kv_rows}, by // {f.d.G}, :], K_shared)")
     w.line(f"T.copy(V[bz, {kv_rows}, by // {f.d.G}, :], V_shared)")
     w.lines(["T.clear(dk)", "T.clear(dv)"])
+    _emit_table_rows_clear(w, f)
     f.by_kv.emit_load(w)
     with w.block(f"for k in T.Pipelined({f.hi} - {f.lo}, num_stages={f.plan.config.num_stages}):"):
         w.line(f"qb: T.int32 = {f.lo} + k")
@@ -179,9 +185,50 @@ def _emit_pipelined_body(w: SourceWriter, f: Frame) -> None:
     _emit_dkdv_store(w, f)
 
 
+def _table_rows(f: Frame) -> list[tuple[int, int]]:
+    """(r, entries) of each table lookup whose gradient row the thread block sums in shared
+    memory (BackwardExprs.hist_dims)."""
+    return [(r, read.attr[1][dim]) for r, ((read, _), dim)
+            in enumerate(zip(f.ex.dc_gathers, f.ex.hist_dims, strict=True)) if dim is not None]
+
+
+def _consumer_sync(w: SourceWriter, f: Frame) -> None:
+    if f.plan.warp_specialized:
+        w.line(f"T.sync_threads({WS_CONSUMER_BARRIER}, {f.plan.config.threads})")
+    else:
+        w.line("T.sync_threads()")
+
+
+def _emit_table_rows_clear(w: SourceWriter, f: Frame) -> None:
+    """The shared table rows zeroed, and every thread past the zeroing before any adds."""
+    rows = _table_rows(f)
+    for r, n in rows:
+        with w.block(f"for t in T.Parallel({n}):"):
+            w.line(f"tg{r}[t] = T.float32(0.0)")
+    if rows:
+        _consumer_sync(w, f)
+
+
+def _emit_table_rows_flush(w: SourceWriter, f: Frame) -> None:
+    """Every thread's adds in, then each shared table row added into the table's gradient."""
+    rows = dict(_table_rows(f))
+    if not rows:
+        return
+    _consumer_sync(w, f)
+    for r, ((read, _), dim) in enumerate(zip(f.ex.dc_gathers, f.ex.hist_dims, strict=True)):
+        if dim is None:
+            continue
+        parts = gather_parts(read, f.bind, f.sizes)
+        parts[dim] = "t"
+        with w.block(f"for t in T.Parallel({rows[r]}):"):
+            w.line(f"T.atomic_add(dC_{read.attr[0]}[{', '.join(parts)}], tg{r}[t])")
+
+
 def _emit_custom_grad_flush(w: SourceWriter, f: Frame) -> None:
     """Each custom gradient's per-key sums: stored per (b, h, key) row (deterministic) or
-    added atomically into the custom tensor's gradient."""
+    added atomically into the custom tensor's gradient; the table rows summed in shared
+    memory added into their tables' gradients."""
+    _emit_table_rows_flush(w, f)
     bN, Skv = f.d.bN, f.d.Skv
     for r, (name, index, _) in enumerate(f.ex.dc_reads):
         with w.block(f"for i in T.Parallel({bN}):"), w.block(f"if bx * {bN} + i < {Skv}:"):

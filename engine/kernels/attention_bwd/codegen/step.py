@@ -9,7 +9,7 @@ masked entries give P = 0 and dS = 0."""
 
 from __future__ import annotations
 
-from engine.codegen.emit import Emitter, gather_text
+from engine.codegen.emit import Emitter, gather_parts, gather_text
 from engine.codegen.source import SourceWriter
 from engine.kernels.attention_bwd.codegen.fragments import dq_fragment_index
 from engine.kernels.attention_bwd.codegen.frame import Frame
@@ -97,7 +97,8 @@ def _emit_fused_tiles(w: SourceWriter, f: Frame) -> None:
 def _emit_custom_grad_sums(w: SourceWriter, f: Frame) -> None:
     """Per custom read whose gradient is wanted: dS' * d score_mod / d read, summed over the
     step's queries into its per-key accumulator; per table lookup, added element by element
-    into the table's gradient with fp32 atomics."""
+    with fp32 atomics into the thread block's row of the table in shared memory (a small row)
+    or into the table's gradient."""
     bN, bM = f.d.bN, f.d.bM
     for r, (_, _, d_read) in enumerate(f.ex.dc_reads):
         em = Emitter(f.bind)
@@ -107,9 +108,11 @@ def _emit_custom_grad_sums(w: SourceWriter, f: Frame) -> None:
         w.line("T.reduce_sum(cg_tile, cg_row, dim=1)")
         with w.block(f"for i in T.Parallel({bN}):"):
             w.line(f"cg_acc{r}[i] += cg_row[i]")
-    for read, d_read in f.ex.dc_gathers:
+    for r, ((read, d_read), dim) in enumerate(zip(f.ex.dc_gathers, f.ex.hist_dims,
+                                                   strict=True)):
         em = Emitter(f.bind)
-        target = gather_text(read, f.bind, f.sizes, prefix="dC_")
+        target = (gather_text(read, f.bind, f.sizes, prefix="dC_") if dim is None
+                  else f"tg{r}[{gather_parts(read, f.bind, f.sizes)[dim]}]")
         with w.block(f"for i, j in T.Parallel({bN}, {bM}):"), w.block(f"if {f.mask}:"):
             w.line(f"T.atomic_add({target}, {em.float_(f.ex.ds_mod)} * {em.float_(d_read)})")
 
