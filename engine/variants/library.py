@@ -468,33 +468,21 @@ _add(
         learnable=("t5_bias",),
     )
 )
-_add(
-    Variant(
-        "dilated",
-        f"causal softmax over every {DILATION}nd key (a dilated mask)",
-        "softmax",
-        "dilated",
-        True,
-        _softmax_spec(lambda b, h, q, k: _dilated(q, k)),
-        _no_customs,
-        _softmax_ref(lambda c, q, k: _dilated(q, k)),
-        flex_fn=_flex(lambda c, b, h, q, k: _dilated(q, k)),
-    )
-)
-_add(
-    Variant(
-        "neighbourhood_2d",
-        f"softmax over a {2 * NEIGHBOURHOOD + 1}x{2 * NEIGHBOURHOOD + 1} pixel neighbourhood "
-        f"(tokens: an image {IMAGE_WIDTH} pixels wide)",
-        "softmax",
-        "neighbourhood_2d",
-        False,
-        _softmax_spec(lambda b, h, q, k: _neighbourhood(q, k)),
-        _no_customs,
-        _softmax_ref(lambda c, q, k: _neighbourhood(q, k)),
-        flex_fn=_flex(lambda c, b, h, q, k: _neighbourhood(q, k)),
-    )
-)
+def _mask_variant(name: str, description: str, causal: bool, allowed) -> Variant:
+    """Softmax under a mask of the positions alone: `allowed(q, kv)`, written once for the
+    DSL, torch and flex (the same operators on symbols and on tensors)."""
+    return Variant(name, description, "softmax", name, causal,
+                   _softmax_spec(lambda b, h, q, k: allowed(q, k)), _no_customs,
+                   _softmax_ref(lambda c, q, k: allowed(q, k)),
+                   flex_fn=_flex(lambda c, b, h, q, k: allowed(q, k)))
+
+
+_add(_mask_variant("dilated", f"causal softmax over every {DILATION}nd key (a dilated mask)",
+                   True, _dilated))
+_add(_mask_variant(
+    "neighbourhood_2d",
+    f"softmax over a {2 * NEIGHBOURHOOD + 1}x{2 * NEIGHBOURHOOD + 1} pixel neighbourhood "
+    f"(tokens: an image {IMAGE_WIDTH} pixels wide)", False, _neighbourhood))
 _add(
     Variant(
         "key_gate",

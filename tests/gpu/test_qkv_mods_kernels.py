@@ -10,21 +10,17 @@ import pytest
 import torch
 
 from engine import AttentionEngine, CustomIO, OnlineSoftmax, meta_tensor
-from engine.reference.executor import rel_err
 
-from .cases import BF16, FP16
+from .cases import SPEC_B as B
+from .cases import SPEC_CASES as CASES
+from .cases import SPEC_HQ as HQ
+from .cases import SPEC_S as S
+from .cases import check_forward, check_gradients, precompile_selected, random_seed, spec_case_id
 
 pytestmark = pytest.mark.gpu
 
-CASES = [(dt, hkv, d) for dt in (FP16, BF16) for hkv in (8, 2) for d in (64, 128)]
-B, HQ, S = 2, 8, 1000
 IO = CustomIO({"q_scale": ("heads",), "gate": ("heads",), "slopes": ("heads",)})
 CUSTOM_GRADS = ("slopes",)  # what the backward kernels produce: the mods' inputs go detached
-
-
-def _id(case) -> str:
-    dt, hkv, d = case
-    return f"{'fp16' if dt == FP16 else 'bf16'}-gqa{HQ // hkv}-d{d}"
 
 
 def _module(dt, hkv, d, backend="auto") -> AttentionEngine:
@@ -46,17 +42,8 @@ def _module(dt, hkv, d, backend="auto") -> AttentionEngine:
 
 @pytest.fixture(scope="module", autouse=True)
 def _precompiled(request):
-    """Compile the selected cases' kernels in parallel workers first (nvcc is the slow part)."""
-    from engine.runtime.precompile import precompile
-
-    selected = {item.callspec.params["case"] for item in request.session.items
-                if item.module is request.module and hasattr(item, "callspec")}
-    srcs = []
-    for dt, hkv, d in (c for c in CASES if c in selected):
-        mod = _module(dt, hkv, d)
-        srcs += mod.kernel_sources() + mod.backward_kernels(custom_grads=CUSTOM_GRADS).sources()
-    for err in precompile(srcs).values():
-        print("precompile failed:", err[:300])
+    precompile_selected(request, lambda c: _module(*c).kernel_sources()
+                        + _module(*c).backward_kernels(custom_grads=CUSTOM_GRADS).sources())
 
 
 def _inputs(dt, hkv, d, seed) -> list[torch.Tensor]:
@@ -68,36 +55,21 @@ def _inputs(dt, hkv, d, seed) -> list[torch.Tensor]:
     return [t.requires_grad_() for t in (*qkv, *customs)]
 
 
-def _seed() -> int:
-    return int(torch.randint(0, 2**31 - 1, ()).item())
-
-
-@pytest.mark.parametrize("case", CASES, ids=_id)
+@pytest.mark.parametrize("case", CASES, ids=spec_case_id)
 def test_forward_matches_reference(case):
     dt, hkv, d = case
-    leaves = _inputs(dt, hkv, d, _seed())
+    leaves = _inputs(dt, hkv, d, random_seed())
     with torch.no_grad():
         out = _module(dt, hkv, d)(*leaves)
         ref = _module(dt, hkv, d, backend="reference")(*leaves)
-    assert not torch.isnan(out).any()
-    assert rel_err(out, ref) < 1e-2, f"rel err {rel_err(out, ref):.3e}"
+    check_forward(out, ref)
 
 
-@pytest.mark.parametrize("case", CASES, ids=_id)
+@pytest.mark.parametrize("case", CASES, ids=spec_case_id)
 def test_kernel_backward_matches_reference(case, monkeypatch):
-    from engine.runtime import tilelang_backend
-
-    monkeypatch.setattr(tilelang_backend, "KERNEL_BACKWARD", True)
     dt, hkv, d = case
     mod, ref_mod = _module(dt, hkv, d), _module(dt, hkv, d, backend="reference")
     assert mod.backward_problem(CUSTOM_GRADS) is None, "the kernels, not the reference rules"
-    leaves = _inputs(dt, hkv, d, _seed())
-    ref_leaves = [t.detach().clone().requires_grad_() for t in leaves]
-    o = mod(*leaves)
-    do = torch.randn_like(o)
-    got = torch.autograd.grad(o, leaves, do)
-    want = torch.autograd.grad(ref_mod(*ref_leaves), ref_leaves, do)
-    names = ("dq", "dk", "dv", "d q_scale", "d gate", "d slopes")
-    for what, a, w in zip(names, got, want, strict=True):
-        assert not torch.isnan(a).any(), f"{what} has NaN"
-        assert rel_err(a, w) < 2e-2, f"{what}: relative error {rel_err(a, w):.3e}"
+    leaves = _inputs(dt, hkv, d, random_seed())
+    check_gradients(monkeypatch, mod, ref_mod, leaves, len(leaves),
+                    ("dq", "dk", "dv", "d q_scale", "d gate", "d slopes"))
