@@ -20,7 +20,8 @@ from attnbench.impls.base import (
 )
 
 IMPL_NAMES: tuple[str, ...] = (
-    "engine", "engine-dynamic", "engine-deterministic", "engine-flex", "flash-attention-3",
+    "engine", "engine-dynamic", "engine-deterministic", "engine-flex", "engine-compiled",
+    "flash-attention-3",
     "sdpa-cudnn",
     "sdpa-flash", "sdpa-efficient", "sdpa-math",
     "flex", "reference", "fla",
@@ -33,6 +34,7 @@ __all__ = ["IMPL_NAMES", "Capabilities", "DeviceInfo", "Impl", "Prepared", "Unsu
 @functools.cache
 def registry() -> dict[str, Impl]:
     from attnbench.impls.engine import (
+        EngineCompiledImpl,
         EngineDeterministicImpl,
         EngineDynamicImpl,
         EngineFlexImpl,
@@ -45,7 +47,7 @@ def registry() -> dict[str, Impl]:
     from attnbench.impls.sdpa import sdpa_impls
 
     impls: list[Impl] = [EngineImpl(), EngineDynamicImpl(), EngineDeterministicImpl(),
-                         EngineFlexImpl(), FA3Impl(),
+                         EngineFlexImpl(), EngineCompiledImpl(), FA3Impl(),
                          *sdpa_impls(), FlexImpl(), ReferenceImpl(), FlaImpl()]
     reg = {i.name: i for i in impls}
     assert tuple(reg) == IMPL_NAMES, "IMPL_NAMES out of sync with the registry"

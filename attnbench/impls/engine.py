@@ -157,3 +157,43 @@ class EngineFlexImpl(EngineImpl):
             return out.transpose(1, 2)
 
         return Prepared(forward=forward, leaves=(q, k, v, *learnable_leaves(variant, customs)))
+
+
+class EngineCompiledImpl(EngineImpl):
+    """The module inside torch.compile(fullgraph=True, mode="reduce-overhead"): its custom ops
+    in one compiled graph, replayed as a CUDA graph (q, k, v and the custom tensors at static
+    addresses, so no input copies), timed beside `engine`. Not for masks that read tensors:
+    their block tables are rebuilt per call from the data, which a replayed graph does not do.
+    The `bwd` mode (a backward replayed on a kept graph) does not apply to a CUDA graph."""
+
+    name = "engine-compiled"
+    description = "the engine module under torch.compile(fullgraph=True, mode='reduce-overhead')"
+
+    @property
+    def caps(self) -> Capabilities:
+        base = super().caps
+        return dataclasses.replace(base, modes=base.modes - {"bwd"})
+
+    def prepare(self, case: Case, variant, inputs: dict, needs_grad: bool) -> Prepared:
+        import time
+
+        import torch
+
+        from engine.mask.analysis import reads_data
+
+        mod = self.build(case, variant)
+        if reads_data(mod.spec.mask):
+            raise Unsupported("its mask reads tensors: the block tables are rebuilt per call "
+                              "from the data, which a replayed CUDA graph would not do")
+        p = super().prepare(case, variant, inputs, needs_grad)
+        for t in p.leaves:
+            torch._dynamo.mark_static_address(t)
+        torch._dynamo.reset()
+        compiled = torch.compile(p.forward, fullgraph=True, mode="reduce-overhead")
+        t0 = time.perf_counter()
+        for _ in range(3):  # compile, then record the CUDA graph(s)
+            out = compiled()
+            if needs_grad:
+                torch.autograd.grad(out, p.leaves, torch.ones_like(out))
+        torch.cuda.synchronize()
+        return dataclasses.replace(p, forward=compiled, compile_s=time.perf_counter() - t0)

@@ -500,5 +500,91 @@ _add(
     )
 )
 
+
+# ---------------------------------------------------------------- published models (issue 20)
+GEMMA2_WINDOW, GEMMA2_SOFTCAP = 4096, 50.0  # Gemma 2: sliding_window, attn_logit_softcapping
+MISTRAL_WINDOW = 4096  # Mistral 7B v0.1: sliding_window
+PREFIX_FRACTION = 0.25  # document_prefix: the first quarter of each document sees itself whole
+
+
+def _window(width: int):
+    def allowed(q, k):
+        return (q >= k) & (q - k < width)
+
+    return allowed
+
+
+def _gemma2_mod(s, io, b, h, q_idx, kv_idx):
+    return (s * (1.0 / GEMMA2_SOFTCAP)).tanh() * GEMMA2_SOFTCAP
+
+
+_add(
+    Variant(
+        "gemma2",
+        f"Gemma 2: causal softmax, soft-cap {GEMMA2_SOFTCAP:g}, sliding window {GEMMA2_WINDOW}",
+        "softmax",
+        "sliding_window",
+        True,
+        _softmax_spec(lambda b, h, q, k: _window(GEMMA2_WINDOW)(q, k), _gemma2_mod),
+        _no_customs,
+        _softmax_ref(lambda c, q, k: _window(GEMMA2_WINDOW)(q, k),
+                     lambda s, c, q, k: GEMMA2_SOFTCAP * torch.tanh(s / GEMMA2_SOFTCAP)),
+        flex_fn=_flex(lambda c, b, h, q, k: _window(GEMMA2_WINDOW)(q, k),
+                      lambda s, c, b, h, q, k: GEMMA2_SOFTCAP * torch.tanh(s / GEMMA2_SOFTCAP)),
+    )
+)
+_add(_mask_variant("mistral_window",
+                   f"Mistral 7B: causal sliding-window softmax (window {MISTRAL_WINDOW})", True,
+                   _window(MISTRAL_WINDOW)))
+
+
+def _doc_prefix_data(sz, gen):
+    """Document ids as `document`'s, and per position the end of its document's prefix (the
+    first PREFIX_FRACTION of the document, attended bidirectionally)."""
+    ids = _doc_ids(sz, gen)["doc_ids"]
+    S = ids.shape[1]
+    starts = [0, *(int(f * S) for f in DOC_BOUNDS), S]
+    end = torch.zeros_like(ids)
+    for a, z in zip(starts, starts[1:]):
+        end[:, a:z] = a + max(1, int(PREFIX_FRACTION * (z - a)))
+    return {"doc_ids": ids, "prefix_end": end}
+
+
+def _doc_prefix_mask_for(io: CustomIO):
+    doc, end = io["doc_ids"], io["prefix_end"]
+
+    def mask(b, h, q_idx, kv_idx):  # per-key data (doc) and per-query data (doc, prefix end)
+        return (doc[b, q_idx] == doc[b, kv_idx]) & ((q_idx >= kv_idx) | (kv_idx < end[b, q_idx]))
+
+    return mask
+
+
+_doc_prefix_mask_for.needs_io = True
+
+
+def _doc_prefix_t(c, q, k):
+    doc, end = c["doc_ids"], c["prefix_end"]
+    same = doc[:, q.view(-1)].unsqueeze(-1) == doc[:, k.view(-1)].unsqueeze(1)
+    return (same & ((q >= k) | (k < end[:, q.view(-1)].unsqueeze(-1)))).unsqueeze(1)
+
+
+_add(
+    Variant(
+        "document_prefix",
+        "packed documents, each with a bidirectional prefix (a document id per query and key, "
+        "a prefix end per query)",
+        "softmax",
+        "document",
+        False,
+        _softmax_spec(_doc_prefix_mask_for, None,
+                      {"doc_ids": ("batch", "seq_len"), "prefix_end": ("batch", "seq_len")}),
+        _doc_prefix_data,
+        _softmax_ref(_doc_prefix_t),
+        flex_fn=_flex(lambda c, b, h, q, k: (c["doc_ids"][b, q] == c["doc_ids"][b, k])
+                      & ((q >= k) | (k < c["prefix_end"][b, q]))),
+        needs_equal_seqlens=True,
+    )
+)
+
 # Expose the select used by users writing their own variants alongside these.
 __all__ = ["VARIANTS", "where"]
