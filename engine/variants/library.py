@@ -7,6 +7,7 @@ All softmax-family variants scale scores by 1/sqrt(D) inside score_mod, as in th
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import torch
@@ -545,7 +546,7 @@ def _doc_prefix_data(sz, gen):
     S = ids.shape[1]
     starts = [0, *(int(f * S) for f in DOC_BOUNDS), S]
     end = torch.zeros_like(ids)
-    for a, z in zip(starts, starts[1:]):
+    for a, z in itertools.pairwise(starts):
         end[:, a:z] = a + max(1, int(PREFIX_FRACTION * (z - a)))
     return {"doc_ids": ids, "prefix_end": end}
 
