@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import shutil
 
 import torch
@@ -11,6 +12,12 @@ def hopper_problem(device: torch.device, dtype: torch.dtype) -> str | None:
     """None when TileLang kernels can run here; otherwise the reason they cannot."""
     if device.type != "cuda":
         return f"tensors are on {device.type}, kernels need a CUDA Hopper GPU"
+    return _cuda_problem(device, dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _cuda_problem(device: torch.device, dtype: torch.dtype) -> str | None:
+    # once per (device, dtype): querying the capability was ~20 us of every module call
     if not torch.cuda.is_available():
         return "CUDA is not available"
     major, minor = torch.cuda.get_device_capability(device)

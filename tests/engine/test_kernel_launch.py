@@ -142,3 +142,25 @@ def test_binding_names_what_is_wrong():
         check_arguments(params, [torch.zeros(5, 3), b])
     with pytest.raises(ValueError, match="kernel argument A"):
         check_arguments(params, [a.double(), b])
+
+
+def test_the_machine_check_runs_once_per_device_and_dtype(monkeypatch):
+    """A module call asks whether its kernels can run here; the CUDA queries behind the answer
+    (capability, name) cost ~20 us, so they run once per (device, dtype)."""
+    import torch
+
+    from engine.runtime import device as dev
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: calls.append(1) or True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "A100")
+    dev._cuda_problem.cache_clear()
+    try:
+        for _ in range(3):
+            why = dev.hopper_problem(torch.device("cuda", 0), torch.bfloat16)
+            assert why == "GPU A100 is sm_80; kernels target sm_90a (H100/H200)"
+        assert len(calls) == 1
+        assert dev.hopper_problem(torch.device("cpu"), torch.bfloat16).startswith("tensors are on cpu")
+    finally:
+        dev._cuda_problem.cache_clear()
