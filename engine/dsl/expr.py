@@ -450,6 +450,15 @@ def topo(roots: Iterable[Expr]) -> list[Expr]:
     return order
 
 
+# Nodes that read a CustomIO tensor: a plain read and a table lookup (attr[0]: the name).
+CUSTOM_READS = ("custom", "gather")
+
+
+def custom_names(roots: Iterable[Expr]) -> set[str]:
+    """The CustomIO names the expressions read (plain reads and table lookups)."""
+    return {n.attr[0] for n in topo(roots) if n.op in CUSTOM_READS}
+
+
 def leaves(roots: Iterable[Expr]) -> list[Expr]:
     return [n for n in topo(roots) if not n.args]
 

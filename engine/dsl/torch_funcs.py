@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.dsl.expr import (
+    CUSTOM_READS,
     TENSOR_CAPTURE,
     DSLError,
     Expr,
@@ -168,7 +169,7 @@ class TensorCapture:
         name = self._name(t, dims, key=(id(t), "table"), source=(t, (), False))
         # custom inputs reach the kernels as fp32: exact for integers below 2 ** 24
         idx = tuple(i.long() if isinstance(i, Expr) and i.dtype == "float" and i.op in
-                    ("custom", "gather") and i.attr[0] in self._integer else i for i in idx)
+                    CUSTOM_READS and i.attr[0] in self._integer else i for i in idx)
         return custom_leaf(name, dims, (0,) * len(dims)).attr_index(idx)
 
     def release(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from engine.dsl.expr import ROUNDING_OPS, Expr, leaves, topo, where
+from engine.dsl.expr import CUSTOM_READS, ROUNDING_OPS, Expr, leaves, topo, where
 
 _LN2 = math.log(2.0)
 
@@ -125,6 +125,6 @@ def score_mod_derivatives(spec) -> tuple[Expr, dict[str, tuple[Expr, Expr]]]:
     ds = diff(spec.score_mod, score) if score is not None else Expr.wrap(0.0)
     dc = {}
     for n in topo([spec.score_mod]):
-        if n.op in ("custom", "gather"):
+        if n.op in CUSTOM_READS:
             dc[n.key] = (n, diff(spec.score_mod, n))
     return ds, dc

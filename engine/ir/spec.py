@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from engine.dsl.expr import Expr, to_text, topo
+from engine.dsl.expr import Expr, custom_names, to_text, topo
 
 
 @dataclass(frozen=True, eq=False)
@@ -52,7 +52,7 @@ class TracedSpec:
             *(e for _, e in self.online_updates),
             *(e for _, e in self.epilogue_final),
         ]
-        return {n.attr[0] for n in topo(roots) if n.op == "custom"}
+        return custom_names(roots)
 
     @property
     def online_names(self) -> tuple[str, ...]:

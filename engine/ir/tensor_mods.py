@@ -11,10 +11,10 @@ tensors (a linear attention's q/k/v mods too) traces its mods with `trace_tensor
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.dsl.expr import Expr, index_leaf, leaf, to_text, topo
+from engine.dsl.expr import Expr, custom_names, index_leaf, leaf, to_text
 from engine.dsl.io import CustomIO
 from engine.ir.spec import TracedSpec
 from engine.ir.trace import TraceError, _as_expr, _check, _positional_arity, call_hook
@@ -51,15 +51,10 @@ class QKVMods:
         return [m for m in (self.query, self.key, self.value) if m is not None]
 
     def custom_reads(self) -> set[str]:
-        return custom_reads(m.expr for m in self.present())
+        return custom_names(m.expr for m in self.present())
 
     def describe(self) -> str:
         return "\n".join(m.describe() for m in self.present())
-
-
-def custom_reads(roots: Iterable[Expr]) -> set[str]:
-    """The CustomIO names the expressions read (plain reads and table lookups)."""
-    return {n.attr[0] for n in topo(roots) if n.op in ("custom", "gather")}
 
 
 def trace_tensor_mod(hook: str, fn: Callable | None, pos: str, customs: CustomIO
@@ -104,5 +99,5 @@ def mod_only_customs(mods: QKVMods, spec: TracedSpec) -> frozenset[str]:
     and the online functions; the mask has no gradient). Engines give these to the attention
     detached: their gradient comes from the mods' torch ops, and the attention's backward is
     not asked for a zero gradient (which sends the backward kernels to the reference rules)."""
-    attention = custom_reads([spec.score_mod]) | spec.online_custom_reads()
+    attention = custom_names([spec.score_mod]) | spec.online_custom_reads()
     return frozenset(mods.custom_reads() - attention)

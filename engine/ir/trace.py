@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from engine.dsl.expr import DSLError, Expr, index_leaf, leaf, topo
+from engine.dsl.expr import CUSTOM_READS, DSLError, Expr, index_leaf, leaf, topo
 from engine.dsl.io import CustomIO
 from engine.dsl.online import OnlineFunc, check_online_func
 from engine.ir.spec import TracedSpec, spec_hash
@@ -151,7 +151,7 @@ def _check(
         if node.op == "gather" and hook not in ("score_mod", "mask_mod"):
             raise TraceError(f"{hook}: reads CustomIO input {node.attr[0]!r} at computed "
                              "indices; table lookups are for score_mod and mask_mod")
-        if node.op in ("custom", "gather") and node.attr[0] not in customs.decls:
+        if node.op in CUSTOM_READS and node.attr[0] not in customs.decls:
             raise TraceError(
                 f"{hook}: reads CustomIO input {node.attr[0]!r}, which is not "
                 f"declared in custom_fwd_inputs ({sorted(customs.decls) or 'none'})"

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.dsl.expr import Expr, topo
+from engine.dsl.expr import Expr, custom_names, topo
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 _INF = float("inf")
@@ -62,7 +62,7 @@ class BlockClasses:
 def reads_data(mask: Expr | None) -> bool:
     """Whether the mask reads CustomIO tensors (e.g. document ids): its block tables then
     depend on the data, and evaluating it costs memory reads."""
-    return mask is not None and any(n.op in ("custom", "gather") for n in topo([mask]))
+    return mask is not None and bool(custom_names([mask]))
 
 
 def mask_reads(mask: Expr | None, sym: str) -> bool:
