@@ -159,6 +159,12 @@ class Emitter:
         raise ValueError(f"codegen: op {op!r} cannot be emitted here")
 
 
+def reads_own_dim(dim: str | int, arg: Expr) -> bool:
+    """Whether a table lookup's index `arg` on `dim` is b on "batch" or h on "heads": one value
+    per thread block, never outside the dim."""
+    return arg.op == "idx" and (arg.attr, dim) in (("b", "batch"), ("h", "heads"))
+
+
 def gather_parts(node: Expr, bind: Callable[[Expr], str | None],
                  sizes: dict[str, object]) -> list[str]:
     """The index texts of a table lookup (op "gather"), each clamped into its dim: a kernel
@@ -172,8 +178,8 @@ def gather_parts(node: Expr, bind: Callable[[Expr], str | None],
         last = n - 1 if isinstance(n, int) else f"{n} - 1"
         if arg.op == "const" and isinstance(n, int):
             parts.append(str(min(max(int(arg.attr), 0), last)))
-        elif arg.op == "idx" and (arg.attr, dim) in (("b", "batch"), ("h", "heads")):
-            parts.append(em.text(arg))  # always inside its own dim
+        elif reads_own_dim(dim, arg):
+            parts.append(em.text(arg))
         else:
             parts.append(f"T.max(T.min({em.text(arg)}, {last}), 0)")
     return parts

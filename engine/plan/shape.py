@@ -56,6 +56,14 @@ class KernelShape(Problem):
         return "Skv" if self.dynamic else str(self.seqlen_kv)
 
     @property
+    def dim_sizes(self) -> dict[str, int | str]:
+        """The extents of CustomIO's named dims: numbers, or the symbols of a dynamic shape."""
+        if not self.dynamic:
+            return self.named_sizes()
+        return {**self.named_sizes(), "batch": self.b_text, "seq_len": self.sq_text,
+                "seq_len_kv": self.skv_text}
+
+    @property
     def mask_batch_text(self) -> str:
         """The block tables' batch dim (B, whatever B is, when dynamic and per batch)."""
         return "B" if self.dynamic and self.mask_by_batch else str(self.mask_batch)

@@ -4,6 +4,7 @@ over the raw score (leaf `rawscore`); and what the kernels cannot do (a refusal,
 
 from __future__ import annotations
 
+from engine.codegen.emit import reads_own_dim
 from engine.dsl.expr import Expr, leaf, leaves, topo
 from engine.ir.diff import diff, score_mod_derivatives
 from engine.ir.rewrite import substitute
@@ -60,7 +61,7 @@ def hist_dim(read: Expr) -> int | None:
     """The one dim of table lookup `read` that varies within a thread block, when every other
     dim is read at the block's own batch or head and that dim has at most HIST_MAX entries."""
     rest = [i for i, (dim, arg) in enumerate(zip(read.attr[1], read.args, strict=True))
-            if not (arg.op == "idx" and (arg.attr, dim) in (("b", "batch"), ("h", "heads")))]
+            if not reads_own_dim(dim, arg)]
     if len(rest) != 1 or not isinstance(read.attr[1][rest[0]], int):
         return None
     return rest[0] if read.attr[1][rest[0]] <= HIST_MAX else None
@@ -85,15 +86,13 @@ class BackwardExprs:
         wanted = [(read, substitute(d, {score.key: raw}))
                   for read, d in score_mod_derivatives(spec)[1].values()
                   if read.attr[0] in custom_grads]
-        # plain reads (name, index, d/d read), summed per key; table lookups (read, d/d read),
-        # added per element
+        # plain reads (name, index, d/d read), summed per key; table lookups (read, d/d read,
+        # the dim of a small row summed in shared memory or None: each element's atomic goes
+        # to global memory), added per element
         self.dc_reads: list[tuple[str, tuple, Expr]] = [
             (read.attr[0], read.attr[2], d) for read, d in wanted if read.op == "custom"]
-        self.dc_gathers: list[tuple[Expr, Expr]] = [
-            (read, d) for read, d in wanted if read.op == "gather"]
-        # per table lookup: the dim of a small table row summed in shared memory (None: each
-        # element goes to global memory by an atomic)
-        self.hist_dims: list[int | None] = [hist_dim(read) for read, _ in self.dc_gathers]
+        self.dc_gathers: list[tuple[Expr, Expr, int | None]] = [
+            (read, d, hist_dim(read)) for read, d in wanted if read.op == "gather"]
 
     @property
     def ds_reads_score(self) -> bool:
@@ -113,4 +112,4 @@ class BackwardExprs:
         return roots + ([spec.mask] if spec.mask is not None else [])
 
     def _custom_derivatives(self) -> list[Expr]:
-        return [d for _, _, d in self.dc_reads] + [d for _, d in self.dc_gathers]
+        return [d for _, _, d in self.dc_reads] + [d for _, d, _ in self.dc_gathers]

@@ -29,8 +29,6 @@ class _Frame:
         bM, bN = cfg.block_M, cfg.block_N
         self.q_idx, self.kv_idx = f"(bx * {bM} + i)", f"(kb * {bN} + j)"
         self.index_text = {"b": "bz", "h": "by", "q": self.q_idx, "kv": self.kv_idx}
-        self.sizes = {"batch": shape.b_text, "heads": shape.heads_q, "seq_len": shape.sq_text,
-                      "seq_len_kv": shape.skv_text}
         self.clamp = {"q": f"T.min({self.q_idx}, {shape.last_text('q')})",
                       "kv": f"T.min({self.kv_idx}, {shape.last_text('kv')})"}
         # Custom reads indexed by the query alone (staged in row fragments), and by the key
@@ -81,7 +79,7 @@ class _Frame:
                 return f"{self.per_key[node.key][0]}[j]"
             return self.custom_global(node)
         if node.op == "gather":
-            return gather_text(node, self.bind, self.sizes)
+            return gather_text(node, self.bind, self.shape.dim_sizes)
         if node.op == "rowscale":
             return f"rs_{node.attr}[i]"
         return None

@@ -50,13 +50,6 @@ class Frame:
         return f"HiT[{self.d.mb}, {self.d.mh}, bx]"
 
     @property
-    def sizes(self) -> dict[str, int]:
-        """The named dims' extents, as table lookups clamp their indices."""
-        s = self.shape
-        return {"batch": s.batch, "heads": s.heads_q, "seq_len": s.seqlen_q,
-                "seq_len_kv": s.seqlen_kv}
-
-    @property
     def q_rows(self) -> str:
         return f"qb * {self.d.bM}:(qb + 1) * {self.d.bM}"
 

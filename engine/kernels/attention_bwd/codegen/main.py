@@ -187,9 +187,9 @@ def _emit_pipelined_body(w: SourceWriter, f: Frame) -> None:
 
 def _table_rows(f: Frame) -> list[tuple[int, int]]:
     """(r, entries) of each table lookup whose gradient row the thread block sums in shared
-    memory (BackwardExprs.hist_dims)."""
-    return [(r, read.attr[1][dim]) for r, ((read, _), dim)
-            in enumerate(zip(f.ex.dc_gathers, f.ex.hist_dims, strict=True)) if dim is not None]
+    memory (the third entry of BackwardExprs.dc_gathers)."""
+    return [(r, read.attr[1][dim]) for r, (read, _, dim) in enumerate(f.ex.dc_gathers)
+            if dim is not None]
 
 
 def _consumer_sync(w: SourceWriter, f: Frame) -> None:
@@ -211,16 +211,14 @@ def _emit_table_rows_clear(w: SourceWriter, f: Frame) -> None:
 
 def _emit_table_rows_flush(w: SourceWriter, f: Frame) -> None:
     """Every thread's adds in, then each shared table row added into the table's gradient."""
-    rows = dict(_table_rows(f))
-    if not rows:
-        return
-    _consumer_sync(w, f)
-    for r, ((read, _), dim) in enumerate(zip(f.ex.dc_gathers, f.ex.hist_dims, strict=True)):
-        if dim is None:
-            continue
-        parts = gather_parts(read, f.bind, f.sizes)
+    rows = _table_rows(f)
+    if rows:
+        _consumer_sync(w, f)
+    for r, n in rows:
+        read, _, dim = f.ex.dc_gathers[r]
+        parts = gather_parts(read, f.bind, f.shape.dim_sizes)
         parts[dim] = "t"
-        with w.block(f"for t in T.Parallel({rows[r]}):"):
+        with w.block(f"for t in T.Parallel({n}):"):
             w.line(f"T.atomic_add(dC_{read.attr[0]}[{', '.join(parts)}], tg{r}[t])")
 
 

@@ -108,11 +108,11 @@ def _emit_custom_grad_sums(w: SourceWriter, f: Frame) -> None:
         w.line("T.reduce_sum(cg_tile, cg_row, dim=1)")
         with w.block(f"for i in T.Parallel({bN}):"):
             w.line(f"cg_acc{r}[i] += cg_row[i]")
-    for r, ((read, d_read), dim) in enumerate(zip(f.ex.dc_gathers, f.ex.hist_dims,
-                                                   strict=True)):
+    sizes = f.shape.dim_sizes
+    for r, (read, d_read, dim) in enumerate(f.ex.dc_gathers):
         em = Emitter(f.bind)
-        target = (gather_text(read, f.bind, f.sizes, prefix="dC_") if dim is None
-                  else f"tg{r}[{gather_parts(read, f.bind, f.sizes)[dim]}]")
+        target = (gather_text(read, f.bind, sizes, prefix="dC_") if dim is None
+                  else f"tg{r}[{gather_parts(read, f.bind, sizes)[dim]}]")
         with w.block(f"for i, j in T.Parallel({bN}, {bM}):"), w.block(f"if {f.mask}:"):
             w.line(f"T.atomic_add({target}, {em.float_(f.ex.ds_mod)} * {em.float_(d_read)})")
 

@@ -53,7 +53,6 @@ def binder(shape: KernelShape, q_idx: str, kv_idx: str, tiles: dict[str, str], q
     Sq, Skv = shape.seqlen_q, shape.seqlen_kv
     index_text = {"b": "bz", "h": head, "q": q_idx, "kv": kv_idx}
     clamp = {"q": f"T.min({q_idx}, {Sq - 1})", "kv": f"T.min({kv_idx}, {Skv - 1})"}
-    sizes = {"batch": shape.batch, "heads": shape.heads_q, "seq_len": Sq, "seq_len_kv": Skv}
 
     def bind(node: Expr) -> str | None:
         if node.op in tiles:
@@ -67,7 +66,7 @@ def binder(shape: KernelShape, q_idx: str, kv_idx: str, tiles: dict[str, str], q
             parts = [clamp.get(s, index_text.get(s, "0")) if isinstance(s, str) else "0" for s in index]
             return f"C_{name}[{', '.join(parts)}]"
         if node.op == "gather":
-            return gather_text(node, bind, sizes)
+            return gather_text(node, bind, shape.dim_sizes)
         if node.op == "final":
             return f"Fr_{node.attr}[{q_var}]"
         if node.op == "doosum":
