@@ -50,16 +50,26 @@ class _EngineBase(Impl):
         mod.deterministic = self.deterministic
         return mod
 
-    def prepare(self, case: Case, variant, inputs: dict, needs_grad: bool) -> Prepared:
+    def checked_build(self, case: Case, variant, needs_grad: bool):
+        """build(), refused (Unsupported) where the kernels cannot run the variant: never time
+        the reference rules as if they were the engine's backward kernel."""
         try:
             mod = self.build(case, variant)
         except NotImplementedError as exc:  # kernels for this variant have not landed yet
             raise Unsupported(f"engine backend {self.backend!r} not implemented: {exc}") from exc
         if needs_grad and self.backend == "tilelang":
-            # Never time the reference rules as if they were the engine's backward kernel.
             reason = mod.backward_problem(tuple(variant.learnable))
             if reason is not None:
                 raise Unsupported(f"engine backward: {reason}", modes=GRAD_MODES)
+        return mod
+
+    def prepare(self, case: Case, variant, inputs: dict, needs_grad: bool) -> Prepared:
+        return self.prepare_module(self.checked_build(case, variant, needs_grad), variant,
+                                   inputs, needs_grad)
+
+    @staticmethod
+    def prepare_module(mod, variant, inputs: dict, needs_grad: bool) -> Prepared:
+        """`mod` called on fresh leaves of q, k, v and of the variant's learnable inputs."""
         q, k, v = grad_leaves(inputs, needs_grad)
         others = learnable_customs(variant, inputs, needs_grad)
 
@@ -139,10 +149,7 @@ class EngineFlexImpl(EngineImpl):
 
         customs = learnable_customs(variant, inputs, needs_grad)
         score_mod, mask_mod = flex_functions(case, variant, {**inputs, **customs})
-        if needs_grad and self.backend == "tilelang":
-            reason = self.build(case, variant).backward_problem(tuple(variant.learnable))
-            if reason is not None:
-                raise Unsupported(f"engine backward: {reason}", modes=GRAD_MODES)
+        self.checked_build(case, variant, needs_grad)  # the same spec's refusals
         block_mask = None if mask_mod is None else create_block_mask(
             mask_mod, case.batch, case.heads_q, case.seqlen_q, case.seqlen_kv)
         scale = (variant.sdpa_kwargs(inputs) or {}).get("scale")
@@ -181,11 +188,11 @@ class EngineCompiledImpl(EngineImpl):
 
         from engine.mask.analysis import reads_data
 
-        mod = self.build(case, variant)
+        mod = self.checked_build(case, variant, needs_grad)
         if reads_data(mod.spec.mask):
             raise Unsupported("its mask reads tensors: the block tables are rebuilt per call "
                               "from the data, which a replayed CUDA graph would not do")
-        p = super().prepare(case, variant, inputs, needs_grad)
+        p = self.prepare_module(mod, variant, inputs, needs_grad)
         for t in p.leaves:
             torch._dynamo.mark_static_address(t)
         torch._dynamo.reset()
