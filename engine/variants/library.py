@@ -67,12 +67,12 @@ def causal_mask(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
-def sliding_window_mask(b, h, q_idx, kv_idx):
-    return (q_idx >= kv_idx) & (q_idx - kv_idx < SLIDING_WINDOW)
+def _window(width: int):
+    """Causal with a sliding window of `width` keys, for symbols and tensors alike."""
+    def allowed(q, k):
+        return (q >= k) & (q - k < width)
 
-
-def prefix_lm_mask(b, h, q_idx, kv_idx):
-    return (kv_idx < PREFIX) | (q_idx >= kv_idx)
+    return allowed
 
 
 def _softmax_spec(mask_mod, extra_mod=None, customs=None):
@@ -107,6 +107,15 @@ def _flex(mask_fn=None, mod_fn=None):
     return make
 
 
+def _mask_variant(name: str, description: str, causal: bool, allowed) -> Variant:
+    """Softmax under a mask of the positions alone: `allowed(q, kv)`, written once for the
+    DSL, torch and flex (the same operators on symbols and on tensors)."""
+    return Variant(name, description, "softmax", name, causal,
+                   _softmax_spec(lambda b, h, q, k: allowed(q, k)), _no_customs,
+                   _softmax_ref(lambda c, q, k: allowed(q, k)),
+                   flex_fn=_flex(lambda c, b, h, q, k: allowed(q, k)))
+
+
 # ---------------------------------------------------------------- ALiBi
 def _alibi_slopes(sz, gen):
     H = sz["heads_q"]
@@ -119,8 +128,12 @@ def _alibi_mod(s, io, b, h, q_idx, kv_idx):
 
 
 # ---------------------------------------------------------------- soft-capping
-def _softcap_mod(s, io, b, h, q_idx, kv_idx):
-    return (s * (1.0 / SOFTCAP)).tanh() * SOFTCAP
+def _softcap(cap: float):
+    """cap * tanh(s / cap) as a score_mod (DSL), and as the same function of a tensor."""
+    def mod(s, io, b, h, q_idx, kv_idx):
+        return (s * (1.0 / cap)).tanh() * cap
+
+    return mod, lambda s: cap * torch.tanh(s / cap)
 
 
 # ---------------------------------------------------------------- document mask
@@ -279,27 +292,15 @@ _add(
         "softmax",
         "causal",
         True,
-        _softmax_spec(causal_mask, _softcap_mod),
+        _softmax_spec(causal_mask, _softcap(SOFTCAP)[0]),
         _no_customs,
-        _softmax_ref(_causal_t, lambda s, c, q, k: SOFTCAP * torch.tanh(s / SOFTCAP)),
-        flex_fn=_flex(
-            lambda c, b, h, q, k: q >= k, lambda s, c, b, h, q, k: SOFTCAP * torch.tanh(s / SOFTCAP)
-        ),
+        _softmax_ref(_causal_t, lambda s, c, q, k: _softcap(SOFTCAP)[1](s)),
+        flex_fn=_flex(lambda c, b, h, q, k: q >= k,
+                      lambda s, c, b, h, q, k: _softcap(SOFTCAP)[1](s)),
     )
 )
-_add(
-    Variant(
-        "sliding_window",
-        f"causal sliding-window softmax (window {SLIDING_WINDOW})",
-        "softmax",
-        "sliding_window",
-        True,
-        _softmax_spec(sliding_window_mask),
-        _no_customs,
-        _softmax_ref(lambda c, q, k: (q >= k) & (q - k < SLIDING_WINDOW)),
-        flex_fn=_flex(lambda c, b, h, q, k: (q >= k) & (q - k < SLIDING_WINDOW)),
-    )
-)
+_add(_mask_variant("sliding_window", f"causal sliding-window softmax (window {SLIDING_WINDOW})",
+                   True, _window(SLIDING_WINDOW)))
 _add(
     Variant(
         "document",
@@ -322,19 +323,8 @@ _add(
         needs_equal_seqlens=True,
     )
 )
-_add(
-    Variant(
-        "prefix_lm",
-        f"prefix-LM softmax (bidirectional prefix of {PREFIX}, causal after)",
-        "softmax",
-        "prefix_lm",
-        False,
-        _softmax_spec(prefix_lm_mask),
-        _no_customs,
-        _softmax_ref(lambda c, q, k: (k < PREFIX) | (q >= k)),
-        flex_fn=_flex(lambda c, b, h, q, k: (k < PREFIX) | (q >= k)),
-    )
-)
+_add(_mask_variant("prefix_lm", f"prefix-LM softmax (bidirectional prefix of {PREFIX}, causal "
+                   "after)", False, lambda q, k: (k < PREFIX) | (q >= k)))
 _add(
     Variant(
         "sigmoid",
@@ -388,10 +378,6 @@ def _rel_bias_table(sz, gen):
                                           generator=gen)}
 
 
-def _rel_bias_mod(s, io, b, h, q_idx, kv_idx, skv):
-    return s + io["rel_bias"][h, q_idx - kv_idx + (skv - 1)]
-
-
 def t5_bucket(rel):
     """T5's causal bucket of rel = q_idx - kv_idx (clamped at 0): the distance itself below 16,
     then 16 log-spaced buckets up to 128, the last one beyond. Written in torch, as FlexAttention
@@ -418,13 +404,14 @@ def _neighbourhood(q, k):
     return rows & ((q % IMAGE_WIDTH - k % IMAGE_WIDTH).abs() <= NEIGHBOURHOOD)
 
 
-def _with_sizes(make):
-    """A spec maker whose score_mod needs the sizes (the table's offset)."""
-    def spec(sz):
-        return _softmax_spec(causal_mask, lambda *a: make(*a, sz["seqlen_kv"]),
-                             {"rel_bias": ("heads", sz["seqlen_q"] + sz["seqlen_kv"] - 1)})(sz)
+def _rel_bias_spec(sz):
+    """The table spans every q_idx - kv_idx, read at offset Skv - 1."""
+    skv = sz["seqlen_kv"]
 
-    return spec
+    def mod(s, io, b, h, q_idx, kv_idx):
+        return s + io["rel_bias"][h, q_idx - kv_idx + (skv - 1)]
+
+    return _softmax_spec(causal_mask, mod, {"rel_bias": ("heads", sz["seqlen_q"] + skv - 1)})(sz)
 
 
 def _rel_bias_flex(customs, sz):
@@ -446,7 +433,7 @@ _add(
         "softmax",
         "causal",
         True,
-        _with_sizes(_rel_bias_mod),
+        _rel_bias_spec,
         _rel_bias_table,
         _rel_bias_ref,
         flex_fn=_rel_bias_flex,
@@ -469,15 +456,6 @@ _add(
         learnable=("t5_bias",),
     )
 )
-def _mask_variant(name: str, description: str, causal: bool, allowed) -> Variant:
-    """Softmax under a mask of the positions alone: `allowed(q, kv)`, written once for the
-    DSL, torch and flex (the same operators on symbols and on tensors)."""
-    return Variant(name, description, "softmax", name, causal,
-                   _softmax_spec(lambda b, h, q, k: allowed(q, k)), _no_customs,
-                   _softmax_ref(lambda c, q, k: allowed(q, k)),
-                   flex_fn=_flex(lambda c, b, h, q, k: allowed(q, k)))
-
-
 _add(_mask_variant("dilated", f"causal softmax over every {DILATION}nd key (a dilated mask)",
                    True, _dilated))
 _add(_mask_variant(
@@ -508,17 +486,6 @@ MISTRAL_WINDOW = 4096  # Mistral 7B v0.1: sliding_window
 PREFIX_FRACTION = 0.25  # document_prefix: the first quarter of each document sees itself whole
 
 
-def _window(width: int):
-    def allowed(q, k):
-        return (q >= k) & (q - k < width)
-
-    return allowed
-
-
-def _gemma2_mod(s, io, b, h, q_idx, kv_idx):
-    return (s * (1.0 / GEMMA2_SOFTCAP)).tanh() * GEMMA2_SOFTCAP
-
-
 _add(
     Variant(
         "gemma2",
@@ -526,12 +493,13 @@ _add(
         "softmax",
         "sliding_window",
         True,
-        _softmax_spec(lambda b, h, q, k: _window(GEMMA2_WINDOW)(q, k), _gemma2_mod),
+        _softmax_spec(lambda b, h, q, k: _window(GEMMA2_WINDOW)(q, k),
+                      _softcap(GEMMA2_SOFTCAP)[0]),
         _no_customs,
         _softmax_ref(lambda c, q, k: _window(GEMMA2_WINDOW)(q, k),
-                     lambda s, c, q, k: GEMMA2_SOFTCAP * torch.tanh(s / GEMMA2_SOFTCAP)),
+                     lambda s, c, q, k: _softcap(GEMMA2_SOFTCAP)[1](s)),
         flex_fn=_flex(lambda c, b, h, q, k: _window(GEMMA2_WINDOW)(q, k),
-                      lambda s, c, b, h, q, k: GEMMA2_SOFTCAP * torch.tanh(s / GEMMA2_SOFTCAP)),
+                      lambda s, c, b, h, q, k: _softcap(GEMMA2_SOFTCAP)[1](s)),
     )
 )
 _add(_mask_variant("mistral_window",
