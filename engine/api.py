@@ -157,6 +157,7 @@ class AttentionEngine(torch.nn.Module):
 
         self.dynamic_shapes = DYNAMIC_SHAPES  # see engine.kernels.attention_fwd.plan
         self._kernel_cache = KernelCache()
+        self._request: KernelRequest | None = None  # kernel_request()'s, while options stay
         self._op_handle = register(self)  # names the module in the custom ops (torch.compile)
 
     def __setstate__(self, state: dict) -> None:
@@ -212,10 +213,9 @@ class AttentionEngine(torch.nn.Module):
         request is kept while they stay the same: building it per call cost host time)."""
         options = KernelOptions(self.config, self.backward_config, self.tune_file,
                                 bool(self.dynamic_shapes), bool(self.deterministic))
-        req = self.__dict__.get("_request")
+        req = self._request
         if req is None or req.options != options or req.spec is not self.spec:
-            req = KernelRequest(self.spec, self.problem, self.dtype, options)
-            self.__dict__["_request"] = req
+            req = self._request = KernelRequest(self.spec, self.problem, self.dtype, options)
         return req
 
     def forward_kernel(self) -> ForwardKernel:
