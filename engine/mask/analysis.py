@@ -205,12 +205,8 @@ def _interval(n: Expr, a: list, idx, customs, B, H, bM, bN, b_used, h_used):
         if name not in customs:
             return torch.tensor(-_INF, dtype=torch.float64), torch.tensor(_INF, dtype=torch.float64)
         return _custom_interval(customs[name], index, B, H, bM, bN, b_used, h_used)
-    if op == "gather":  # a table lookup: bounded by the whole table's range
-        t = customs.get(n.attr[0])
-        if t is None or t.numel() == 0:
-            return torch.tensor(-_INF, dtype=torch.float64), torch.tensor(_INF, dtype=torch.float64)
-        t = t.detach().to("cpu", torch.float64)  # the tables are built on the host
-        return t.min(), t.max()
+    if op == "gather":
+        return _table_interval(customs.get(n.attr[0]))
     if op == "add":
         return a[0][0] + a[1][0], a[0][1] + a[1][1]
     if op == "sub":
@@ -272,6 +268,14 @@ def _interval(n: Expr, a: list, idx, customs, B, H, bM, bN, b_used, h_used):
         return lo, hi
     # pow and anything else: unknown
     return torch.tensor(-_INF, dtype=torch.float64), torch.tensor(_INF, dtype=torch.float64)
+
+
+def _table_interval(t: torch.Tensor | None):
+    """A table lookup is bounded by the whole table's range (unknown without the data)."""
+    if t is None or t.numel() == 0:
+        return torch.tensor(-_INF, dtype=torch.float64), torch.tensor(_INF, dtype=torch.float64)
+    t = t.detach().to("cpu", torch.float64)  # the tables are built on the host
+    return t.min(), t.max()
 
 
 def _floor_division(op: str, x, c: float, integer: bool):
