@@ -22,3 +22,7 @@ class Case(Problem):
     modes: tuple[str, ...]
     impls: tuple[str, ...]
     baseline: str
+    # decode cases only (kind "decode", attnbench.decode): differing valid lengths per
+    # sequence, and the paged cache's page size (0: contiguous)
+    ragged: bool = False
+    page_size: int = 0

@@ -14,6 +14,8 @@ compare with FlashAttention's and shared/ANCHORS.md, although the exact causal c
 mask. Masked work a kernel may do anyway (partial blocks) is not counted.
 
 MFU is TFLOP/s divided by the device's dense (no sparsity) tensor-core peak for the dtype.
+Bandwidth-bound rows (decode) also carry TB/s and its fraction of the device's peak memory
+bandwidth (`GPU_MEM_BW`; the bytes counted in `attnbench.decode.decode_bytes`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,22 @@ GPU_PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
     ("H20", {"bfloat16": 148.0, "float16": 148.0, "float32": 44.0}),
     ("A100", {"bfloat16": 312.0, "float16": 312.0, "float32": 19.5}),
     ("L40S", {"bfloat16": 362.0, "float16": 362.0, "float32": 91.6}),
+)
+
+
+# Peak memory bandwidth in bytes/s from NVIDIA datasheets, matched like GPU_PEAKS (None: not
+# known). GH200 comes before H200: its HBM differs by memory size, which the name may not say.
+GPU_MEM_BW: tuple[tuple[str, float | None], ...] = (
+    ("H100 PCIe", 2.0e12),  # HBM2e
+    ("H100 NVL", 3.9e12),
+    ("H100", 3.35e12),  # SXM5, HBM3
+    ("GH200", None),
+    ("H200", 4.8e12),  # HBM3e
+    ("H800", 3.35e12),
+    ("H20", 4.0e12),
+    ("A100-SXM4-80GB", 2.039e12),
+    ("A100-SXM4-40GB", 1.555e12),
+    ("L40S", 0.864e12),
 )
 
 
@@ -64,6 +82,27 @@ def peak_tflops(gpu_name: str, dtype: str) -> float | None:
 def mfu(tflops_value: float, gpu_name: str, dtype: str) -> float:
     peak = peak_tflops(gpu_name, dtype)
     return tflops_value / peak if peak and not math.isnan(tflops_value) else math.nan
+
+
+def peak_bandwidth(gpu_name: str) -> float | None:
+    """The peak memory bandwidth (bytes/s) of a known GPU, or None (unknown GPU, or a CPU)."""
+    for key, peak in GPU_MEM_BW:
+        if key.lower() in gpu_name.lower():
+            return peak
+    return None
+
+
+def tbps(nbytes: float, latency_ms: float) -> float:
+    """Bytes moved per second in TB/s (1e12 B/s); NaN without a latency."""
+    if not latency_ms or latency_ms <= 0 or math.isnan(latency_ms):
+        return math.nan
+    return nbytes / (latency_ms * 1e-3) / 1e12
+
+
+def bw_frac(tbps_value: float, gpu_name: str) -> float:
+    """TB/s over the device's peak memory bandwidth; NaN for an unknown GPU."""
+    peak = peak_bandwidth(gpu_name)
+    return tbps_value * 1e12 / peak if peak and not math.isnan(tbps_value) else math.nan
 
 
 def speedup(baseline_ms: float | None, latency_ms: float) -> float:

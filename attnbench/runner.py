@@ -16,6 +16,11 @@ attempt, records the count in `attempts`, and is `noisy` when every attempt was 
 threshold. Right after each measurement the GPU's clocks, temperature and power are read
 through NVML (`attnbench.gpustate`; NaN on a CPU).
 
+Decode cases (kind "decode", attnbench.decode) get a KV cache instead of k and v (contiguous
+or paged, ragged lengths or full), are checked against the engine's decode reference executor,
+count FLOPs over the pairs attended, and their rows carry the bytes moved, TB/s and the fraction
+of the GPU's peak memory bandwidth.
+
 Accuracy: rel_err is the max over the output (and dq, dk, dv for bwd modes) of
 ||x - ref|| / ||ref||; a NaN/inf anywhere, or rel_err above `metrics.REL_TOL[dtype]`, fails
 the row. For plain softmax variants too large to materialise at once, the reference runs per
@@ -41,6 +46,7 @@ from pathlib import Path
 import torch
 
 from attnbench import metrics, timing
+from attnbench.decode import case_traffic, decode_reference, make_decode_inputs
 from attnbench.envinfo import environment
 from attnbench.gpustate import GpuMonitor, monitor_for
 from attnbench.impls import DeviceInfo, Impl, Prepared, Unsupported, registry
@@ -325,10 +331,15 @@ class Runner:
             res.update(status="noisy", reason=(
                 f"spread {t.relative_spread:.1%} of the median > {self.noise.threshold:.1%} "
                 f"in each of {steady.attempts} attempts (the tightest kept)"))
+        cuda = self.device.type == "cuda"
+        nbytes = _case_bytes(case, ctx.variant, self.options.seed)
+        tb = metrics.tbps(nbytes, t.median_ms)
         res.update(latency_ms=t.median_ms, latency_spread_ms=t.spread_ms,
                    repeats=t.repeats, flops=flops, tflops=tf,
-                   mfu=metrics.mfu(tf, self.device.name, case.dtype) if self.device.type == "cuda"
-                   else math.nan, rel_err=rel, max_abs_err=mx, attempts=steady.attempts,
+                   mfu=metrics.mfu(tf, self.device.name, case.dtype) if cuda else math.nan,
+                   bytes=nbytes, tbps=tb,
+                   bw_frac=metrics.bw_frac(tb, self.device.name) if cuda else math.nan,
+                   rel_err=rel, max_abs_err=mx, attempts=steady.attempts,
                    **(state.columns() if state is not None else {}))
         tol = metrics.REL_TOL[case.dtype]
         if math.isnan(rel):
@@ -358,11 +369,13 @@ class Runner:
             "peak_mem_mb": nan, "compile_s": nan, "status": "", "reason": "",
             "device": self.device.type, **self.env, "seed": self.options.seed,
             "attempts": 0, "sm_clock_mhz": nan, "mem_clock_mhz": nan, "gpu_temp_c": nan,
-            "gpu_power_w": nan, "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
+            "gpu_power_w": nan, "bytes": nan, "tbps": nan, "bw_frac": nan,
+            "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
         }
         row.update(res)
         if row["status"] not in MEASURED and math.isnan(row["flops"]):
-            row["flops"] = _case_flops(case, variant, mode)
+            row["flops"] = _case_flops(case, variant, mode, self.options.seed)
+            row["bytes"] = _case_bytes(case, variant, self.options.seed)
         return row
 
 
@@ -370,24 +383,20 @@ class _CaseContext:
     """Inputs, output gradient and (lazily) the reference of one case, shared by its impls."""
 
     def __init__(self, case: Case, variant, device: DeviceInfo, seed: int) -> None:
-        self.case, self.variant, self.device = case, variant, device
-        dtype = TORCH_DTYPES[case.dtype]
-        self.inputs = variant.make_inputs(
-            batch=case.batch, heads_q=case.heads_q, heads_kv=case.heads_kv,
-            seqlen_q=case.seqlen_q, seqlen_kv=case.seqlen_kv, head_dim=case.head_dim,
-            head_dim_v=case.head_dim_v, dtype=dtype, device=device.type, seed=seed,
-            requires_grad=False,
-        )
-        gen = torch.Generator(device=device.type).manual_seed(seed + 1)
-        self.grad_out = torch.randn(case.batch, case.seqlen_q, case.heads_q, case.head_dim_v,
-                                    generator=gen, device=device.type, dtype=dtype)
+        self.case, self.variant, self.device, self.seed = case, variant, device, seed
+        self.grad_out: torch.Tensor | None = None  # decode cases run no backward
+        if case.kind == "decode":
+            self.inputs = make_decode_inputs(case, variant, device.type, seed)
+        else:
+            self.inputs, self.grad_out = _attention_inputs(case, variant, device, seed)
         self.nbytes = sum(t.numel() * t.element_size() for t in self.inputs.values()
                           if isinstance(t, torch.Tensor))
-        self.nbytes += 2 * self.grad_out.numel() * self.grad_out.element_size()  # out, dout
+        if self.grad_out is not None:
+            self.nbytes += 2 * self.grad_out.numel() * self.grad_out.element_size()  # out, dout
         self._ref: dict[bool, tuple[torch.Tensor, ...]] = {}
 
     def flops(self, mode: str) -> float:
-        return _case_flops(self.case, self.variant, mode)
+        return _case_flops(self.case, self.variant, mode, self.seed)
 
     def reference(self, with_grads: bool) -> tuple[torch.Tensor, ...]:
         """(out,) or (out, dq, dk, dv) in [B, S, H, D], float32/float64, computed once."""
@@ -396,6 +405,9 @@ class _CaseContext:
         if not with_grads and True in self._ref:
             return self._ref[True][:1]
         c = self.case
+        if c.kind == "decode":  # forward only (the suite refuses other modes)
+            self._ref[False] = (decode_reference(c, self.variant, self.inputs),)
+            return self._ref[False]
         n = c.batch * c.heads_q * c.seqlen_q * c.seqlen_kv
         dt = torch.float64 if n <= SMALL_FOR_FLOAT64 else torch.float32
         chunked = n > REF_CHUNK_ELEMS and c.variant in PLAIN_SOFTMAX and set(self.inputs) == {
@@ -404,6 +416,22 @@ class _CaseContext:
             self.variant, self.inputs, self.grad_out, dt, with_grads, c)
         self._ref[with_grads] = res
         return res
+
+
+def _attention_inputs(case: Case, variant, device: DeviceInfo,
+                      seed: int) -> tuple[dict, torch.Tensor]:
+    """q, k, v and the custom tensors of an attention case, and the output gradient."""
+    dtype = TORCH_DTYPES[case.dtype]
+    inputs = variant.make_inputs(
+        batch=case.batch, heads_q=case.heads_q, heads_kv=case.heads_kv,
+        seqlen_q=case.seqlen_q, seqlen_kv=case.seqlen_kv, head_dim=case.head_dim,
+        head_dim_v=case.head_dim_v, dtype=dtype, device=device.type, seed=seed,
+        requires_grad=False,
+    )
+    gen = torch.Generator(device=device.type).manual_seed(seed + 1)
+    grad_out = torch.randn(case.batch, case.seqlen_q, case.heads_q, case.head_dim_v,
+                           generator=gen, device=device.type, dtype=dtype)
+    return inputs, grad_out
 
 
 def _reference_whole(variant, inputs, grad_out, dt, with_grads, case):
@@ -459,10 +487,17 @@ def _accuracy(outs, refs) -> tuple[float, float]:
     return rel, mx
 
 
-def _case_flops(case: Case, variant, mode: str) -> float:
+def _case_flops(case: Case, variant, mode: str, seed: int) -> float:
+    if case.kind == "decode":  # over the lengths the seed draws (ragged cases)
+        return case_traffic(case, variant, seed)[1]
     frac = metrics.unmasked_fraction(variant, variant.mask, case.seqlen_q, case.seqlen_kv)
     return metrics.attention_flops(case.batch, case.heads_q, case.seqlen_q, case.seqlen_kv,
                                    case.head_dim, case.head_dim_v, mode, frac)
+
+
+def _case_bytes(case: Case, variant, seed: int) -> float:
+    """Bytes the case must move (decode cases; NaN for the others: compute-bound)."""
+    return case_traffic(case, variant, seed)[0] if case.kind == "decode" else math.nan
 
 
 def _fill_speedups(rows: list[dict], baseline: str) -> None:

@@ -21,9 +21,17 @@ can also be given at the top level as its default::
                                                # seqlen_kv lists (their product is taken)
     batch = [1, 4]                             # or tokens = 16384: batch = tokens // seqlen_q
 
-A block expands to variants x shapes x seqlens x batch x dtypes cases; modes and impls are per
-case (one result row per case x impl x mode). Validation collects every problem and raises one
-`SuiteError` that names the bad key and lists the known names.
+Decode cases (kind = "decode", see attnbench.decode) read seqlen_q as the new tokens per
+sequence and seqlen_kv as the cache capacity, time the forward only, and take two more keys::
+
+    ragged = true        # valid lengths drawn per sequence in [seqlen_q, capacity] (both ends
+                         # present when batch >= 2); false (default): every length = capacity
+    page_size = 256      # paged cache of 256-token pages; 0 (default): contiguous. Must divide
+                         # seqlen_kv. Both also take lists (their product is taken).
+
+A block expands to variants x shapes x seqlens x batch x dtypes (x ragged x page_size) cases;
+modes and impls are per case (one result row per case x impl x mode). Validation collects every
+problem and raises one `SuiteError` that names the bad key and lists the known names.
 """
 
 from __future__ import annotations
@@ -46,8 +54,9 @@ KINDS = ("attention", "linear", "decode")
 DTYPE_ALIASES = ALIASES  # float16/fp16/half, bfloat16/bf16, float32/fp32/float (attnbench.dtypes)
 CASE_KEYS = {
     "name", "variants", "shapes", "seqlens", "seqlen_q", "seqlen_kv", "batch", "tokens",
-    "dtypes", "modes", "impls", "baseline", "kind",
+    "dtypes", "modes", "impls", "baseline", "kind", "ragged", "page_size",
 }
+DECODE_KEYS = ("ragged", "page_size")  # decode cases only
 SUITE_KEYS = CASE_KEYS | {"description", "repeats", "warmup", "noise_threshold", "cases"}
 
 
@@ -291,12 +300,14 @@ def _expand_block(label, block, spec, suite_name, shape_override, variants_known
     if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int)
                                or tokens <= 0):
         errors.append(f"{label}: tokens must be a positive integer, got {tokens!r}")
+    layouts = _decode_layouts(label, spec, kind, seqs, modes, errors)
     if len(errors) > n_err:
         return []
 
     prefix = spec.get("name")
     out = []
-    for v, s, (sq, skv), dt in itertools.product(variants, shape_list, seqs, dtypes):
+    for v, s, (sq, skv), dt, (ragged, page) in itertools.product(variants, shape_list, seqs,
+                                                                  dtypes, layouts):
         preset = shapes[s]
         if tokens is not None:
             if tokens < sq:
@@ -307,12 +318,46 @@ def _expand_block(label, block, spec, suite_name, shape_override, variants_known
             bs = batches
         for b in bs:
             seq = f"s{sq}" if sq == skv else f"s{sq}x{skv}"
-            name = "/".join(x for x in (prefix, v, s, f"b{b}", seq, dt) if x)
+            layout = ("ragged" if ragged else "", f"page{page}" if page else "")
+            name = "/".join(x for x in (prefix, v, s, f"b{b}", seq, *layout, dt) if x)
             out.append(Case(
                 suite=suite_name, name=name, variant=v, shape=s, batch=b,
                 heads_q=preset.heads_q, heads_kv=preset.heads_kv, seqlen_q=sq, seqlen_kv=skv,
                 head_dim=preset.head_dim, head_dim_v=preset.head_dim_v, dtype=dt, kind=kind,
-                modes=tuple(modes), impls=tuple(impls), baseline=baseline,
+                modes=tuple(modes), impls=tuple(impls), baseline=baseline, ragged=ragged,
+                page_size=page,
             ))
     return out
+
+
+def _decode_layouts(label: str, spec: dict, kind: str, seqs: list, modes: list,
+                    errors: list[str]) -> list[tuple[bool, int]]:
+    """The (ragged, page_size) pairs of a block, checked; [(False, 0)] for other kinds."""
+    if kind != "decode":
+        for key in DECODE_KEYS:
+            if key in spec:
+                errors.append(f"{label}: {key!r} applies to decode cases only (kind = "
+                              f"\"decode\"), not {kind!r}")
+        return [(False, 0)]
+    if [m for m in modes if m != "fwd"]:
+        errors.append(f"{label}: decode cases time the forward only; modes must be ['fwd'], "
+                      f"got {modes}")
+    ragged = _as_list(spec.get("ragged", False))
+    for r in ragged:
+        if not isinstance(r, bool):
+            errors.append(f"{label}: ragged must be true or false, got {r!r}")
+    pages = _as_list(spec.get("page_size", 0))
+    for p in pages:
+        if isinstance(p, bool) or not isinstance(p, int) or p < 0:
+            errors.append(f"{label}: page_size must be an integer >= 0 (0: a contiguous "
+                          f"cache), got {p!r}")
+    for sq, skv in seqs:
+        if isinstance(sq, int) and isinstance(skv, int) and sq > skv:
+            errors.append(f"{label}: seqlen_q ({sq}, the new tokens) must be <= seqlen_kv "
+                          f"({skv}, the cache capacity)")
+        for p in pages:
+            if isinstance(p, int) and p > 0 and isinstance(skv, int) and skv % p:
+                errors.append(f"{label}: page_size {p} does not divide seqlen_kv {skv} (the "
+                              "capacity must be whole pages)")
+    return list(itertools.product(ragged, pages))
 

@@ -4,6 +4,7 @@
 # Usage: scripts/gpu.sh [tests[:forward|:backward]] [SUITE[:impl,impl]] [compare-grid] [tune]
 #        [tune-bwd] [tune-suite:SUITE] ...
 #   default: tests softmax-d128 softmax-d128-bwd variants
+#   decode: the decode suite (issue 23; its engine kernels compile on each case's first call)
 #   compare-grid: the grid-vs-Optuna record (llama3-8b, 8k, bf16)
 #   tune: the llama3 suite's llama3-8b cases, forward kernel, 16 trials each (the repo's tune
 #     file, copied to $OUT/tune)
@@ -98,6 +99,9 @@ if files:
     t = ok.pivot_table(index=["case", "mode"], columns="impl", values="tflops", aggfunc="last")
     with pd.option_context("display.width", 250, "display.max_rows", 200):
         print(t.round(0).to_string())
+        if "tbps" in ok and ok["tbps"].notna().any():  # decode rows: TB/s (schema 3)
+            print(ok.pivot_table(index="case", columns="impl", values="tbps",
+                                 aggfunc="last").round(2).to_string())
     bad = df[df.status.isin(["failed", "error"])]
     for _, r in bad.iterrows():
         print("FAILED", r.case, r.impl, r["mode"], str(r.reason)[:150])

@@ -208,3 +208,14 @@ def test_noisy_rows_from_files_are_grey(tmp_path):
     page = out.html.read_text()
     assert page.count("<tr class='noisy'>") >= len(picked)
     assert "2 noisy (not judged)" in page
+
+
+def test_bandwidth_table_only_for_rows_with_traffic():
+    from attnbench.report.build import _bandwidth_table
+
+    rows = sample_rows(np.random.default_rng(3), SampleSpec(seqlens=(1024,), variants=("causal",)))
+    assert _bandwidth_table(rows) == ""  # attention rows: no traffic columns filled
+    ok = rows["status"] == "ok"
+    rows.loc[ok, "tbps"], rows.loc[ok, "bw_frac"] = 2.5, 0.746
+    html = _bandwidth_table(rows)
+    assert "TB/s" in html and "2.5 (75%)" in html

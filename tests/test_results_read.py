@@ -20,6 +20,7 @@ from attnbench.results.schema import (
     COLUMNS,
     SCHEMA_VERSION,
     V2_COLUMNS,
+    V3_COLUMNS,
     columns_of,
 )
 
@@ -115,7 +116,7 @@ def test_committed_version_1_file_reads_with_the_new_columns_filled():
     ok = back["status"] == "ok"
     assert ok.any() and (~ok).any()
     assert (back.loc[ok, "attempts"] == 1).all() and (back.loc[~ok, "attempts"] == 0).all()
-    for name in V2_COLUMNS[1:]:
+    for name in (*V2_COLUMNS[1:], *V3_COLUMNS):
         assert back[name].isna().all(), name
     np.testing.assert_allclose(back["latency_ms"], raw["latency_ms"], rtol=1e-12)
     assert (back["schema_version"] == 1).all()
@@ -149,8 +150,35 @@ def test_mixed_versions_in_one_file_are_refused(tmp_path):
         read_results(path)
 
 
-def test_header_only_files_of_either_version_read_empty(tmp_path):
-    for version in (1, 2):
+def test_version_2_file_reads_with_the_traffic_columns_nan(tmp_path):
+    path = tmp_path / "v2.csv"
+    frame = pd.read_csv(V1_FILE, dtype=str, keep_default_na=False)
+    frame = frame.assign(schema_version="2", attempts="2", sm_clock_mhz="1980",
+                         mem_clock_mhz="", gpu_temp_c="", gpu_power_w="")
+    frame.to_csv(path, index=False)
+    back = read_results(path)
+    assert list(back.columns) == [*COLUMN_NAMES, "source"]
+    assert (back["attempts"] == 2).all() and (back["sm_clock_mhz"] == 1980).all()
+    for name in V3_COLUMNS:
+        assert back[name].isna().all() and str(back[name].dtype) == "float64", name
+
+
+def test_version_3_file_missing_a_traffic_column_is_refused(tmp_path, rows):
+    path = tmp_path / "v3.csv"
+    rows.assign(schema_version=3).drop(columns=["tbps"]).to_csv(path, index=False)
+    with pytest.raises(ResultFileError, match="'tbps'") as err:
+        read_results(path)
+    assert err.value.column == "tbps" and SCHEMA_VERSION == 3
+
+
+def test_traffic_columns_round_trip(tmp_path, rows):
+    rows = rows.assign(bytes=1.5e9, tbps=2.5, bw_frac=0.75)
+    back = read_results(write_csv(rows, tmp_path / "t.csv"))
+    assert (back["bytes"] == 1.5e9).all() and (back["bw_frac"] == 0.75).all()
+
+
+def test_header_only_files_of_every_version_read_empty(tmp_path):
+    for version in (1, 2, 3):
         path = tmp_path / f"h{version}.csv"
         path.write_text(",".join(columns_of(version)) + "\n")
         back = read_results(path)

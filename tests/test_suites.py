@@ -7,7 +7,7 @@ from attnbench.suites import SUITES_DIR, SuiteError, load_suite, match, parse_su
 
 # the engine's variant names (engine_contract.md)
 VARIANT_NAMES = ["softmax", "softmax_causal", "softmax_gqa", "sigmoid", "relu", "alibi", "softcap",
-                 "sliding_window", "document", "prefix_lm", "retnet"]
+                 "sliding_window", "document", "prefix_lm", "retnet", "mistral_window", "gemma2"]
 SHIPPED = ["smoke", "llama3", "paper", "variants", "linear", "decode"]
 
 

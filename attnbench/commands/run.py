@@ -246,9 +246,12 @@ def print_table(rows: list[dict], console, show_skipped: bool = False) -> None:
     from rich.table import Table
 
     table = Table(title="results", show_lines=False)
+    # bandwidth-bound rows (decode) are read in TB/s and fraction of peak bandwidth
+    traffic = any(_fmt(r.get("tbps", math.nan), "g") for r in rows)
+    rate, frac = ("TB/s", "BW") if traffic else ("TFLOP/s", "MFU")
     for col, just in (("case", "left"), ("mode", "left"), ("impl", "left"),
-                      ("status", "left"), ("ms", "right"), ("TFLOP/s", "right"),
-                      ("MFU", "right"), ("speedup", "right"), ("rel_err", "right"),
+                      ("status", "left"), ("ms", "right"), (rate, "right"),
+                      (frac, "right"), ("speedup", "right"), ("rel_err", "right"),
                       ("reason", "left")):
         table.add_column(col, justify=just, overflow="fold")
     fastest = {}
@@ -273,8 +276,10 @@ def print_table(rows: list[dict], console, show_skipped: bool = False) -> None:
             mark = "*" if spread_marked(r) else ""
             marked += bool(mark)
             table.add_row(case if i == 0 else "", r["mode"], r["impl"], r["status"],
-                          _fmt(r["latency_ms"], ".4g") + mark, _fmt(r["tflops"], ".3g"),
-                          _fmt(r["mfu"], ".1%"), _fmt(r["speedup"], ".2f"),
+                          _fmt(r["latency_ms"], ".4g") + mark,
+                          _fmt(r.get("tbps") if traffic else r["tflops"], ".3g"),
+                          _fmt(r.get("bw_frac") if traffic else r["mfu"], ".1%"),
+                          _fmt(r["speedup"], ".2f"),
                           _fmt(r["rel_err"], ".1e"), (r["reason"] or "")[:80], style=style)
         if shown:
             table.add_section()

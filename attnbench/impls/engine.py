@@ -1,12 +1,15 @@
 """The engine itself: `engine` (generated TileLang kernels) and `reference` (its reference
-executor, plain torch on any device)."""
+executor, plain torch on any device). Both also run decode cases (attnbench.decode) through the
+module's cache call, `mod(q, k_cache, v_cache, *customs, cache_seqlens=, block_table=)`."""
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import time
 
 from attnbench.cases import Case
+from attnbench.decode import DECODE_TENSORS, decode_customs
 from attnbench.impls.base import (
     ALL_DTYPES,
     GRAD_MODES,
@@ -23,13 +26,33 @@ from attnbench.impls.base import (
 )
 
 
+def decode_call_ready() -> bool:
+    """Whether this engine's module takes a KV cache (`cache_seqlens=`): the decode call."""
+    from engine.api import AttentionEngine
+
+    return "cache_seqlens" in inspect.signature(AttentionEngine.forward).parameters
+
+
+def _decode_refusal(exc: BaseException) -> str | None:
+    # the engine says NotImplementedError for a spec its decode kernels cannot run yet
+    return f"engine decode: {exc}" if isinstance(exc, NotImplementedError) else None
+
+
 class _EngineBase(Impl):
     backend = ""
     dynamic_shapes: bool | None = None  # None: the engine's default (engine.kernels.attention_fwd.plan)
     deterministic = False
+    decode = False  # runs decode cases (the module's cache call)
+
+    def kinds(self, base: frozenset[str]) -> frozenset[str]:
+        """The case kinds of `base` plus decode where this implementation runs it."""
+        return base | {"decode"} if self.decode else base
 
     def check(self, case: Case, variant, device: DeviceInfo) -> str | None:
         reason = super().check(case, variant, device)
+        if reason is None and case.kind == "decode" and not decode_call_ready():
+            reason = ("this engine's module has no decode call yet (cache_seqlens=, "
+                      "engine issue 23)")
         if reason is None:
             dims = dict(head_dim=case.head_dim, head_dim_v=case.head_dim_v,
                         heads_q=case.heads_q, heads_kv=case.heads_kv)
@@ -64,8 +87,38 @@ class _EngineBase(Impl):
         return mod
 
     def prepare(self, case: Case, variant, inputs: dict, needs_grad: bool) -> Prepared:
+        if case.kind == "decode":
+            return self.prepare_decode(case, variant, inputs)
         return self.prepare_module(self.checked_build(case, variant, needs_grad), variant,
                                    inputs, needs_grad)
+
+    def prepare_decode(self, case: Case, variant, inputs: dict) -> Prepared:
+        """The module built for q of Sq tokens and K/V of the cache capacity, called on the
+        cache; its first call (kernel compile) is timed into compile_s."""
+        import torch
+
+        mod = self.checked_build(case, variant, False)
+        customs = decode_customs(inputs)
+        args = [customs[n] for n in mod.custom_io.names()]
+        q, k_cache, v_cache, lens, table = (inputs[n] for n in DECODE_TENSORS)
+
+        def forward():
+            return mod(q, k_cache, v_cache, *args, cache_seqlens=lens, block_table=table)
+
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():
+                forward()  # with the module's value check of the lengths and the table
+        except NotImplementedError as exc:
+            raise Unsupported(_decode_refusal(exc) or str(exc)) from exc
+        if q.is_cuda:
+            torch.cuda.synchronize()
+        # Timed as a server runs it (a captured CUDA graph): the checked values do not change,
+        # and the check's host synchronisation per call is not part of FA3's time either.
+        if hasattr(mod, "check_cache_values"):
+            mod.check_cache_values = False
+        return Prepared(forward=forward, compile_s=time.perf_counter() - t0,
+                        refusal=_decode_refusal)
 
     @staticmethod
     def prepare_module(mod, variant, inputs: dict, needs_grad: bool) -> Prepared:
@@ -83,6 +136,7 @@ class EngineImpl(_EngineBase):
     name = "engine"
     description = "the engine's generated TileLang kernels (variant.build(backend='tilelang'))"
     backend = "tilelang"
+    decode = True
 
     @property
     def caps(self) -> Capabilities:
@@ -94,6 +148,7 @@ class EngineImpl(_EngineBase):
         return Capabilities(
             devices=frozenset({"cuda"}), dtypes=HALF, min_capability=(9, 0),
             cuda_reason="needs a Hopper GPU", modes=frozenset(modes),
+            kinds=self.kinds(frozenset({"attention"})),
         )
 
 
@@ -102,13 +157,14 @@ class ReferenceImpl(_EngineBase):
     description = "the engine's reference executor (plain torch, any device)"
     backend = "reference"
     gpu_only = False
+    decode = True
 
     @property
     def caps(self) -> Capabilities:
         # it may materialise the score matrix: bound it (2^31 fp32 scores = 8 GiB)
         return Capabilities(
             devices=frozenset({"cpu", "cuda"}), dtypes=ALL_DTYPES,
-            kinds=frozenset({"attention", "linear"}), max_score_elems=2**31,
+            kinds=self.kinds(frozenset({"attention", "linear"})), max_score_elems=2**31,
         )
 
 
@@ -119,6 +175,7 @@ class EngineDynamicImpl(EngineImpl):
     name = "engine-dynamic"
     description = "the engine's kernels compiled once for every batch and sequence length"
     dynamic_shapes = True
+    decode = False  # its own call path has no cache form
 
 
 class EngineDeterministicImpl(EngineImpl):
@@ -128,6 +185,7 @@ class EngineDeterministicImpl(EngineImpl):
     name = "engine-deterministic"
     description = "the engine's kernels with deterministic=True (atomic-free backward)"
     deterministic = True
+    decode = False  # its own call path has no cache form
 
     @property
     def caps(self) -> Capabilities:
@@ -142,6 +200,7 @@ class EngineFlexImpl(EngineImpl):
 
     name = "engine-flex"
     description = "engine.flex_attention with the variant's FlexAttention functions"
+    decode = False  # its own call path has no cache form
 
     def prepare(self, case: Case, variant, inputs: dict, needs_grad: bool) -> Prepared:
         from attnbench.impls.flex import flex_functions
@@ -175,6 +234,7 @@ class EngineCompiledImpl(EngineImpl):
 
     name = "engine-compiled"
     description = "the engine module under torch.compile(fullgraph=True, mode='reduce-overhead')"
+    decode = False  # its own call path has no cache form
 
     @property
     def caps(self) -> Capabilities:

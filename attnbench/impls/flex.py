@@ -11,17 +11,25 @@ and a large problem (>= 1e11 FLOPs) measured below 20 TFLOP/s on a GPU is reject
 
 The block mask is built with `create_block_mask` (not timed) for the full B x Hq grid, so
 masks that depend on the batch (document ids) or head stay exact.
+
+Decode cases (contiguous caches; FlexAttention's paged attention is experimental and not run):
+the same compiled `flex_attention`, which takes its decoding kernel for short queries, on the
+cache as [B, Hkv, capacity, D], with a block mask of each sequence's valid keys (so only those
+blocks are read) and the variant's functions seeing absolute positions (q_idx + len - Sq).
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 from attnbench.cases import Case
+from attnbench.decode import decode_customs
 from attnbench.impls.base import (
     ALL_DTYPES,
     GRAD_MODES,
     Capabilities,
+    DeviceInfo,
     Impl,
     Prepared,
     Unsupported,
@@ -46,26 +54,58 @@ def flex_functions(case: Case, variant, inputs: dict) -> tuple:
     return mods
 
 
+def decode_functions(case: Case, variant, customs: dict, cache_seqlens) -> tuple:
+    """(score_mod, mask_mod) of a decode case: the variant's, at the new tokens' absolute
+    positions, and the mask keeping each sequence's valid keys."""
+    sizes = variant.sizes(case.batch, case.heads_q, case.heads_kv, case.seqlen_q,
+                          case.seqlen_kv, case.head_dim, case.head_dim_v)
+    if variant.flex_fn is not None:
+        score_fn, mask_fn = variant.flex_fn(customs, sizes)
+    elif variant.sdpa_causal is False:  # plain softmax: no mods
+        score_fn = mask_fn = None
+    else:
+        raise Unsupported(f"variant {case.variant} has no FlexAttention form "
+                          "(its row normaliser is not softmax)")
+    lens = cache_seqlens
+    start = cache_seqlens - case.seqlen_q  # position of each sequence's first new token
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        keep = kv_idx < lens[b]
+        return keep if mask_fn is None else keep & mask_fn(b, h, q_idx + start[b], kv_idx)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score_fn(score, b, h, q_idx + start[b], kv_idx)
+
+    return (score_mod if score_fn is not None else None), mask_mod
+
+
 class FlexImpl(Impl):
     name = "flex"
     description = "torch.compile(flex_attention) with its block mask, compiled per case"
 
     @property
     def caps(self) -> Capabilities:
-        return Capabilities(devices=frozenset({"cuda"}), dtypes=ALL_DTYPES)
+        return Capabilities(devices=frozenset({"cuda"}), dtypes=ALL_DTYPES,
+                            kinds=frozenset({"attention", "decode"}))
+
+    def check(self, case: Case, variant, device: DeviceInfo) -> str | None:
+        reason = super().check(case, variant, device)
+        if reason is None and case.kind == "decode" and case.page_size:
+            reason = ("FlexAttention's paged attention (torch.nn.attention.experimental."
+                      "_paged_attention) is experimental: not measured")
+        return reason
 
     def prepare(self, case: Case, variant, inputs: dict, needs_grad: bool) -> Prepared:
-        import torch
-        from torch._dynamo.utils import counters
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        from torch.nn.attention.flex_attention import create_block_mask
 
+        if case.kind == "decode":
+            return self._prepare_decode(case, variant, inputs)
         customs = learnable_customs(variant, inputs, needs_grad)
         score_mod, mask_mod = flex_functions(case, variant, {**inputs, **customs})
-        device = inputs["q"].device
         block_mask = None
         if mask_mod is not None:
             block_mask = create_block_mask(mask_mod, case.batch, case.heads_q, case.seqlen_q,
-                                           case.seqlen_kv, device=device)
+                                           case.seqlen_kv, device=inputs["q"].device)
         kw = variant.sdpa_kwargs(inputs) or {}
         scale = kw.get("scale")  # None: flex's default 1/sqrt(D)
 
@@ -73,8 +113,32 @@ class FlexImpl(Impl):
             return t.detach().transpose(1, 2).contiguous().requires_grad_(needs_grad)
 
         q, k, v = (arrange(inputs[n]) for n in ("q", "k", "v"))
-        gqa = case.heads_q != case.heads_kv
+        return self._compiled(case, (q, k, v), score_mod, block_mask, scale,
+                              learnable_leaves(variant, customs), needs_grad)
 
+    def _prepare_decode(self, case: Case, variant, inputs: dict) -> Prepared:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        score_mod, mask_mod = decode_functions(case, variant, decode_customs(inputs),
+                                               inputs["cache_seqlens"])
+        block_mask = create_block_mask(mask_mod, case.batch, case.heads_q, case.seqlen_q,
+                                       case.seqlen_kv, device=inputs["q"].device)
+        qkv = tuple(inputs[n].transpose(1, 2).contiguous() for n in ("q", "k_cache", "v_cache"))
+        return self._compiled(case, qkv, score_mod, block_mask, 1.0 / math.sqrt(case.head_dim),
+                              (), False)
+
+    @staticmethod
+    def _compiled(case: Case, qkv: tuple, score_mod, block_mask, scale, custom_leaves: tuple,
+                  needs_grad: bool) -> Prepared:
+        """flex_attention compiled afresh for the case, its first calls timed as compile_s,
+        and the checks of the module docstring."""
+        import torch
+        from torch._dynamo.utils import counters
+        from torch.nn.attention.flex_attention import flex_attention
+
+        q, k, v = qkv
+        device = q.device
+        gqa = case.heads_q != case.heads_kv
         torch._dynamo.reset()  # a fresh compile per case: no reuse across shapes
         # The `bwd` mode times the backward alone by replaying it on one graph (retain_graph),
         # which compiled backwards with donated buffers refuse.
@@ -92,8 +156,7 @@ class FlexImpl(Impl):
         if needs_grad:
             try:
                 out = forward()
-                torch.autograd.grad(out, (q, k, v, *learnable_leaves(variant, customs)),
-                                    torch.randn_like(out))
+                torch.autograd.grad(out, (q, k, v, *custom_leaves), torch.randn_like(out))
             except Exception as exc:  # noqa: BLE001 - inductor could not build the backward
                 # (e.g. a captured tensor's gradient: its Triton template ran out of shared
                 # memory at D 128); the forward is still measured
@@ -118,7 +181,7 @@ class FlexImpl(Impl):
             return None
 
         return Prepared(
-            forward=forward, leaves=(q, k, v, *learnable_leaves(variant, customs)),
+            forward=forward, leaves=(q, k, v, *custom_leaves),
             to_common=lambda t: t.transpose(1, 2),
             from_common=lambda t: t.transpose(1, 2).contiguous(), context=context,
             compile_s=compile_s, verify=verify,

@@ -233,6 +233,7 @@ def _gpu_section(page, md, gpu, latest, history, view: GateView) -> None:
             page.heading(4, f"{suite} / {variant}", f"{gpu}-{suite}-{variant}")
             page.figure(plots.tflops_over_seqlen(vrows, f"{suite} / {variant}: TFLOP/s"))
             page.add(_speedup_table(vrows))
+            page.add(_bandwidth_table(vrows))
             page.add(_accuracy_table(vrows))
         fig = plots.engine_speedup_bars(rows, ENGINE_IMPL, f"{suite}: {ENGINE_IMPL} speedup "
                                         "over each implementation (geomean over cases)")
@@ -336,6 +337,29 @@ def _speedup_cell(v: float, noisy: bool = False) -> str:
     cls = "noisy" if noisy else ("good" if v >= 1.05 else ("bad" if v <= 0.95 else ""))
     title = " title='noisy: not trusted'" if noisy else ""
     return f"<td class='num {cls}'{title}>{v:.2f}x</td>"
+
+
+def _bandwidth_table(rows: pd.DataFrame) -> str:
+    """TB/s per case and implementation, with the fraction of the GPU's peak bandwidth, for
+    rows that carry their traffic (decode, schema version 3); "" for the others."""
+    ran = _case_frame(rows)
+    ran = ran[ran["tbps"].notna()]
+    if ran.empty:
+        return ""
+    tb = ran.pivot_table(index="case", columns="impl", values="tbps", aggfunc="median",
+                         sort=False)
+    frac = ran.pivot_table(index="case", columns="impl", values="bw_frac", aggfunc="median",
+                           sort=False, dropna=False).reindex_like(tb)
+    head = "".join(f"<th>{_e(c)}</th>" for c in tb.columns)
+    body = "".join(
+        f"<tr><td>{_e(case)}</td>" + "".join(
+            f"<td class='num'>{_fmt(r[c])}"
+            + ("" if pd.isna(frac.at[case, c]) else f" ({frac.at[case, c]:.0%})") + "</td>"
+            for c in tb.columns) + "</tr>"
+        for case, r in tb.iterrows())
+    return ("<details open><summary>bandwidth: TB/s of the bytes a case must move (in brackets: "
+            "of the GPU's peak)</summary><table><tr><th>case</th>"
+            f"{head}</tr>{body}</table></details>")
 
 
 def _accuracy_table(rows: pd.DataFrame) -> str:

@@ -17,6 +17,7 @@ from attnbench.results.schema import (
     SCHEMA_VERSION,
     STATUSES,
     V2_COLUMNS,
+    V3_COLUMNS,
     columns_of,
 )
 
@@ -39,7 +40,8 @@ def read_results(path: Path | str) -> pd.DataFrame:
     The returned frame has exactly the schema's columns in schema order (extra columns from a
     newer writer of the same version are dropped) plus `source`, the file it came from. A
     version-1 file gets the columns version 2 added: `attempts` 1 for ok rows and 0 for the
-    others (version 1 measured once and never re-measured), the NVML columns NaN.
+    others (version 1 measured once and never re-measured), the NVML columns NaN; version-1 and
+    version-2 files get version 3's traffic columns as NaN (their rows never recorded it).
     """
     path = Path(path)
     if not path.is_file():
@@ -68,8 +70,7 @@ def read_results(path: Path | str) -> pd.DataFrame:
         raise ResultFileError(
             path, "status", f"unknown status {bad_status[0]!r} (expected {'|'.join(STATUSES)})"
         )
-    if version == 1:
-        frame = _fill_v1(frame)
+    frame = _fill_missing(frame, version)
     frame["source"] = pd.Series(str(path), index=frame.index, dtype="string")
     return frame
 
@@ -81,7 +82,9 @@ def _file_version(raw: pd.DataFrame, path: Path) -> int:
                               "missing column (required by the result schema)")
     versions = sorted(set(raw["schema_version"].str.strip()))
     if not versions:  # header only: the header says which version wrote it
-        return SCHEMA_VERSION if any(c in raw.columns for c in V2_COLUMNS) else 1
+        if any(c in raw.columns for c in V3_COLUMNS):
+            return SCHEMA_VERSION
+        return 2 if any(c in raw.columns for c in V2_COLUMNS) else 1
     readable = [str(v) for v in READABLE_VERSIONS]
     bad = [v for v in versions if v not in readable]
     if bad:
@@ -96,11 +99,15 @@ def _file_version(raw: pd.DataFrame, path: Path) -> int:
     return int(versions[0])
 
 
-def _fill_v1(frame: pd.DataFrame) -> pd.DataFrame:
-    """The columns version 2 added, as a version-1 row means them (see `read_results`)."""
-    frame["attempts"] = (frame["status"] == "ok").fillna(False).astype("int64")
+def _fill_missing(frame: pd.DataFrame, version: int) -> pd.DataFrame:
+    """The columns later versions added, as an older row means them (see `read_results`)."""
+    have = set(columns_of(version))
     for name, dtype in COLUMNS:
-        if name in V2_COLUMNS and name != "attempts":
+        if name in have:
+            continue
+        if name == "attempts":
+            frame[name] = (frame["status"] == "ok").fillna(False).astype("int64")
+        else:  # every other added column is a float measurement the old row lacks
             frame[name] = pd.Series(float("nan"), index=frame.index, dtype=dtype)
     return frame[[name for name, _ in COLUMNS]]
 

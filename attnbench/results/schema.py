@@ -2,20 +2,26 @@
 
 Result files are CSV under `results/runs/<date>-<gpu>-<suite>.csv` (GPU runs; CPU runs go to
 `results/local/`). Every file carries the `schema_version` column; readers accept this version
-and version 1 (which lacked `V2_COLUMNS`; `read.py` fills them) and refuse any other version or
-missing columns.
+and versions 1 and 2 (which lacked `V2_COLUMNS` and/or `V3_COLUMNS`; `read.py` fills them) and
+refuse any other version or missing columns.
 
 Version 2 added `attempts` (timing attempts the row needed: 1 normally, more when a noisy
 measurement was re-taken, 0 for rows not measured), the GPU's clocks, temperature and power read
 through NVML right after the row's measurement (NaN on a CPU or without NVML), and the status
 `noisy` (spread still above the re-measure threshold after every attempt; the row keeps the
 tightest attempt's numbers).
+
+Version 3 added the memory traffic of a row, for bandwidth-bound cases (decode): `bytes` (the
+bytes a case must move: the K and V cache bytes within each sequence's valid length, or its
+window, plus q and o; `attnbench.decode.decode_bytes`), `tbps` (bytes / latency, in TB/s) and
+`bw_frac` (tbps over the GPU's peak memory bandwidth, `metrics.GPU_MEM_BW`). Rows of other
+kinds leave them NaN, as do version-1 and version-2 files when read.
 """
 
 from __future__ import annotations
 
-SCHEMA_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+SCHEMA_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 
 # (column, pandas dtype) in file order.
 COLUMNS: tuple[tuple[str, str], ...] = (
@@ -65,6 +71,10 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("mem_clock_mhz", "float64"),
     ("gpu_temp_c", "float64"),
     ("gpu_power_w", "float64"),
+    # version 3: memory traffic (decode rows; NaN elsewhere)
+    ("bytes", "float64"),  # bytes the case must move (attnbench.decode.decode_bytes)
+    ("tbps", "float64"),  # bytes / latency, 1e12 B/s
+    ("bw_frac", "float64"),  # tbps / the device's peak memory bandwidth
     ("timestamp", "string"),  # ISO 8601, UTC
 )
 
@@ -73,6 +83,9 @@ V2_COLUMNS: tuple[str, ...] = (
     "attempts", "sm_clock_mhz", "mem_clock_mhz", "gpu_temp_c", "gpu_power_w",
 )
 
+# Columns a version-1 or version-2 file lacks; readers fill them with NaN.
+V3_COLUMNS: tuple[str, ...] = ("bytes", "tbps", "bw_frac")
+
 COLUMN_NAMES: tuple[str, ...] = tuple(name for name, _ in COLUMNS)
 STATUSES = ("ok", "noisy", "skipped", "failed", "error")
 MODES = ("fwd", "bwd", "fwd+bwd")
@@ -80,6 +93,5 @@ MODES = ("fwd", "bwd", "fwd+bwd")
 
 def columns_of(version: int) -> tuple[str, ...]:
     """The columns a file of `version` (one of READABLE_VERSIONS) must have."""
-    if version == 1:
-        return tuple(c for c in COLUMN_NAMES if c not in V2_COLUMNS)
-    return COLUMN_NAMES
+    missing = {1: V2_COLUMNS + V3_COLUMNS, 2: V3_COLUMNS}.get(version, ())
+    return tuple(c for c in COLUMN_NAMES if c not in missing)
