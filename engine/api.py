@@ -10,10 +10,13 @@ import torch
 
 from engine.dsl.io import CustomIO
 from engine.dsl.online import OnlineFunc, OnlineSoftmax
+from engine.ir.merge import trace_merge
 from engine.ir.spec import TracedSpec
 from engine.ir.tensor_mods import mod_only_customs, trace_qkv_mods
 from engine.ir.trace import trace_spec
 from engine.kernels.attention_bwd.launch import BackwardKernels
+from engine.kernels.attention_decode.launch import DecodeKernels
+from engine.kernels.attention_decode.plan import DecodeConfig
 from engine.kernels.attention_fwd.launch import ForwardKernel
 from engine.plan.config import KernelConfig
 from engine.plan.request import KernelOptions, KernelRequest
@@ -100,6 +103,18 @@ class AttentionEngine(torch.nn.Module):
     They run as a pre-pass of torch ops (one more read and write of each modded tensor, not
     fused into the kernels' loads), so the kernels do not change; autograd gives q, k, v and
     the CustomIO tensors they read their gradients, on every backend and under torch.compile.
+
+    Decode: called with `cache_seqlens=` (int32 [B]) the module runs the decode kernels
+    (engine.kernels.attention_decode): k and v are KV caches [B, capacity, Hkv, D] (capacity =
+    qkv_meta's k length), or paged caches [num_pages, page_size, Hkv, D] with
+    `block_table=` (int32 [B, capacity // page_size]); the Sq new tokens of q sit at positions
+    cache_seqlens[b] - Sq .. cache_seqlens[b] - 1 (already written into the cache), which is
+    what score_mod and mask_mod see as q_idx. Keys are split across thread blocks and merged
+    by the normaliser's rule (OnlineFunc.combine_online or combine); decode_config (a
+    DecodeConfig) fixes the kernels' tiles and splits. The lengths and the block table are
+    checked against the capacity and the pages (a host synchronisation; skipped during CUDA
+    graph capture, and when the attribute `check_cache_values` is False: the kernels then
+    clamp every index). Decode computes no gradients.
     """
 
     def __init__(
@@ -120,6 +135,7 @@ class AttentionEngine(torch.nn.Module):
         query_mod: Callable | None = None,
         key_mod: Callable | None = None,
         value_mod: Callable | None = None,
+        decode_config: DecodeConfig | None = None,
     ):
         super().__init__()
         self.problem, self.dtype = _check_meta(qkv_meta)
@@ -134,6 +150,9 @@ class AttentionEngine(torch.nn.Module):
         for what, cfg in (("config", config), ("backward_config", backward_config)):
             if cfg is not None and not isinstance(cfg, KernelConfig):
                 raise ValueError(f"{what}: expected a KernelConfig, got {type(cfg).__name__}")
+        if decode_config is not None and not isinstance(decode_config, DecodeConfig):
+            raise ValueError(f"decode_config: expected a DecodeConfig, got "
+                             f"{type(decode_config).__name__}")
         if not isinstance(deterministic, bool):
             raise ValueError(f"deterministic: expected a bool, got {deterministic!r}")
         if not isinstance(tune, bool):
@@ -144,12 +163,15 @@ class AttentionEngine(torch.nn.Module):
         self.custom_io = custom_fwd_inputs if custom_fwd_inputs is not None else CustomIO({})
         self.online_func = online_func if online_func is not None else OnlineSoftmax()
         self.spec: TracedSpec = trace_spec(score_mod, mask_mod, self.online_func, self.custom_io)
+        self.merge = trace_merge(self.online_func, self.spec)  # decode's split merge (or None)
         self.qkv_mods = trace_qkv_mods(query_mod, key_mod, value_mod, self.custom_io)
         self._mod_only_customs = (mod_only_customs(self.qkv_mods, self.spec)
                                   if self.qkv_mods is not None else frozenset())
         self.backend_name = backend
         self.config = config
         self.backward_config = backward_config
+        self.decode_config = decode_config
+        self.check_cache_values = True
         self.tune = tune
         self.tune_file = tune_file
         self.deterministic = deterministic
@@ -212,7 +234,8 @@ class AttentionEngine(torch.nn.Module):
         """What selects this module's kernels now: its spec, problem, dtype and options (the
         request is kept while they stay the same: building it per call cost host time)."""
         options = KernelOptions(self.config, self.backward_config, self.tune_file,
-                                bool(self.dynamic_shapes), bool(self.deterministic))
+                                bool(self.dynamic_shapes), bool(self.deterministic),
+                                self.decode_config)
         req = self._request
         if req is None or req.options != options or req.spec is not self.spec:
             req = self._request = KernelRequest(self.spec, self.problem, self.dtype, options)
@@ -288,6 +311,11 @@ class AttentionEngine(torch.nn.Module):
                 raise ValueError(
                     f"{name}: last-dim stride {t.stride(-1)}; expected 1 (call .contiguous())"
                 )
+        return self._check_customs(args, kwargs, q.device)
+
+    def _check_customs(self, args, kwargs, device: torch.device) -> list[torch.Tensor]:
+        """The CustomIO tensors, positional or by name, in declaration order (checked)."""
+        p = self.problem
         names = self.custom_io.names()
         if len(args) > len(names):
             raise TypeError(
@@ -320,8 +348,8 @@ class AttentionEngine(torch.nn.Module):
                     f"custom input {n!r}: shape {tuple(t.shape)}; expected {exp} "
                     f"(dims {self.custom_io.decls[n]})"
                 )
-            if t.device != q.device:
-                raise ValueError(f"custom input {n!r}: on {t.device}; expected {q.device}")
+            if t.device != device:
+                raise ValueError(f"custom input {n!r}: on {t.device}; expected {device}")
             out.append(t)
         return out
 
@@ -352,8 +380,15 @@ class AttentionEngine(torch.nn.Module):
         v: torch.Tensor,
         *custom: torch.Tensor,
         return_lse: bool = False,
+        cache_seqlens: torch.Tensor | None = None,
+        block_table: torch.Tensor | None = None,
         **named: torch.Tensor,
     ):
+        if cache_seqlens is not None or block_table is not None:
+            if return_lse:
+                raise ValueError("return_lse: decode (cache_seqlens=) returns o only")
+            return self.decode(q, k, v, *custom, cache_seqlens=cache_seqlens,
+                               block_table=block_table, **named)
         customs = self._check_inputs(q, k, v, custom, named)
         if self.qkv_mods is not None:
             q, k, v, customs = self._apply_mods(q, k, v, customs)
@@ -362,6 +397,62 @@ class AttentionEngine(torch.nn.Module):
         else:
             o, finals = self.eager_forward(q, k, v, customs)
         return (o, finals) if return_lse else o
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               *custom: torch.Tensor, cache_seqlens: torch.Tensor | None = None,
+               block_table: torch.Tensor | None = None, **named: torch.Tensor) -> torch.Tensor:
+        """o [B, Sq, Hq, Dv] of the Sq new tokens of q against the KV cache (see the class
+        docstring); what `mod(q, k_cache, v_cache, cache_seqlens=...)` runs."""
+        from engine.runtime.decode_inputs import check_decode_args, check_decode_values
+
+        if cache_seqlens is None:
+            raise ValueError("cache_seqlens: required for decode (int32 [B], the cache lengths)")
+        page_size, num_pages = check_decode_args(self.problem, self.dtype, q, k_cache, v_cache,
+                                                 cache_seqlens, block_table)
+        customs = self._check_customs(custom, named, q.device)
+        if self.qkv_mods is not None:
+            raise NotImplementedError("query_mod/key_mod/value_mod with a KV cache: apply them "
+                                      "to q and to the keys and values as they enter the cache")
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache,
+                                                                      *customs)):
+            raise ValueError("decode computes no gradients: call it under torch.no_grad() or "
+                             "torch.inference_mode(), or detach the inputs")
+        if self.check_cache_values:
+            check_decode_values(cache_seqlens, block_table, self.problem.seqlen_q,
+                                self.problem.seqlen_kv, num_pages)
+        if self.resolved_backend(q.device) == "reference":
+            from engine.reference.decode import decode_forward
+
+            cd = dict(zip(self.custom_io.names(), customs, strict=True))
+            return decode_forward(self.spec, q, k_cache, v_cache, cd, cache_seqlens,
+                                  block_table).to(q.dtype)
+        return self._decode_kernels(q, k_cache, v_cache, customs, cache_seqlens, block_table,
+                                    page_size, num_pages)
+
+    def decode_kernels(self, page_size: int = 0, num_pages: int = 0,
+                       sm_count: int = 132) -> DecodeKernels:
+        """The decode kernels (generated, not compiled) for a contiguous cache, or a paged one
+        of `num_pages` pages of `page_size`, on a GPU of `sm_count` SMs (an H100's 132)."""
+        from engine.dtypes import KERNEL_DTYPES
+        from engine.kernels.attention_decode.plan import DecodeShape
+        from engine.problem import SIZE_KEYS
+
+        if self.merge is None:
+            _log_once(f"engine: {self.spec.online_name} has no merge rule (combine_online or "
+                      "combine): decode runs one split per (batch, kv head)")
+        shape = DecodeShape(**{k: getattr(self.problem, k) for k in SIZE_KEYS},
+                            dtype=KERNEL_DTYPES[self.dtype], page_size=page_size,
+                            num_pages=num_pages)
+        return self._kernel_cache.decode(self.kernel_request(), shape, self.merge, sm_count)
+
+    def _decode_kernels(self, q, k_cache, v_cache, customs, cache_seqlens, block_table,
+                        page_size: int, num_pages: int) -> torch.Tensor:
+        from engine.kernels.attention_decode.launch import launch_decode
+        from engine.runtime.device import sm_count
+
+        dk = self.decode_kernels(page_size, num_pages, sm_count(q.device))
+        cd = dict(zip(self.custom_io.names(), customs, strict=True))
+        return launch_decode(dk, q, k_cache, v_cache, cd, cache_seqlens, block_table)
 
     def _apply_mods(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     customs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor,

@@ -15,17 +15,28 @@ from engine.variants import get_variant
 ENGINE_IMPLS = ("engine", "engine-dynamic", "engine-deterministic")
 
 
+def _decode_sources(mod, case) -> list[str]:
+    """The decode kernels the case's call will build (its paging, this GPU's SM count)."""
+    from engine.runtime.device import sm_count
+
+    pages = case.batch * case.seqlen_kv // case.page_size if case.page_size else 0
+    return mod.decode_kernels(case.page_size, pages, sm_count(torch.device("cuda"))).sources()
+
+
 def main(names: list[str]) -> int:
     impls = registry()
     srcs = []
     for name in names:
         for c in load_suite(name).cases:
             engines = [impls[i] for i in ENGINE_IMPLS if i in c.impls]
-            if not engines or c.kind != "attention":
+            if not engines or c.kind not in ("attention", "decode"):
                 continue
             v = get_variant(c.variant)
             if v.supports(head_dim=c.head_dim, head_dim_v=c.head_dim_v, heads_q=c.heads_q,
                           heads_kv=c.heads_kv, seqlen_q=c.seqlen_q, seqlen_kv=c.seqlen_kv):
+                continue
+            if c.kind == "decode":
+                srcs += _decode_sources(engines[0].build(c, v), c)
                 continue
             for impl in engines:
                 # The module each implementation times (its dynamic-shape and deterministic

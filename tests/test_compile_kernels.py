@@ -168,3 +168,29 @@ def test_key_indexed_reads_are_staged_per_key_block(tmp_path, monkeypatch):
                 _module("document", seqlen_q=4096, seqlen_kv=4096,
                         config=KernelConfig(192, 128, 2, 384))):
         assert "cks0" not in off.kernel_source and "C_doc_ids[bz, T.min((kb" in off.kernel_source
+
+
+DECODE_SHAPE = dict(batch=2, heads_q=8, heads_kv=2, seqlen_q=2, seqlen_kv=1024)
+
+
+@pytest.mark.parametrize("name", sorted(n for n, v in VARIANTS.items()
+                                        if not v.needs_equal_seqlens))
+def test_variant_decode_compiles_for_sm90a(name, tmp_path, monkeypatch):
+    """The split kernel (wgmma, TMA loads of the cache) and the merge kernel of each variant."""
+    from engine.runtime.compile import compile_source
+
+    monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
+    split, merge = _module(name, **DECODE_SHAPE).decode_kernels().sources()
+    cuda = compile_source(split).get_kernel_source()
+    assert "wgmma" in cuda and "tma_load" in cuda
+    compile_source(merge)
+
+
+@pytest.mark.parametrize("page", [64, 16])
+def test_paged_decode_compiles(page, tmp_path, monkeypatch):
+    from engine.runtime.compile import compile_source
+
+    monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
+    mod = _module("softmax_causal", **DECODE_SHAPE)
+    for src in mod.decode_kernels(page, 2 * 1024 // page).sources():
+        compile_source(src)

@@ -23,7 +23,6 @@ from attnbench.decode import (
     valid_mask,
 )
 from attnbench.impls import DeviceInfo, Prepared, get_impl
-from attnbench.impls import engine as engine_impls
 from attnbench.impls.fa3 import decode_problem
 from attnbench.results.read import read_results
 from attnbench.runner import Runner, RunOptions
@@ -204,12 +203,6 @@ def test_decode_cases_that_run():
                     ("sdpa-flash", dcase(variant="softmax_causal")),  # Sq 1: no mask
                     ("flex", dcase(variant="alibi", ragged=True))):
         assert get_impl(impl).check(c, get_variant(c.variant), H100) is None, (impl, c)
-
-
-def test_engine_says_when_its_module_has_no_decode_call(monkeypatch):
-    monkeypatch.setattr(engine_impls, "decode_call_ready", lambda: False)
-    reason = get_impl("engine").check(dcase(), get_variant("softmax"), H100)
-    assert reason is not None and "no decode call yet" in reason
 
 
 # ---------------------------------------------------------------------- a CPU run

@@ -26,13 +26,6 @@ from attnbench.impls.base import (
 )
 
 
-def decode_call_ready() -> bool:
-    """Whether this engine's module takes a KV cache (`cache_seqlens=`): the decode call."""
-    from engine.api import AttentionEngine
-
-    return "cache_seqlens" in inspect.signature(AttentionEngine.forward).parameters
-
-
 def _decode_refusal(exc: BaseException) -> str | None:
     # the engine says NotImplementedError for a spec its decode kernels cannot run yet
     return f"engine decode: {exc}" if isinstance(exc, NotImplementedError) else None
@@ -50,9 +43,6 @@ class _EngineBase(Impl):
 
     def check(self, case: Case, variant, device: DeviceInfo) -> str | None:
         reason = super().check(case, variant, device)
-        if reason is None and case.kind == "decode" and not decode_call_ready():
-            reason = ("this engine's module has no decode call yet (cache_seqlens=, "
-                      "engine issue 23)")
         if reason is None:
             dims = dict(head_dim=case.head_dim, head_dim_v=case.head_dim_v,
                         heads_q=case.heads_q, heads_kv=case.heads_kv)
@@ -115,8 +105,7 @@ class _EngineBase(Impl):
             torch.cuda.synchronize()
         # Timed as a server runs it (a captured CUDA graph): the checked values do not change,
         # and the check's host synchronisation per call is not part of FA3's time either.
-        if hasattr(mod, "check_cache_values"):
-            mod.check_cache_values = False
+        mod.check_cache_values = False
         return Prepared(forward=forward, compile_s=time.perf_counter() - t0,
                         refusal=_decode_refusal)
 

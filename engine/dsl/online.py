@@ -70,6 +70,19 @@ class OnlineFunc:
     - `forward(scores, final_rowscales, b, h, q_idx, kv_idx) -> p` (recomputation in backward)
     - `backward(dp, p, final_rowscales, doosum, b, h, q_idx, kv_idx) -> dscores`
 
+    and, for decode's split-KV (several thread blocks share one row's keys and their partial
+    results merge), optionally one of:
+
+    - `combine_online(online_rowscales) -> (o_scale, merged_online_rowscales)`: each row scale
+      holds one value per split (get_reduce reduces over the splits); the splits' unnormalised
+      outputs are weighted by o_scale and summed, then `online_fwd_epilogue` runs once on the
+      merged row scales (the predefined normalisers define this one);
+    - `combine(final_rowscales) -> o_scale` (AttentionEngine's inference scripts): each split's
+      output after the epilogue is weighted by o_scale and summed.
+
+    Without either, decode runs one split per (batch, kv head) unless online_fwd and the
+    epilogue trace to a predefined normaliser's, whose merge then applies.
+
     Hooks are called positionally; parameter names do not matter.
     """
 
@@ -120,6 +133,13 @@ class OnlineSoftmax(OnlineFunc):
         return o / r, {"lse": r.log() + m}
 
     @staticmethod
+    def combine_online(online_rowscales):
+        m, r = online_rowscales["m"], online_rowscales["r"]
+        m_all = m.get_reduce("max")
+        scale = (m - m_all).exp()
+        return scale, {"m": m_all, "r": (r * scale).get_reduce("sum")}
+
+    @staticmethod
     def forward(scores, final_rowscales, b, h, q_idx, kv_idx):
         return (scores - final_rowscales["lse"]).exp()
 
@@ -147,6 +167,10 @@ class OnlineRetention(OnlineFunc):
         return o / r, {"r": r}
 
     @staticmethod
+    def combine_online(online_rowscales):
+        return 1.0, {"r": online_rowscales["r"].get_reduce("sum")}
+
+    @staticmethod
     def forward(scores, final_rowscales, b, h, q_idx, kv_idx):
         return scores / final_rowscales["r"]
 
@@ -172,6 +196,10 @@ class OnlineIdentity(OnlineFunc):
     @staticmethod
     def online_fwd_epilogue(o, online_rowscales, b, h, q_idx):
         return o, {}
+
+    @staticmethod
+    def combine_online(online_rowscales):
+        return 1.0, {}
 
     @staticmethod
     def forward(scores, final_rowscales, b, h, q_idx, kv_idx):

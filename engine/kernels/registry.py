@@ -15,11 +15,15 @@ from typing import Any
 from engine.kernels.attention_bwd import launch as bwd_launch
 from engine.kernels.attention_bwd import plan as bwd_plan
 from engine.kernels.attention_bwd.codegen import generate_backward
+from engine.kernels.attention_decode import launch as dec_launch
+from engine.kernels.attention_decode import plan as dec_plan
+from engine.kernels.attention_decode.codegen import generate_split
 from engine.kernels.attention_fwd import launch as fwd_launch
 from engine.kernels.attention_fwd import plan as fwd_plan
 from engine.kernels.attention_fwd.codegen import generate_forward
 from engine.plan.config import KernelConfig
 from engine.reference import executor
+from engine.reference.decode import decode_forward
 
 SEARCH_SPACES = Path(__file__).resolve().parents[2] / "search_spaces"
 
@@ -63,7 +67,16 @@ ATTENTION_BWD = KernelKind(
     launch=bwd_launch.launch_backward, reference=executor.backward,
 )
 
-KINDS: dict[str, KernelKind] = {k.name: k for k in (ATTENTION_FWD, ATTENTION_BWD)}
+ATTENTION_DECODE = KernelKind(
+    name="attention_decode", family="decode", mode="fwd", config_type=dec_plan.DecodeConfig,
+    config_arg="decode_config",
+    problems=dec_plan.config_problems, default=dec_plan.default_decode_config,
+    generate=generate_split, build=dec_launch.build_decode, launch=dec_launch.launch_decode,
+    reference=decode_forward,
+)
+
+KINDS: dict[str, KernelKind] = {k.name: k for k in (ATTENTION_FWD, ATTENTION_BWD,
+                                                    ATTENTION_DECODE)}
 
 
 def get_kind(name: str) -> KernelKind:

@@ -4,6 +4,7 @@ the module's options (engine functions take this, not the module)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -22,6 +23,7 @@ class KernelOptions:
     tune_file: str | None = None  # None: results/tune/<gpu>/<kind>.json
     dynamic_shapes: bool = False  # the forward with batch and lengths as runtime symbols
     deterministic: bool = False  # the atomic-free backward
+    decode_config: Any = None  # the decode kind's DecodeConfig, fixed by the user
 
 
 @dataclass(frozen=True)

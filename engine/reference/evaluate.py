@@ -28,6 +28,9 @@ class Env:
     index: dict[str, torch.Tensor] = field(default_factory=dict)  # b, h, q, kv
     customs: dict[str, torch.Tensor] = field(default_factory=dict)
     mask: torch.Tensor | None = None  # bool tile: masked entries are neutral in reductions
+    # Where custom reads index a dim other than at the position (decode: the q position is
+    # absolute in the cache, a "seq_len" custom holds one entry per new token).
+    custom_at: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def index_tensors(
@@ -36,7 +39,7 @@ def index_tensors(
     return {
         "b": torch.arange(B, device=device).view(B, 1, 1, 1),
         "h": torch.arange(H, device=device).view(1, H, 1, 1),
-        "q": q_idx.to(device).view(1, 1, -1, 1),
+        "q": q_idx.to(device).view(1, 1, -1, 1) if q_idx.dim() == 1 else q_idx.to(device),
         "kv": kv_idx.to(device).view(1, 1, 1, -1),
     }
 
@@ -44,7 +47,7 @@ def index_tensors(
 def custom_index(index: tuple, env: Env, device: torch.device) -> list[torch.Tensor]:
     """Index tensors of a custom read at the symbolic `index` (entries "b", "h", "q", "kv" or
     0), broadcasting over [b, h, q, kv]."""
-    return [env.index[i] if isinstance(i, str)
+    return [env.custom_at.get(i, env.index[i]) if isinstance(i, str)
             else torch.zeros((), dtype=torch.long, device=device) for i in index]
 
 

@@ -33,8 +33,10 @@ def _bhsd(x: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
     return x.repeat_interleave(groups, dim=1) if groups > 1 else x
 
 
-def _mask_tile(spec: TracedSpec, env: Env, kv_idx: torch.Tensor, seqlen_kv: int) -> torch.Tensor:
-    inb = (kv_idx < seqlen_kv).view(1, 1, 1, -1)
+def _mask_tile(spec: TracedSpec, env: Env, kv_idx: torch.Tensor,
+               seqlen_kv: int | torch.Tensor) -> torch.Tensor:
+    """The mask and the key bound (a length, or per-batch lengths shaped [B, 1, 1, 1])."""
+    inb = kv_idx.view(1, 1, 1, -1) < seqlen_kv
     if spec.mask is None:
         return inb
     (m,) = evaluate([spec.mask], env)
@@ -76,7 +78,7 @@ def forward(
     outs, finals = [], {n: [] for n in spec.final_names}
     for q0 in range(0, prob.seqlen_q, q_chunk):
         q_idx = torch.arange(q0, min(q0 + q_chunk, prob.seqlen_q), device=device)
-        o, fin = _forward_rows(spec, prob, qh[:, :, q_idx], kh, vh, customs, q_idx, bn, dtype)
+        o, fin = forward_rows(spec, prob, qh[:, :, q_idx], kh, vh, customs, q_idx, bn, dtype)
         outs.append(o)
         for n in spec.final_names:
             finals[n].append(fin[n])
@@ -84,7 +86,22 @@ def forward(
     return o, {n: torch.cat(f, dim=2).squeeze(-1) for n, f in finals.items()}
 
 
-def _forward_rows(spec, prob, qh, kh, vh, customs, q_idx, bn, dtype):
+def forward_rows(spec, prob, qh, kh, vh, customs, q_idx, bn, dtype, kv_limit=None,
+                 custom_at=None):
+    """Rows q_idx (positions: [M], or [B, 1, M, 1] per batch as in decode) against keys below
+    `kv_limit` (default seqlen_kv; or per batch [B, 1, 1, 1]); `custom_at`: Env.custom_at.
+    Returns (o, final row scales)."""
+    o, state, seen = online_rows(spec, prob, qh, kh, vh, customs, q_idx, bn, dtype, kv_limit,
+                                 custom_at)
+    return epilogue_rows(spec, prob, o, state, seen, customs, q_idx, dtype, custom_at)
+
+
+def online_rows(spec, prob, qh, kh, vh, customs, q_idx, bn, dtype, kv_limit=None,
+                custom_at=None, kv_range: tuple[int, int] | None = None):
+    """The online pass over keys [kv_range) (default all), block_N = bn at a time: (the
+    unnormalised output, the online row scales, whether each row saw a key)."""
+    kv_limit = prob.seqlen_kv if kv_limit is None else kv_limit
+    k_lo, k_hi = kv_range or (0, prob.seqlen_kv)
     B, H, M = qh.shape[0], qh.shape[1], qh.shape[2]
     device = qh.device
     state = {
@@ -93,13 +110,14 @@ def _forward_rows(spec, prob, qh, kh, vh, customs, q_idx, bn, dtype):
     }
     o = torch.zeros(B, H, M, vh.shape[-1], dtype=dtype, device=device)
     seen = torch.zeros(B, H, M, 1, dtype=torch.bool, device=device)
-    for k0 in range(0, prob.seqlen_kv, bn):
-        kv_idx = torch.arange(k0, min(k0 + bn, prob.seqlen_kv), device=device)
+    for k0 in range(k_lo, k_hi, bn):
+        kv_idx = torch.arange(k0, min(k0 + bn, k_hi), device=device)
         env = _env(spec, prob, dtype, device, q_idx, kv_idx, customs)
+        env.custom_at = custom_at or {}
         s = qh @ kh[:, :, kv_idx].transpose(-1, -2)
         env.leaves["score"] = s
         (s_mod,) = evaluate([spec.score_mod], env)
-        mask = _mask_tile(spec, env, kv_idx, prob.seqlen_kv).expand(B, H, M, len(kv_idx))
+        mask = _mask_tile(spec, env, kv_idx, kv_limit).expand(B, H, M, len(kv_idx))
         env.leaves["score"] = torch.broadcast_to(s_mod, s.shape)
         env.rowscale = state
         env.mask = mask
@@ -122,7 +140,15 @@ def _forward_rows(spec, prob, qh, kh, vh, customs, q_idx, bn, dtype):
         )
         o = o * o_scale + p @ vh[:, :, kv_idx]
         seen = seen | row_any
+    return o, state, seen
+
+
+def epilogue_rows(spec, prob, o, state, seen, customs, q_idx, dtype, custom_at=None):
+    """The epilogue of online_rows' result: (o, final row scales); rows that saw no key
+    output zeros and report their final row scales' declared initial values for NaN."""
+    device = o.device
     env = _env(spec, prob, dtype, device, q_idx, torch.arange(0, device=device), customs)
+    env.custom_at = custom_at or {}
     env.leaves["o"], env.rowscale = o, state
     o_new, *fin = evaluate([spec.epilogue_o, *(e for _, e in spec.epilogue_final)], env)
     zero = torch.zeros((), dtype=dtype, device=device)

@@ -42,3 +42,9 @@ def require_nvcc() -> str:
             "(install the CUDA toolkit or put nvcc on PATH)"
         )
     return path
+
+
+@functools.lru_cache(maxsize=16)
+def sm_count(device: torch.device) -> int:
+    """The GPU's streaming multiprocessors (decode sizes its key splits by them)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -6,11 +6,14 @@ new kernels; `KernelCache.clear` drops them (after tuning wrote a new tune-file 
 from __future__ import annotations
 
 from engine.dtypes import KERNEL_DTYPES
+from engine.ir.merge import TracedMerge
 from engine.kernels.attention_bwd.launch import BackwardKernels
 from engine.kernels.attention_bwd.plan import check_backward_config
+from engine.kernels.attention_decode.launch import DecodeKernels
+from engine.kernels.attention_decode.plan import DecodeShape
 from engine.kernels.attention_fwd.launch import ForwardKernel
 from engine.kernels.attention_fwd.plan import check_config
-from engine.kernels.registry import ATTENTION_BWD, ATTENTION_FWD
+from engine.kernels.registry import ATTENTION_BWD, ATTENTION_DECODE, ATTENTION_FWD
 from engine.plan.config import KernelConfig
 from engine.plan.request import KernelRequest
 from engine.tuning.select import tuned_config
@@ -43,11 +46,24 @@ class KernelCache:
     def __init__(self) -> None:
         self._forward: dict[tuple, ForwardKernel] = {}
         self._backward: dict[tuple, BackwardKernels] = {}
+        self._decode: dict[tuple, DecodeKernels] = {}
         self.tune_checked = False
 
     def clear(self) -> None:
         self._forward.clear()
         self._backward.clear()
+        self._decode.clear()
+
+    def decode(self, req: KernelRequest, shape: DecodeShape, merge: TracedMerge | None,
+               sm_count: int) -> DecodeKernels:
+        """The decode kernels at `shape` (the request's problem with the cache's paging): the
+        module's decode_config, else the kind's default."""
+        key = (req.key(), shape, merge, sm_count)
+        if key not in self._decode:
+            cfg = req.options.decode_config or ATTENTION_DECODE.default(
+                shape.head_dim, shape.head_dim_v, rows=shape.rows)
+            self._decode[key] = ATTENTION_DECODE.build(req.spec, shape, cfg, merge, sm_count)
+        return self._decode[key]
 
     def forward(self, req: KernelRequest) -> ForwardKernel:
         key = req.key()

@@ -18,6 +18,7 @@ Generating TileLang source needs no nvcc and no GPU: the whole corpus takes seco
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import sys
 from collections.abc import Iterator
@@ -69,6 +70,17 @@ BWD_CONFIGS = [
     (128, 128, 1, 256, "FullRow", 0),
 ]
 REFUSALS = (NotImplementedError, ValueError)
+# Decode (kind attention_decode): shapes with Sq new tokens against a cache of seqlen_kv, each
+# contiguous and paged (pages of 64 keys: one TMA copy per block; of 16: gathered), at the
+# default config (splits chosen for an H100's 132 SMs) and two fixed ones (block_N,
+# num_stages, num_splits; 1 split: no merge kernel).
+DECODE_SHAPES = {
+    "dec-gqa4": dict(batch=3, heads_q=8, heads_kv=2, seqlen_q=2, seqlen_kv=1024, head_dim=128,
+                     head_dim_v=128),
+    "dec-gqa8-d256": dict(batch=1, heads_q=16, heads_kv=2, seqlen_q=1, seqlen_kv=4096,
+                          head_dim=256, head_dim_v=256),
+}
+DECODE_CONFIGS = [None, (64, 2, 8), (128, 1, 1)]
 
 
 def _digest(text: str) -> str:
@@ -174,10 +186,33 @@ def _cases() -> Iterator[tuple[str, object]]:
                 lambda m=make: _backward_sources(m(), None, False, (), True))
 
 
+def _decode_sources(name: str, shape: dict, page: int, cfg_fields) -> dict[str, str]:
+    from engine.kernels.attention_decode.plan import DecodeConfig
+
+    mod = _module(name, shape, torch.bfloat16)
+    mod.decode_config = None if cfg_fields is None else DecodeConfig(*cfg_fields)
+    dk = mod.decode_kernels(page, 3 * shape["seqlen_kv"] // page if page else 0)
+    return {"split": dk.split.source, **({"merge": dk.merge.source} if dk.merge else {})}
+
+
+def _decode_cases() -> Iterator[tuple[str, object]]:
+    from engine.variants import VARIANTS
+
+    for name in [*VARIANTS, *_extra_specs()]:
+        for shape_name, shape in DECODE_SHAPES.items():
+            if name in VARIANTS and VARIANTS[name].needs_equal_seqlens:
+                continue
+            for page in (0, 64, 16):
+                for cfg in DECODE_CONFIGS:
+                    tag = "default" if cfg is None else "_".join(map(str, cfg))
+                    yield (f"{name}|{shape_name}|bf16|decode|p{page}|{tag}",
+                           lambda n=name, s=shape, p=page, c=cfg: _decode_sources(n, s, p, c))
+
+
 def corpus_hashes() -> dict[str, str]:
     """{case key | role: sha256 of the source (its first 16 hex digits), or "refused:<exception type>"}."""
     out: dict[str, str] = {}
-    for key, thunk in _cases():
+    for key, thunk in itertools.chain(_cases(), _decode_cases()):
         try:
             sources = thunk()
         except REFUSALS as exc:

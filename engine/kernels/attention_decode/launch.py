@@ -1,0 +1,84 @@
+"""Build and launch the decode kernels: the split kernel, and the merge kernel when the keys
+are split. The splits' workspace is allocated once per kernel set and device and reused, so a
+call allocates only its output (a decode step can be captured in a CUDA graph and replayed
+with new cache lengths). Calls that share a kernel set must therefore not run concurrently on
+different streams."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.ir.merge import TracedMerge
+from engine.ir.spec import TracedSpec
+from engine.kernels.attention_decode.codegen import generate_split
+from engine.kernels.attention_decode.merge import generate_merge
+from engine.kernels.attention_decode.plan import (
+    H100_SMS,
+    DecodeConfig,
+    DecodePlan,
+    DecodeShape,
+    plan_decode,
+)
+from engine.runtime.kernel import Kernel
+
+
+@dataclass
+class DecodeKernels:
+    shape: DecodeShape
+    config: DecodeConfig
+    plan: DecodePlan
+    split: Kernel
+    merge: Kernel | None
+    online_names: tuple[str, ...]
+    workspace: dict[torch.device, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+    def sources(self) -> list[str]:
+        return [self.split.source] + ([self.merge.source] if self.merge is not None else [])
+
+    def compile(self) -> None:
+        self.split.compiled()
+        if self.merge is not None:
+            self.merge.compiled()
+
+    def buffers(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The splits' outputs and row scales on `device` (allocated on first use)."""
+        if self.merge is None:
+            return {}
+        if device not in self.workspace:
+            s, n = self.shape, self.plan.splits
+            lead = (n, s.batch, s.heads_kv, s.rows)
+            ws = {"Wo": torch.empty(*lead, s.head_dim_v, dtype=torch.float32, device=device)}
+            ws.update({f"W_{name}": torch.empty(lead, dtype=torch.float32, device=device)
+                       for name in self.online_names})
+            self.workspace[device] = ws
+        return self.workspace[device]
+
+
+def build_decode(spec: TracedSpec, shape: DecodeShape, cfg: DecodeConfig,
+                 merge: TracedMerge | None = None, sm_count: int = H100_SMS) -> DecodeKernels:
+    """The decode kernels of `spec` at `shape` and `cfg`, generated (not compiled)."""
+    plan = plan_decode(spec, shape, cfg, merge, sm_count)
+    split = Kernel(generate_split(spec, shape, plan))
+    merge_k = Kernel(generate_merge(spec, shape, plan)) if plan.merge is not None else None
+    return DecodeKernels(shape, cfg, plan, split, merge_k, tuple(spec.online_names))
+
+
+def launch_decode(dk: DecodeKernels, q: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, custom: dict[str, torch.Tensor],
+                  cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """o [B, Sq, Hq, Dv] of the decode kernels (inputs checked by the caller)."""
+    s = dk.shape
+    o = torch.empty(s.batch, s.seqlen_q, s.heads_q, s.head_dim_v, dtype=q.dtype, device=q.device)
+    customs = {f"C_{n}": t.detach().float().contiguous() for n, t in custom.items()}
+    cache = {"K": k_cache, "V": v_cache, "Lens": cache_seqlens}
+    if s.page_size:
+        cache["BT"] = block_table
+    ws = dk.buffers(q.device)
+    outs = ws if dk.merge is not None else {"O": o}
+    dk.split(Q=q, **cache, **customs, **outs)
+    if dk.merge is not None:
+        dk.merge(**ws, Lens=cache_seqlens, **customs, O=o)
+    return o
