@@ -16,6 +16,8 @@
 #   TEST_FILTER=EXPR: the tests steps run only the tests pytest -k EXPR selects
 #   host-overhead: the module's per-call host time against its kernel's launch and time
 #     (scripts/host_overhead.py; $OUT/host-overhead.json)
+#   decode-sweep: the decode kernels' TB/s over DecodeConfigs (scripts/decode_sweep.py;
+#     $OUT/decode-sweep.json; SWEEP_FILTER, SWEEP_CONFIGS)
 #   clock-trace: a long kernel's repetition times beside the SM clock and power (NVML)
 #     (scripts/clock_trace.py; $OUT/clock-trace.json)
 set -uo pipefail
@@ -74,6 +76,10 @@ for step in "${steps[@]}"; do
       python scripts/tune_user_loop.py "$OUT/tune" 2>&1 | grep -v "^\[I \|INFO" | tail -30
   elif [ "$step" = host-overhead ]; then
     python scripts/host_overhead.py "$OUT/host-overhead.json" 2>&1 | grep -v INFO | tail -25
+  elif [ "$step" = decode-sweep ]; then
+    # SWEEP_FILTER: a glob over the decode suite's case names; SWEEP_CONFIGS: N:STAGES:SPLITS ...
+    python scripts/decode_sweep.py "$OUT/decode-sweep.json" "${SWEEP_FILTER:-*}" \
+      ${SWEEP_CONFIGS:-} 2>&1 | grep -v INFO | tail -60
   elif [ "$step" = clock-trace ]; then
     python scripts/clock_trace.py "$OUT/clock-trace.json" 2>&1 | tail -5
   elif [ "${step%%:*}" = tune-suite ]; then

@@ -178,12 +178,15 @@ def _shape(**kw):
 
 def test_splits_fill_the_gpu_and_windows_bound_them():
     cfg = DecodeConfig()
-    assert auto_splits(_shape(), cfg, KeyRange(), 1, 132) == 17  # 8 blocks, 2 per SM
+    assert auto_splits(_shape(), cfg, KeyRange(), 1, 132) == 32  # 8 blocks: 17 -> 32
+    assert auto_splits(_shape(batch=8, seqlen_kv=32768), cfg, KeyRange(), 1, 132) == 4
     assert auto_splits(_shape(batch=64, seqlen_kv=4096), cfg, KeyRange(), 1, 132) == 1
-    window = KeyRange(-255, 0, exact=True)
-    assert auto_splits(_shape(), cfg, window, 1, 132) == 1  # 256 keys: two blocks
+    window = KeyRange(-4095, 0, exact=True)  # 4097 keys: 34 blocks, splits of 8 at least
+    assert auto_splits(_shape(), cfg, window, 1, 132) == 4
     spec = trace_spec(None, lambda b, h, q, kv: q >= kv, OnlineSoftmax())
     assert plan_decode(spec, _shape(), cfg, None).splits == 1  # no merge rule: one split
+    plan = plan_decode(spec, _shape(), DecodeConfig(128, 2, 3), trace_merge(OnlineSoftmax()))
+    assert (plan.splits, plan.chunk) == (3, 342)  # 1024 blocks in runs of 342
 
 
 def test_pages_shorter_than_a_key_block():
@@ -203,13 +206,13 @@ def _module(name="softmax_causal", backend="reference", **kw):
 
 
 def test_generated_sources_follow_the_plan():
-    mod = VARIANTS["sliding_window"].build(batch=1, heads_q=32, heads_kv=8, seqlen_q=1,
+    mod = VARIANTS["mistral_window"].build(batch=1, heads_q=32, heads_kv=8, seqlen_q=1,
                                            seqlen_kv=131072, head_dim=128, head_dim_v=128,
                                            dtype=torch.bfloat16, backend="tilelang")
     dk = mod.decode_kernels()
     split, merge = dk.sources()
     assert dk.plan.splits > 1 and "T.Pipelined(count" in split
-    assert "key_lo: T.int32 = T.max(0, (seqlen - 1) + -1023)" in split  # the window's bound
+    assert "key_lo: T.int32 = T.max(0, (seqlen - 1) + -4095)" in split  # the window's bound
     assert "Wo[bx, bz, hk, i, d]" in split and "O[bz, " in merge
     mod.decode_config = DecodeConfig(128, 2, 1)
     (one,) = mod.decode_kernels().sources()

@@ -182,9 +182,8 @@ def _emit_key_bounds(w: SourceWriter, f: _Frame) -> None:
     w.line(f"key_hi: T.int32 = {_fold('min', upper)}")
     w.line(f"kb_lo: T.int32 = key_lo // {bN}")
     w.line(f"nkb: T.int32 = T.max(T.ceildiv(key_hi, {bN}) - kb_lo, 0)")
-    w.line(f"per: T.int32 = T.ceildiv(nkb, {p.splits})")
-    w.line("first: T.int32 = kb_lo + bx * per")
-    w.line("count: T.int32 = T.max(T.min(per, nkb - bx * per), 0)")
+    w.line(f"first: T.int32 = kb_lo + bx * {p.chunk}")
+    w.line(f"count: T.int32 = T.max(T.min({p.chunk}, nkb - bx * {p.chunk}), 0)")
     if p.keys.exact:
         lower, upper = _bound_terms(f, "all")
         w.line(f"full_lo: T.int32 = {_fold('max', lower)}")

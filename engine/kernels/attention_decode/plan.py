@@ -22,6 +22,7 @@ from engine.problem import Problem
 
 H100_SMS = 132
 MAX_SPLITS = 64  # the merge walks the splits serially per row
+MIN_CHUNK = 8  # auto_splits' shortest split, in key blocks
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,7 @@ class DecodePlan:
     keys: KeyRange
     merge: TracedMerge | None
     page_size: int
+    chunk: int  # key blocks per split (the last split of a sequence may have fewer)
 
     @property
     def pages_per_block(self) -> int:
@@ -141,18 +143,29 @@ class DecodePlan:
         return max(1, self.block_N // self.page_size) if self.page_size else 0
 
 
+def key_blocks(shape: DecodeShape, block_N: int, keys: KeyRange) -> int:
+    """The most key blocks one sequence's rows can need: the capacity's, or a window's (a
+    window may start mid-block: one more)."""
+    span = keys.span(shape.seqlen_q)
+    if span is None or span >= shape.seqlen_kv:
+        return -(-shape.seqlen_kv // block_N)
+    return min(-(-span // block_N) + 1, -(-shape.seqlen_kv // block_N))
+
+
 def auto_splits(shape: DecodeShape, cfg: DecodeConfig, keys: KeyRange, m_tiles: int,
                 sm_count: int) -> int:
-    """Enough thread blocks to fill every SM (as many per SM as shared memory allows), but no
-    split shorter than two key blocks: with fewer, the merge costs more than it spreads."""
+    """The fewest splits, a power of two, whose thread blocks fill every slot of the GPU once
+    (SMs times the blocks one SM holds by shared memory), with no split shorter than
+    MIN_CHUNK key blocks. On the H100 (scripts/decode_sweep.py, NOTES 57) fewer splits left
+    SMs idle (B 1, 128k: 17 splits on 8 kv heads ran 2.37 TB/s, 32 splits 2.90) and more
+    cost the merge and short runs (B 64, 4k: 16 splits 2.74 TB/s against one split's 3.00);
+    between the two the rate was flat within 2%."""
     per_sm = max(1, SMEM_LIMIT_BYTES // estimate_smem(cfg, shape.rows, shape.head_dim,
                                                       shape.head_dim_v))
     blocks = shape.batch * shape.heads_kv * m_tiles
-    span = keys.span(shape.seqlen_q)
-    length = shape.seqlen_kv if span is None else min(span, shape.seqlen_kv)
-    key_blocks = -(-length // cfg.block_N)
     want = -(-sm_count * per_sm // blocks)
-    return max(1, min(want, key_blocks // 2, MAX_SPLITS))
+    most = max(1, min(MAX_SPLITS, key_blocks(shape, cfg.block_N, keys) // MIN_CHUNK))
+    return min(1 << (want - 1).bit_length(), most)
 
 
 def paged_config(cfg: DecodeConfig, page_size: int) -> DecodeConfig:
@@ -183,7 +196,10 @@ def plan_decode(spec: TracedSpec, shape: DecodeShape, cfg: DecodeConfig,
     splits = cfg.num_splits or auto_splits(shape, cfg, keys, m_tiles, sm_count)
     if merge is None:
         splits = 1
+    nkb = key_blocks(shape, cfg.block_N, keys)
+    chunk = -(-nkb // splits)
+    splits = -(-nkb // chunk)  # none empty at full length
     return DecodePlan(block_M=bM, block_N=cfg.block_N, num_stages=cfg.num_stages,
                       threads=128 if bM == 64 else 256, m_tiles=m_tiles, splits=splits,
                       keys=keys, merge=merge if splits > 1 else None,
-                      page_size=shape.page_size)
+                      page_size=shape.page_size, chunk=chunk)
