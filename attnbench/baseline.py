@@ -26,7 +26,7 @@ from attnbench.results.read import (
     read_results,
     run_files,
 )
-from attnbench.results.schema import COLUMN_NAMES
+from attnbench.results.schema import COLUMN_NAMES, SCHEMA_VERSION
 from engine.fsutil import atomic_write_text
 from engine.gpus import gpu_model
 
@@ -77,7 +77,9 @@ def promote(
     merged, noisy, kept = merge_run(current, rows)
     if noisy == len(rows):
         raise ValueError(f"run: every row of {run} is noisy ({noisy}); nothing to promote")
-    write_csv(merged, path)
+    # One file, one schema: rows read from older versions carry the columns they lacked
+    # (filled by the reader), so the whole baseline is written as the current version.
+    write_csv(merged.assign(schema_version=SCHEMA_VERSION), path)
     return Promotion(path, merged, len(rows) - noisy, noisy, kept)
 
 

@@ -397,6 +397,23 @@ def test_noisy_rows_are_listed_never_judged(base, rng):
     assert compare(base, plain).failed
 
 
+def test_promote_onto_an_older_schema_writes_one_version(tmp_path, rng):
+    """A baseline of version-1 rows and a newer run: the promoted file is read back whole
+    (a file of mixed versions is refused by the reader)."""
+    from attnbench.results.schema import SCHEMA_VERSION
+
+    results, old, _ = _write_runs(tmp_path, rng)
+    v1 = read_results(old).drop(columns=["attempts", "sm_clock_mhz", "mem_clock_mhz",
+                                         "gpu_temp_c", "gpu_power_w"], errors="ignore")
+    path = baseline_path("h100", results)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    v1.assign(schema_version=1).to_csv(path, index=False)
+    promote(results / "runs/2026-11-20-h100-variants.csv", results)
+    merged = read_results(path)
+    assert set(merged["schema_version"]) == {SCHEMA_VERSION}
+    assert set(merged["suite"]) == {"softmax", "variants"}
+
+
 def test_promote_leaves_noisy_rows_out(base, rng):
     current = base.copy()
     other = sample_rows(rng, SampleSpec(suite="variants", variants=("softcap",),
