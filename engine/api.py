@@ -180,6 +180,7 @@ class AttentionEngine(torch.nn.Module):
         self.dynamic_shapes = DYNAMIC_SHAPES  # see engine.kernels.attention_fwd.plan
         self._kernel_cache = KernelCache()
         self._request: KernelRequest | None = None  # kernel_request()'s, while options stay
+        self._decode_last: tuple | None = None  # (request, paging, decode kernels) of the last call
         self._op_handle = register(self)  # names the module in the custom ops (torch.compile)
 
     def __setstate__(self, state: dict) -> None:
@@ -433,6 +434,10 @@ class AttentionEngine(torch.nn.Module):
                        sm_count: int = 132) -> DecodeKernels:
         """The decode kernels (generated, not compiled) for a contiguous cache, or a paged one
         of `num_pages` pages of `page_size`, on a GPU of `sm_count` SMs (an H100's 132)."""
+        req, key = self.kernel_request(), (page_size, num_pages, sm_count)
+        last = self._decode_last
+        if last is not None and last[0] is req and last[1] == key:
+            return last[2]  # the call path's fast lookup (host time per decode step)
         from engine.dtypes import KERNEL_DTYPES
         from engine.kernels.attention_decode.plan import DecodeShape
         from engine.problem import SIZE_KEYS
@@ -443,7 +448,9 @@ class AttentionEngine(torch.nn.Module):
         shape = DecodeShape(**{k: getattr(self.problem, k) for k in SIZE_KEYS},
                             dtype=KERNEL_DTYPES[self.dtype], page_size=page_size,
                             num_pages=num_pages)
-        return self._kernel_cache.decode(self.kernel_request(), shape, self.merge, sm_count)
+        dk = self._kernel_cache.decode(req, shape, self.merge, sm_count)
+        self._decode_last = (req, key, dk)
+        return dk
 
     def _decode_kernels(self, q, k_cache, v_cache, customs, cache_seqlens, block_table,
                         page_size: int, num_pages: int) -> torch.Tensor:

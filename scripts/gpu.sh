@@ -15,7 +15,8 @@
 #   RUN_FILTER=PATTERN: suites run only the cases matching PATTERN (attnbench run --filter)
 #   TEST_FILTER=EXPR: the tests steps run only the tests pytest -k EXPR selects
 #   host-overhead: the module's per-call host time against its kernel's launch and time
-#     (scripts/host_overhead.py; $OUT/host-overhead.json)
+#     (scripts/host_overhead.py; $OUT/host-overhead.json); host-overhead-decode: its decode part
+#     alone ($OUT/host-overhead-decode.json)
 #   decode-sweep: the decode kernels' TB/s over DecodeConfigs (scripts/decode_sweep.py;
 #     $OUT/decode-sweep.json; SWEEP_FILTER, SWEEP_CONFIGS)
 #   clock-trace: a long kernel's repetition times beside the SM clock and power (NVML)
@@ -76,6 +77,9 @@ for step in "${steps[@]}"; do
       python scripts/tune_user_loop.py "$OUT/tune" 2>&1 | grep -v "^\[I \|INFO" | tail -30
   elif [ "$step" = host-overhead ]; then
     python scripts/host_overhead.py "$OUT/host-overhead.json" 2>&1 | grep -v INFO | tail -25
+  elif [ "$step" = host-overhead-decode ]; then
+    python scripts/host_overhead.py "$OUT/host-overhead-decode.json" decode 2>&1 \
+      | grep -v INFO | tail -12
   elif [ "$step" = decode-sweep ]; then
     # SWEEP_FILTER: a glob over the decode suite's case names; SWEEP_CONFIGS: N:STAGES:SPLITS ...
     python scripts/decode_sweep.py "$OUT/decode-sweep.json" "${SWEEP_FILTER:-*}" \

@@ -1,7 +1,9 @@
 """Per-call host time of the module on the GPU (issue 20): forward and forward+backward at a tiny
 shape, where the GPU waits on Python, against launching the forward kernel alone; and at
 llama3-8b S 4k the module's time per call against its kernel's (CUDA events, back to back).
-Usage: python scripts/host_overhead.py OUT.json"""
+Decode (issue 23) at a tiny cache (B 1, KV 1k, 32/8 heads): the module's call per step, with
+and without its value check of the lengths, against its kernels' GPU time and launches.
+Usage: python scripts/host_overhead.py OUT.json [decode]   (decode: only the decode record)"""
 
 from __future__ import annotations
 
@@ -83,7 +85,47 @@ def setup(batch: int, seqlen: int, hq: int, hkv: int, d: int):
     return forward, forward_backward, (lambda: fk.kernel(**args))
 
 
+def decode_setup():
+    """The module's decode call (value check on and off) and its kernels launched directly."""
+    from engine.kernels.attention_decode.launch import launch_decode
+    from engine.runtime.device import sm_count
+
+    sizes = dict(batch=1, heads_q=32, heads_kv=8, seqlen_q=1, seqlen_kv=1024, head_dim=128,
+                 head_dim_v=128)
+    mod = VARIANTS["softmax"].build(**sizes, dtype=torch.bfloat16, backend="tilelang")
+    inp = VARIANTS["softmax"].make_inputs(**sizes, dtype=torch.bfloat16, device="cuda")
+    q, k, v = inp["q"], inp["k"], inp["v"]
+    lens = torch.full((1,), 1024, dtype=torch.int32, device="cuda")
+    dk = mod.decode_kernels(0, 0, sm_count(q.device))
+
+    def call(check: bool):
+        def step():
+            mod.check_cache_values = check
+            with torch.no_grad():
+                mod(q, k, v, cache_seqlens=lens)
+        return step
+
+    return call(True), call(False), (lambda: launch_decode(dk, q, k, v, {}, lens))
+
+
+def decode_record() -> dict:
+    checked, unchecked, kernels = decode_setup()
+    rec = {"shape": "decode B1 KV1024 Hq32 Hkv8 D128 bf16 softmax",
+           "module_checked_us": per_call_us(checked), "module_us": per_call_us(unchecked),
+           "kernels_launch_us": per_call_us(kernels), "kernels_gpu_ms": gpu_ms(kernels)}
+    rec["module_minus_kernel_us"] = rec["module_us"] - rec["kernels_gpu_ms"] * 1e3
+    rec["profile"] = profile(unchecked)
+    return rec
+
+
 def main(out: str) -> None:
+    if len(sys.argv) > 2 and sys.argv[2] == "decode":
+        result = {"device": torch.cuda.get_device_name(), "decode": decode_record()}
+        print(json.dumps({k: v for k, v in result["decode"].items() if k != "profile"},
+                         indent=1))
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+        return
     fwd, fwd_bwd, kernel = setup(1, 128, 8, 2, 64)
     tiny = {"shape": "B1 S128 Hq8 Hkv2 D64 bf16 causal",
             "forward_us": per_call_us(fwd), "forward_backward_us": per_call_us(fwd_bwd, 1000),
@@ -93,7 +135,8 @@ def main(out: str) -> None:
     big = {"shape": "B2 S4096 Hq32 Hkv8 D128 bf16 causal (llama3-8b)",
            "module_forward_ms": gpu_ms(fwd), "kernel_forward_ms": gpu_ms(kernel)}
     big["module_over_kernel"] = big["module_forward_ms"] / big["kernel_forward_ms"]
-    result = {"device": torch.cuda.get_device_name(), "tiny": tiny, "llama3_8b_4k": big}
+    result = {"device": torch.cuda.get_device_name(), "tiny": tiny, "llama3_8b_4k": big,
+              "decode": decode_record()}
     print(json.dumps(result, indent=1))
     with open(out, "w") as f:
         json.dump(result, f, indent=1)

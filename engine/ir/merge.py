@@ -31,9 +31,12 @@ class TracedMerge:
     merged: tuple[tuple[str, Expr], ...] = ()
 
     def text(self) -> str:
-        lines = [f"form {self.form}", f"weight = {to_text(self.weight)}"]
-        lines += [f"merged.{n} = {to_text(e)}" for n, e in self.merged]
-        return "\n".join(lines)
+        """The canonical text (kept: kernel caches key on the merge at every decode call)."""
+        if "_text" not in self.__dict__:
+            lines = [f"form {self.form}", f"weight = {to_text(self.weight)}"]
+            lines += [f"merged.{n} = {to_text(e)}" for n, e in self.merged]
+            object.__setattr__(self, "_text", "\n".join(lines))
+        return self.__dict__["_text"]
 
     @property
     def key(self) -> str:

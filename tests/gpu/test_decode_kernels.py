@@ -1,6 +1,7 @@
 """Decode kernels (issue 23) against the decode reference (engine.reference.decode) on the H100:
 plain causal softmax over dtype x GQA 1/4/8 x Sq 1/2/4 x contiguous / paged (pages of 64 keys:
-one TMA copy per block; of 16: gathered), every decode-capable variant of the library, head
+one TMA copy per block; of 16: gathered), every decode-capable variant of the library (fp16 and
+bf16 at GQA 4 and Sq 2, contiguous and paged; bf16 at GQA 1 and 8 with Sq 1 and 4), head
 dims 64/256 and D != Dv, one split (no merge), a user's merge in AttentionEngine's `combine`
 form, splits with no key at all, and a decode step replayed in a CUDA graph.
 
@@ -39,9 +40,11 @@ GRID = [("softmax_causal", dt, 8, hkv, sq, 128, 128, page)
 DECODABLE = [n for n, v in VARIANTS.items() if not v.needs_equal_seqlens and n != "rel_bias"]
 VARIANT_CASES = [(n, dt, 8, 2, 2, 128, 128, page) for n in DECODABLE for dt in (BF16, FP16)
                  for page in (0, 64)]
+VARIANT_ROWS = [(n, BF16, 8, hkv, sq, 128, 128, 0) for n in DECODABLE for hkv in (8, 1)
+                for sq in (1, 4)]  # every variant with GQA 1 and 8, one and four new tokens
 HEAD_DIMS = [(n, BF16, 16, 2, 1, d, dv, 0) for n in ("softmax_causal", "softcap")
              for d, dv in ((64, 64), (256, 256), (192, 128))]
-CASES = GRID + VARIANT_CASES + HEAD_DIMS
+CASES = list(dict.fromkeys(GRID + VARIANT_CASES + VARIANT_ROWS + HEAD_DIMS))
 
 
 def _module(case: tuple, **kw):
