@@ -63,6 +63,18 @@ class ConfigError(ValueError):
     """A KernelConfig that cannot compile or run for the problem it was asked for."""
 
 
+def config_from_dict(cls: type, data: dict):
+    """A config dataclass from its fields by name (tune files, search spaces); ConfigError
+    naming unknown fields."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - names
+    if unknown:
+        raise ConfigError(
+            f"{cls.__name__}: unknown field(s) {sorted(unknown)}; known: {sorted(names)}"
+        )
+    return cls(**data)
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     """Tile shape and pipeline of one kernel launch.
@@ -85,13 +97,7 @@ class KernelConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> KernelConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - names
-        if unknown:
-            raise ConfigError(
-                f"KernelConfig: unknown field(s) {sorted(unknown)}; known: {sorted(names)}"
-            )
-        return cls(**data)
+        return config_from_dict(cls, data)
 
     def key(self) -> str:
         return (

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from engine.ir.merge import TracedMerge
 from engine.ir.spec import TracedSpec
 from engine.mask.key_range import KeyRange, key_range
-from engine.plan.config import SMEM_LIMIT_BYTES, ConfigError
+from engine.plan.config import SMEM_LIMIT_BYTES, ConfigError, config_from_dict
 from engine.problem import Problem
 
 H100_SMS = 132
@@ -39,11 +39,7 @@ class DecodeConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> DecodeConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        if set(data) - names:
-            raise ConfigError(f"DecodeConfig: unknown field(s) {sorted(set(data) - names)}; "
-                              f"known: {sorted(names)}")
-        return cls(**data)
+        return config_from_dict(cls, data)
 
     def key(self) -> str:
         return f"N{self.block_N}_s{self.num_stages}_sp{self.num_splits}"
