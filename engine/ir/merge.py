@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from engine.dsl.expr import Expr, leaf, to_text, topo
 from engine.dsl.online import OnlineFunc, OnlineIdentity, OnlineRetention, OnlineSoftmax
 from engine.ir.spec import TracedSpec
-from engine.ir.trace import TraceError, _as_expr, _dict_result, _tuple_result, call_hook, trace_spec
+from engine.ir.trace import TraceError, as_expr, call_hook, dict_result, trace_spec, tuple_result
 
 ONLINE, FINAL = "online", "final"
 
@@ -54,7 +54,7 @@ def _defines(of: OnlineFunc, name: str) -> bool:
 
 
 def _check(hook: str, what: str, value, axes: set[str], leaf_op: str) -> Expr:
-    e = _as_expr(hook, what, value)
+    e = as_expr(hook, what, value)
     if not set(e.axes) <= axes:
         raise TraceError(f"{hook}: {what} varies along {e.axes}; expected at most "
                          f"{tuple(sorted(axes))} (reduce over the splits with get_reduce)")
@@ -68,10 +68,10 @@ def _check(hook: str, what: str, value, axes: set[str], leaf_op: str) -> Expr:
 def _trace_online(of: OnlineFunc) -> TracedMerge:
     names = list(of.online_rowscales)
     rs = {n: leaf("rowscale", ("m", "n"), n) for n in names}
-    res = _tuple_result("combine_online", call_hook("combine_online", of.combine_online,
+    res = tuple_result("combine_online", call_hook("combine_online", of.combine_online,
                                                     (dict(rs),)), 2, "o_scale, merged rowscales")
     weight = _check("combine_online", "o_scale", res[0], {"m", "n"}, "rowscale")
-    merged = _dict_result("combine_online", "merged rowscales", res[1], names)
+    merged = dict_result("combine_online", "merged rowscales", res[1], names)
     return TracedMerge(ONLINE, weight, tuple(
         (n, _check("combine_online", f"row scale {n!r}", merged[n], {"m"}, "rowscale"))
         for n in names))

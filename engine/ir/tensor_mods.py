@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from engine.dsl.expr import Expr, custom_names, index_leaf, leaf, to_text
 from engine.dsl.io import CustomIO
 from engine.ir.spec import TracedSpec
-from engine.ir.trace import TraceError, _as_expr, _check, _positional_arity, call_hook
+from engine.ir.trace import TraceError, as_expr, call_hook, check_result, positional_arity
 
 TENSOR_LEAF = "tensor"  # the leaf op of the modded tensor's element (engine.reference.evaluate)
 _FORMS = "(x) or (x, custom_fwd_inputs, b, h, pos)"
@@ -66,14 +66,14 @@ def trace_tensor_mod(hook: str, fn: Callable | None, pos: str, customs: CustomIO
         return None
     if not callable(fn):
         raise TraceError(f"{hook}: expected a callable {_FORMS}, got {type(fn).__name__}")
-    arity = _positional_arity(fn)
+    arity = positional_arity(fn)
     if arity not in (None, 1, 5):  # None (*args, a builtin): called as fn(x)
         raise TraceError(f"{hook} takes {arity} positional parameters; expected {_FORMS}")
     axis, position = _POSITIONS[pos]
     x = leaf(TENSOR_LEAF, (axis, "d"))
     args = (x,) if arity != 5 else (x, customs, index_leaf("b"), index_leaf("h"),
                                     index_leaf(pos))
-    result = _as_expr(hook, "the result", call_hook(hook, fn, args))
+    result = as_expr(hook, "the result", call_hook(hook, fn, args))
     other = set(result.axes) - {axis, "d"}
     if other:
         raise TraceError(
@@ -81,7 +81,7 @@ def trace_tensor_mod(hook: str, fn: Callable | None, pos: str, customs: CustomIO
             f"one {position} (pos): read CustomIO inputs at pos explicitly, e.g. "
             "custom_fwd_inputs[name][b, pos]"
         )
-    return TensorMod(hook, _check(hook, "the result", result, {axis, "d"}, customs), pos)
+    return TensorMod(hook, check_result(hook, "the result", result, {axis, "d"}, customs), pos)
 
 
 def trace_qkv_mods(query_mod: Callable | None, key_mod: Callable | None,

@@ -97,7 +97,7 @@ def _user_line(exc: BaseException) -> str:
     return where
 
 
-def _positional_arity(fn: Callable) -> int | None:
+def positional_arity(fn: Callable) -> int | None:
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
@@ -107,14 +107,14 @@ def _positional_arity(fn: Callable) -> int | None:
     return sum(1 for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
 
 
-def _as_expr(hook: str, what: str, value: Any) -> Expr:
+def as_expr(hook: str, what: str, value: Any) -> Expr:
     try:
         return Expr.wrap(value)
     except DSLError as exc:
         raise TraceError(f"{hook}: {what}: {exc}") from None
 
 
-def _check(
+def check_result(
     hook: str,
     what: str,
     value: Any,
@@ -125,7 +125,7 @@ def _check(
 ) -> Expr:
     """`value` (a hook's return value) as an Expr, checked for axes, dtype, reductions and
     the leaves and CustomIO inputs the hook may read."""
-    e = _as_expr(hook, what, value)
+    e = as_expr(hook, what, value)
     if not set(e.axes) <= axes:
         raise TraceError(
             f"{hook}: {what} varies along {e.axes} but may only vary along {tuple(sorted(axes))}"
@@ -159,7 +159,7 @@ def _check(
     return e
 
 
-def _dict_result(hook: str, what: str, value: Any, expected: list[str]) -> dict[str, Any]:
+def dict_result(hook: str, what: str, value: Any, expected: list[str]) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise TraceError(f"{hook}: {what} must be a dict, got {type(value).__name__}")
     if sorted(value) != sorted(expected):
@@ -167,7 +167,7 @@ def _dict_result(hook: str, what: str, value: Any, expected: list[str]) -> dict[
     return value
 
 
-def _tuple_result(hook: str, value: Any, n: int, names: str) -> tuple:
+def tuple_result(hook: str, value: Any, n: int, names: str) -> tuple:
     if not isinstance(value, tuple) or len(value) != n:
         got = f"a {len(value)}-tuple" if isinstance(value, tuple) else type(value).__name__
         raise TraceError(f"{hook}: must return {n} values ({names}), got {got}")
@@ -183,7 +183,7 @@ def trace_mask(mask_mod: Callable, customs: CustomIO | None = None) -> Expr:
     customs = customs if customs is not None else CustomIO({})
     if not callable(mask_mod):
         raise TraceError(f"mask_mod must be callable, got {type(mask_mod).__name__}")
-    if _positional_arity(mask_mod) not in (None, 4):
+    if positional_arity(mask_mod) not in (None, 4):
         raise TraceError("mask_mod must take (b, h, q_idx, kv_idx)")
     b, h, q, kv = (index_leaf(n) for n in ("b", "h", "q", "kv"))
     mval = call_hook("mask_mod", mask_mod, (b, h, q, kv))
@@ -192,7 +192,7 @@ def trace_mask(mask_mod: Callable, customs: CustomIO | None = None) -> Expr:
             "mask_mod: returned a Python bool; it must return a comparison of "
             "its index arguments (e.g. q_idx >= kv_idx)"
         )
-    return _check("mask_mod", "the result", mval, {"m", "n"}, customs, dtype="bool")
+    return check_result("mask_mod", "the result", mval, {"m", "n"}, customs, dtype="bool")
 
 
 def trace_spec(
@@ -245,14 +245,14 @@ def _trace_score_mod(score_mod: Callable | None, customs: CustomIO) -> Expr:
     if not callable(sm):
         raise TraceError(f"score_mod must be callable, got {type(sm).__name__}")
     raw = leaf("score", ("m", "n"))
-    arity = _positional_arity(sm)
+    arity = positional_arity(sm)
     args = (raw, b, h, q, kv) if arity == 5 else (raw, customs, b, h, q, kv)
     if arity not in (None, 5, 6):
         raise TraceError(
             f"score_mod takes {arity} positional parameters; expected "
             "(score, custom_fwd_inputs, b, h, q_idx, kv_idx) or (score, b, h, q_idx, kv_idx)"
         )
-    return _check("score_mod", "the result", call_hook("score_mod", sm, args), {"m", "n"}, customs)
+    return check_result("score_mod", "the result", call_hook("score_mod", sm, args), {"m", "n"}, customs)
 
 
 def _trace_online_fwd(of: OnlineFunc, customs: CustomIO
@@ -262,20 +262,20 @@ def _trace_online_fwd(of: OnlineFunc, customs: CustomIO
     online_names = list(of.online_rowscales)
     rs = {n: leaf("rowscale", ("m",), n) for n in online_names}
     score = leaf("score", ("m", "n"))
-    res = _tuple_result(
+    res = tuple_result(
         "online_fwd",
         call_hook("online_fwd", of.online_fwd, (score, dict(rs), b, h, q)),
         3,
         "scores, new_online_rowscales, o_scale",
     )
-    p = _check("online_fwd", "the returned scores", res[0], {"m", "n"}, customs,
+    p = check_result("online_fwd", "the returned scores", res[0], {"m", "n"}, customs,
                allow_reduce=True)
-    upd = _dict_result("online_fwd", "new_online_rowscales", res[1], online_names)
+    upd = dict_result("online_fwd", "new_online_rowscales", res[1], online_names)
     updates = tuple(
-        (n, _check("online_fwd", f"row scale {n!r}", upd[n], {"m"}, customs, allow_reduce=True))
+        (n, check_result("online_fwd", f"row scale {n!r}", upd[n], {"m"}, customs, allow_reduce=True))
         for n in online_names
     )
-    o_scale = _check("online_fwd", "o_scale", res[2], {"m"}, customs, allow_reduce=True)
+    o_scale = check_result("online_fwd", "o_scale", res[2], {"m"}, customs, allow_reduce=True)
     return p, updates, o_scale
 
 
@@ -286,16 +286,16 @@ def _trace_epilogue(of: OnlineFunc, customs: CustomIO
     rs = {n: leaf("rowscale", ("m",), n) for n in of.online_rowscales}
     final_names = list(of.final_rowscales)
     o = leaf("o", ("m", "d"))
-    res = _tuple_result(
+    res = tuple_result(
         "online_fwd_epilogue",
         call_hook("online_fwd_epilogue", of.online_fwd_epilogue, (o, dict(rs), b, h, q)),
         2,
         "o, final_rowscales",
     )
-    epi_o = _check("online_fwd_epilogue", "o", res[0], {"m", "d"}, customs)
-    fin = _dict_result("online_fwd_epilogue", "final_rowscales", res[1], final_names)
+    epi_o = check_result("online_fwd_epilogue", "o", res[0], {"m", "d"}, customs)
+    fin = dict_result("online_fwd_epilogue", "final_rowscales", res[1], final_names)
     finals = tuple(
-        (n, _check("online_fwd_epilogue", f"final row scale {n!r}", fin[n], {"m"}, customs))
+        (n, check_result("online_fwd_epilogue", f"final row scale {n!r}", fin[n], {"m"}, customs))
         for n in final_names
     )
     return epi_o, finals
@@ -307,7 +307,7 @@ def _trace_rules(of: OnlineFunc, customs: CustomIO) -> tuple[Expr, Expr]:
     b, h, q, kv = _indices()
     fl = {n: leaf("final", ("m",), n) for n in of.final_rowscales}
     score = leaf("score", ("m", "n"))
-    recompute = _check(
+    recompute = check_result(
         "forward",
         "the result",
         call_hook("forward", of.forward, (score, dict(fl), b, h, q, kv)),
@@ -321,4 +321,4 @@ def _trace_rules(of: OnlineFunc, customs: CustomIO) -> tuple[Expr, Expr]:
         (dp, pp, dict(fl), doosum, b, h, q, kv),
         aliases={a: doosum for a in _DOOSUM_ALIASES},
     )
-    return recompute, _check("backward", "the result", bwd_val, {"m", "n"}, customs)
+    return recompute, check_result("backward", "the result", bwd_val, {"m", "n"}, customs)
