@@ -12,7 +12,7 @@ import torch
 
 from engine import CustomIO, TraceError, create_block_mask, where
 from engine.dsl.expr import index_leaf
-from engine.ir.trace import _check
+from engine.ir.trace import check_result
 from engine.mask.analysis import EMPTY, FULL, PARTIAL, classify, count_unmasked
 
 B, H = 2, 3
@@ -22,7 +22,7 @@ WIN = torch.tensor([5, 17, 40])  # per-head windows
 
 def _trace(mask_mod, io: CustomIO | None = None):
     b, h, q, kv = (index_leaf(n) for n in ("b", "h", "q", "kv"))
-    return _check(
+    return check_result(
         "mask_mod",
         "the result",
         mask_mod(b, h, q, kv),
