@@ -24,6 +24,8 @@ every valid key. Lengths and page tables are a few hundred bytes and not counted
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from attnbench.cases import Case
@@ -193,11 +195,13 @@ def build_module(case: Case, variant, backend: str):
         head_dim_v=case.head_dim_v, dtype=torch_dtype(case.dtype), backend=backend)
 
 
-def decode_reference(case: Case, variant, inputs: dict) -> torch.Tensor:
+def decode_reference(case: Case, variant, inputs: dict,
+                     sequences: Sequence[int] | None = None) -> torch.Tensor:
     """o float32 [B, Sq, Hq, Dv] from the engine's decode reference executor (the spec's
-    meaning over the valid lengths), which every implementation is checked against. One
-    sequence at a time: the executor widens K and V to float32 per query head, which for a
-    whole batch of 128k-token caches is tens of GiB."""
+    meaning over the valid lengths), which every implementation is checked against; with
+    `sequences`, only theirs ([len(sequences), Sq, Hq, Dv], in that order). One sequence at a
+    time: the executor widens K and V to float32 per query head, which for a whole batch of
+    128k-token caches is tens of GiB."""
     from engine.reference.decode import decode_forward
 
     mod = build_module(case, variant, "reference")
@@ -205,7 +209,7 @@ def decode_reference(case: Case, variant, inputs: dict) -> torch.Tensor:
     table = inputs["block_table"]
     out = []
     with torch.no_grad():
-        for b in range(case.batch):
+        for b in range(case.batch) if sequences is None else sequences:
             k, v = inputs["k_cache"], inputs["v_cache"]
             if table is None:  # a paged pool is shared: its table row picks the sequence
                 k, v = k[b:b + 1], v[b:b + 1]

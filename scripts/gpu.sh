@@ -2,7 +2,7 @@
 # Everything GPU-side in one call (the device tool runs it in the repo root with $OUT set):
 # GPU tests, then the benchmark suites; results under $OUT, a short table last.
 # Usage: scripts/gpu.sh [tests[:forward|:backward]] [SUITE[:impl,impl]] [compare-grid] [tune]
-#        [tune-bwd] [tune-suite:SUITE] ...
+#        [tune-bwd] [tune-decode] [tune-suite:SUITE] ...
 #   default: tests softmax-d128 softmax-d128-bwd variants
 #   decode: the decode suite (issue 23; its engine kernels compile on each case's first call)
 #   compare-grid: the grid-vs-Optuna record (llama3-8b, 8k, bf16)
@@ -10,6 +10,9 @@
 #     file, copied to $OUT/tune)
 #   tune-bwd: the same cases' backward kernel, 10 trials each (attention_bwd tune file)
 #   tune-suite:SUITE: every engine case of SUITE, forward and backward kernels, 8 trials each
+#   tune-decode: the decode kind (attnbench tune --mode decode) on the decode suite's case
+#     DECODE_FILTER (default softmax/llama3-8b/b1/s1x131072/bfloat16), DECODE_TRIALS (default 8)
+#     Optuna trials; the attention_decode tune file copied to $OUT/tune
 #   user-loop: tune=True on three custom variants, then both modules timed in a user loop
 #     (scripts/tune_user_loop.py; record and tune files to $OUT/tune)
 #   RUN_FILTER=PATTERN: suites run only the cases matching PATTERN (attnbench run --filter)
@@ -48,7 +51,8 @@ tune_suite() {
   python -m attnbench tune --suite "$suite" --mode "$mode" --trials "$trials" "$@" --no-progress \
     --timeout "$timeout" --storage "sqlite:///$OUT/tune/studies-$suite-$mode.db" 2>&1 \
     | grep -v "^\[I \|INFO\|Warning" | tail -30
-  cp results/tune/*/attention_fwd.json results/tune/*/attention_bwd.json "$OUT/tune/" 2>/dev/null
+  cp results/tune/*/attention_fwd.json results/tune/*/attention_bwd.json \
+    results/tune/*/attention_decode.json "$OUT/tune/" 2>/dev/null
 }
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests softmax-d128 softmax-d128-bwd variants)
 for step in "${steps[@]}"; do
@@ -86,6 +90,9 @@ for step in "${steps[@]}"; do
       ${SWEEP_CONFIGS:-} 2>&1 | grep -v INFO | tail -60
   elif [ "$step" = clock-trace ]; then
     python scripts/clock_trace.py "$OUT/clock-trace.json" 2>&1 | tail -5
+  elif [ "$step" = tune-decode ]; then
+    tune_suite decode decode "${DECODE_TRIALS:-8}" 420 --tpe \
+      --filter "${DECODE_FILTER:-softmax/llama3-8b/b1/s1x131072/bfloat16}"
   elif [ "${step%%:*}" = tune-suite ]; then
     tune_suite "${step#*:}" both 8 380
   else

@@ -11,8 +11,30 @@ import sys
 import time
 from pathlib import Path
 
-MODES = ("fwd", "bwd", "both")
+MODES = ("fwd", "bwd", "both", "decode")
 KERNEL_DTYPES = ("bf16", "fp16")  # what the engine's kernels (and so the tuner) take
+
+
+def studies_of(mode: str) -> list[tuple[str, str]]:
+    """(problem family, kernel mode) of each kind `--mode` tunes: fwd and bwd the attention
+    kinds, both the two, decode the decode kind; a kind's name (attention_decode) that kind."""
+    from engine.kernels.registry import KINDS
+
+    if mode in KINDS:
+        return [(KINDS[mode].family, KINDS[mode].mode)]
+    if mode == "both":
+        return [("attention", "fwd"), ("attention", "bwd")]
+    return [("decode", "fwd")] if mode == "decode" else [("attention", mode)]
+
+
+def _mode(text: str) -> str:
+    from engine.kernels.registry import KINDS
+
+    if text not in MODES and text not in KINDS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected one of {', '.join(MODES)} or a kernel kind "
+            f"({', '.join(sorted(KINDS))})")
+    return text
 
 
 def parse_seqlens(text: str) -> list[int]:
@@ -93,13 +115,23 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--head-dim-v", type=_positive(int), help="head dim of v (default: head dim)")
     p.add_argument("--variant", help="attention variant (default softmax)")
     p.add_argument("--seqlens", type=parse_seqlens,
-                   help="sequence lengths, one study each (default 2k,4k,8k,16k)")
+                   help="sequence lengths, one study each (default 2k,4k,8k,16k; --mode decode: "
+                   "the KV cache's capacity, default 4k,32k,128k)")
     p.add_argument("--batch", type=_positive(int),
                    help="batch size (default: 16k tokens per batch, i.e. 16384 // seqlen)")
     p.add_argument("--dtype", type=parse_dtype,
                    help="bf16 (default) or fp16; bfloat16 and float16 are accepted too")
-    p.add_argument("--mode", default="fwd", choices=MODES,
-                   help="fwd times the forward; bwd times forward+backward")
+    p.add_argument("--mode", default="fwd", type=_mode, metavar="{" + ",".join(MODES) + "}",
+                   help="fwd times the forward; bwd times forward+backward; both tunes the two; "
+                   "decode the decode kernels on a KV cache (suite cases of kind decode); a "
+                   "kernel kind's name (attention_decode) tunes that kind")
+    p.add_argument("--new-tokens", type=_positive(int),
+                   help="--mode decode: new query tokens per sequence (default 1)")
+    p.add_argument("--page-size", type=_non_negative_int,
+                   help="--mode decode: the paged cache's page size (default 0: contiguous)")
+    p.add_argument("--ragged", action="store_const", const=True,
+                   help="--mode decode: seeded valid lengths between the new tokens and the "
+                   "capacity (default: every sequence full)")
     p.add_argument("--trials", type=_positive(int), default=64,
                    help="evaluated trials each study should reach (resumes count; default 64)")
     p.add_argument("--timeout", type=_positive(float), help="wall-clock limit in seconds")
@@ -112,6 +144,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     search = p.add_mutually_exclusive_group()
     search.add_argument("--grid", action="store_true",
                         help="evaluate every valid config of the search space once")
+    search.add_argument("--tpe", action="store_true",
+                        help="sample --trials configs with Optuna even where the space is small "
+                        "enough to be evaluated whole (its [search] exhaustive_max_valid)")
     search.add_argument("--compare-grid", action="store_true",
                         help="run the grid and a fresh Optuna study with 30%% of its trials; "
                         "write and print the comparison (results/tune/<gpu>/compare-*.json). "
@@ -169,13 +204,14 @@ def _geometry(args) -> dict[str, int]:
     return geo  # type: ignore[return-value]
 
 
-# Arguments that choose problems by hand, which --suite replaces.
+# Arguments that choose problems by hand, which --suite replaces; those only decode takes.
 _BY_HAND = ("shape", "heads_q", "heads_kv", "head_dim", "head_dim_v", "variant", "seqlens",
-            "batch", "dtype")
+            "batch", "dtype", "new_tokens", "page_size", "ragged")
+_DECODE_ONLY = ("new_tokens", "page_size", "ragged")
 
 
-def _problems(args, mode: str) -> list:
-    """The problems to tune in `mode`: from --suite, or from the shape arguments."""
+def _problems(args, family: str, mode: str) -> list:
+    """The problems of `family` to tune in `mode`: from --suite, or from the shape arguments."""
     from attnbench.tune.problem import Problem
 
     if args.suite:
@@ -194,23 +230,40 @@ def _problems(args, mode: str) -> list:
         for c in cases:
             dtype = short_dtype_name(c.dtype)
             engine = any(i in c.impls for i in ("engine", "engine-dynamic"))
-            if not engine or c.kind != "attention" or dtype not in KERNEL_DTYPES:
+            if not engine or c.kind != family or dtype not in KERNEL_DTYPES:
                 continue
-            prob = Problem(variant=c.variant, batch=c.batch, heads_q=c.heads_q,
-                           heads_kv=c.heads_kv, seqlen_q=c.seqlen_q, seqlen_kv=c.seqlen_kv,
-                           head_dim=c.head_dim, head_dim_v=c.head_dim_v, dtype=dtype, mode=mode)
+            cache = {"ragged": c.ragged, "page_size": c.page_size} if family == "decode" else {}
+            prob = Problem(variant=c.variant, **c.sizes(), dtype=dtype, mode=mode, family=family,
+                           **cache)
             if prob not in out:
                 out.append(prob)
         if not out:
-            raise ValueError(f"--suite {args.suite}: no half-precision engine case to tune")
+            raise ValueError(f"--suite {args.suite}: no half-precision engine case of kind "
+                             f"{family!r} to tune (--mode {args.mode})")
         return out
     if args.filter:
         raise ValueError("--filter selects cases of --suite")
     geo = _geometry(args)
+    if family != "decode":
+        given = [f"--{a.replace('_', '-')}" for a in _DECODE_ONLY if getattr(args, a) is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)}: KV-cache options of --mode decode")
+        return [
+            Problem(variant=args.variant or "softmax", batch=args.batch or max(1, 16384 // seqlen),
+                    seqlen_q=seqlen, seqlen_kv=seqlen, dtype=args.dtype or "bf16", mode=mode,
+                    **geo)
+            for seqlen in (args.seqlens or parse_seqlens("2k,4k,8k,16k"))
+        ]
+    caps = args.seqlens or parse_seqlens("4k,32k,128k")
+    page = args.page_size or 0
+    if page and any(cap % page for cap in caps):
+        raise ValueError(f"--page-size {page}: expected a divisor of every capacity (--seqlens "
+                         f"{','.join(map(str, caps))})")
     return [
-        Problem(variant=args.variant or "softmax", batch=args.batch or max(1, 16384 // seqlen),
-                seqlen_q=seqlen, seqlen_kv=seqlen, dtype=args.dtype or "bf16", mode=mode, **geo)
-        for seqlen in (args.seqlens or parse_seqlens("2k,4k,8k,16k"))
+        Problem(variant=args.variant or "softmax", batch=args.batch or max(1, 16384 // cap),
+                seqlen_q=args.new_tokens or 1, seqlen_kv=cap, dtype=args.dtype or "bf16",
+                mode=mode, family=family, ragged=bool(args.ragged), page_size=page, **geo)
+        for cap in caps
     ]
 
 
@@ -237,7 +290,7 @@ def run(args) -> int:
             trials=args.trials, timeout_s=left, storage=args.storage,
             devices=tuple(args.gpus), compile_jobs=args.compile_jobs,
             compile_timeout_s=args.compile_timeout, bench_timeout_s=args.bench_timeout,
-            seed=args.seed, search="grid" if args.grid else "auto",
+            seed=args.seed, search="grid" if args.grid else "tpe" if args.tpe else "auto",
             tune_file=args.tune_file, write_tune_file=not args.no_tune_file,
             progress=not args.no_progress, confirm_rounds=args.confirm_rounds,
         )
@@ -264,8 +317,10 @@ def run(args) -> int:
 
 
 def _print_result(res) -> None:
-    best = (f"{res.best_latency_ms:.4g} ms, {res.best_tflops:.0f} TFLOP/s, "
-            f"{res.best_config}" if res.best_latency_ms is not None else "none")
+    rate = (f"{res.best_tbps:.2f} TB/s" if res.best_tbps is not None
+            else f"{res.best_tflops:.0f} TFLOP/s" if res.best_tflops is not None else "")
+    best = (f"{res.best_latency_ms:.4g} ms, {rate}, {res.best_config}"
+            if res.best_latency_ms is not None else "none")
     print(f"{res.study_name}: {res.evaluated}/{res.target} trials "
           f"({res.failed} failed{', exhaustive' if res.exhaustive else ''}); best {best}"
           + (f"; default {res.baseline_latency_ms:.4g} ms"
@@ -288,19 +343,19 @@ def _checked_work(args) -> list[tuple]:
         problem = file_problem(path) if path is not None else None
         if problem:
             raise ValueError(f"{flag}: cannot write {path}: {problem}")
-    modes = ["fwd", "bwd"] if args.mode == "both" else [args.mode]
-    if "bwd" in modes and args.objective == "engine":
+    studies = studies_of(args.mode)
+    if ("attention", "bwd") in studies and args.objective == "engine":
         from engine import kernel_backward_enabled
 
         if not kernel_backward_enabled():
             raise ValueError("--mode bwd tunes the backward kernels, which are off; unset "
                              "ATTNBENCH_KERNEL_BACKWARD=0")
-    problems = [p for mode in modes for p in _problems(args, mode)]
+    problems = [p for family, mode in studies for p in _problems(args, family, mode)]
     _check_variants(args, problems)
     work = []
     for p in problems:
         space = load_space(p.template)
-        if not space.valid_configs(p.head_dim, p.head_dim_v, p.elem_bytes):
+        if not space.valid_configs(p.head_dim, p.head_dim_v, p.elem_bytes, **p.validity_args()):
             raise ValueError(f"--head-dim/--head-dim-v: no config of {space.source} is valid for "
                              f"D={p.head_dim}, Dv={p.head_dim_v}, dtype {p.dtype} ({p.mode})")
         work.append((_objective(args, p), space))
@@ -344,6 +399,10 @@ def _objective(args, problem):
         except TypeError as exc:
             raise ValueError(f"--fake-options: {exc}") from None
         return FakeObjective(problem=problem, **opts)
+    if problem.decode:
+        from attnbench.tune.decode_objective import DecodeObjective
+
+        return DecodeObjective(problem=problem, seed=args.seed)
     from attnbench.tune.engine_objective import EngineObjective
 
     return EngineObjective(problem=problem, seed=args.seed)

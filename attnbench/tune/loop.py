@@ -238,9 +238,9 @@ class StudyWorker:
             cfg = self.space.config(params)
             key = cfg.key()
             trial.set_user_attr("config", key)
-            problems = self.space.problems(
-                cfg, self.problem.head_dim, self.problem.head_dim_v, self.problem.elem_bytes
-            )
+            p = self.problem
+            problems = self.space.problems(cfg, p.head_dim, p.head_dim_v, p.elem_bytes,
+                                           **p.validity_args())
             # The validity model is Optuna's constraint: TPE learns to avoid infeasible regions.
             trial.set_constraint("validity", float(len(problems)))
             if problems:
@@ -286,7 +286,8 @@ class StudyWorker:
     def _n_valid(self) -> int:
         if not hasattr(self, "_valid_count"):
             p = self.problem
-            valid = self.space.valid_configs(p.head_dim, p.head_dim_v, p.elem_bytes)
+            valid = self.space.valid_configs(p.head_dim, p.head_dim_v, p.elem_bytes,
+                                             **p.validity_args())
             self._valid_count = len(valid)
         return self._valid_count
 

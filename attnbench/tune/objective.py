@@ -57,7 +57,8 @@ class Objective(Protocol):
 class FakeObjective:
     """Latency from a smooth formula of the config with a unique optimum.
 
-    Optimum: block_M=128, block_N=128, num_stages=2, threads=256, FullRow, swizzle 8. Configs
+    Optimum: block_M=128, block_N=128, num_stages=2, threads=256, FullRow, swizzle 8 (a decode
+    problem's DecodeConfig: block_N=128, num_stages=2, num_splits=16). Configs
     with block_N=32 and num_stages=3 "fail to compile"; `hang_keys` hang and `crash_keys` kill
     their worker process (SIGKILL-like exit), to exercise timeouts and worker replacement.
     `delay_s` makes each step take that long (tests of resume and sharing); `trace_path`, when
@@ -119,7 +120,7 @@ class FakeObjective:
             os._exit(139)  # what a segfaulting CUDA process looks like to its parent
         if key in self.wrong_keys:
             raise TrialFailed("output mismatch: rel err 3.1e-01 >= 1e-02 against the reference")
-        ms = fake_latency_ms(KernelConfig() if self.flat else cfg, self.problem)
+        ms = fake_latency_ms(type(cfg)() if self.flat else cfg, self.problem)
         if self.noise:
             u = random.Random(f"{key}:{next(_MEASUREMENTS)}").uniform(-1.0, 1.0)
             ms *= 1.0 + self.noise * u
@@ -130,6 +131,8 @@ _MEASUREMENTS = itertools.count()  # per process: the fake's noise differs betwe
 
 
 def fake_latency_ms(cfg: KernelConfig, problem: Problem) -> float:
+    if problem.decode:
+        return fake_decode_ms(cfg, problem)
     work = problem.flops() / 1e12  # TFLOP
     lm = math.log2(cfg.block_M / 128)
     ln = math.log2(cfg.block_N / 128)
@@ -143,3 +146,14 @@ def fake_latency_ms(cfg: KernelConfig, problem: Problem) -> float:
         + (0.0 if cfg.swizzle_panel == 8 else 0.02)
     )
     return 1000.0 * work / 600.0 * (1.0 + penalty)  # 600 TFLOP/s at the optimum
+
+
+def fake_decode_ms(cfg, problem: Problem) -> float:
+    """The KV cache's bytes at 3 TB/s at the optimum (block_N=128, 2 stages, 16 splits; 0, the
+    plan's choice, a little slower), slower away from it."""
+    p = problem
+    nbytes = p.batch * p.seqlen_kv * p.heads_kv * (p.head_dim + p.head_dim_v) * p.elem_bytes
+    ln = math.log2(cfg.block_N / 128)
+    ls = math.log2(cfg.num_splits / 16) if cfg.num_splits else 0.5
+    penalty = 0.25 * ln * ln + 0.12 * (cfg.num_stages - 2) ** 2 + 0.05 * ls * ls
+    return 1000.0 * nbytes / 3e12 * (1.0 + penalty)

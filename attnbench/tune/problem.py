@@ -6,9 +6,10 @@ import hashlib
 from dataclasses import dataclass
 
 from engine.dtypes import elem_bytes
-from engine.kernels.registry import kind_for
+from engine.kernels.registry import KernelKind, kind_for
 from engine.problem import SIZE_KEYS
 from engine.problem import Problem as Sizes
+from engine.tuning.select import decode_shape
 from engine.tuning.tune_file import gpu_slug, normalize_dtype, shape_tag, tilelang_version
 
 MODES = ("fwd", "bwd")
@@ -16,13 +17,19 @@ MODES = ("fwd", "bwd")
 
 @dataclass(frozen=True)
 class Problem(Sizes):
-    """One attention problem: variant, the sizes (keyword arguments: engine.problem.Problem),
-    dtype and pass (fwd, or fwd+bwd for 'bwd')."""
+    """One problem to tune: variant, the sizes (keyword arguments: engine.problem.Problem),
+    dtype and pass (fwd, or fwd+bwd for 'bwd').
+
+    family "decode" (a decode suite case, attnbench.decode): seqlen_q is the new tokens per
+    sequence, seqlen_kv the cache's capacity, `ragged` draws the valid lengths, `page_size`
+    pages the cache (0: contiguous); the mode is "fwd"."""
 
     variant: str
     dtype: str = "bf16"
     mode: str = "fwd"
     family: str = "attention"  # a suite case's kind: with the mode, it picks the kernel kind
+    ragged: bool = False
+    page_size: int = 0
 
     def __post_init__(self) -> None:
         for name in SIZE_KEYS:
@@ -37,19 +44,45 @@ class Problem(Sizes):
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r}: expected one of {MODES}")
         kind_for(self.family, self.mode)  # ValueError naming the kinds there are
+        self._check_cache()
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+
+    def _check_cache(self) -> None:
+        if not isinstance(self.ragged, bool):
+            raise ValueError(f"ragged={self.ragged!r}: expected a bool")
+        p = self.page_size
+        if isinstance(p, bool) or not isinstance(p, int) or p < 0 or (p and self.seqlen_kv % p):
+            raise ValueError(f"page_size={p!r}: expected 0 (contiguous) or a positive divisor "
+                             f"of the capacity seqlen_kv={self.seqlen_kv}")
+        if self.family != "decode" and (self.ragged or p):
+            raise ValueError(f"ragged={self.ragged}, page_size={p}: KV-cache fields of a decode "
+                             f"problem, not of family {self.family!r}")
+
+    @property
+    def kind(self) -> KernelKind:
+        """The kernel kind this problem's study tunes (engine.kernels.registry)."""
+        return kind_for(self.family, self.mode)
 
     @property
     def template(self) -> str:
-        """The kernel kind this problem's study tunes (engine.kernels.registry)."""
-        return kind_for(self.family, self.mode).name
+        return self.kind.name
+
+    @property
+    def decode(self) -> bool:
+        return self.family == "decode"
+
+    def validity_args(self) -> dict[str, int]:
+        """What the kind's validity model and default take beyond (D, Dv, elem_bytes): decode's
+        tile rows (the query heads of one kv head times the new tokens)."""
+        return {"rows": self.groups * self.seqlen_q} if self.decode else {}
 
     @property
     def elem_bytes(self) -> int:
         return elem_bytes(self.dtype)
 
     def shape(self) -> dict[str, int]:
-        return self.sizes()
+        """The sizes as tune files key them (decode: with the page size)."""
+        return decode_shape(self.sizes(), self.page_size) if self.decode else self.sizes()
 
     def flops(self, unmasked_fraction: float = 1.0) -> float:
         """FLOPs by FlashAttention's convention (engine.problem): the forward, or in 'bwd' mode
@@ -58,8 +91,9 @@ class Problem(Sizes):
 
 
 def study_name(problem: Problem, *, spec_hash: str, gpu: str, kind: str = "tpe") -> str:
-    """One study per (template, spec hash, shape, dtype, mode, GPU, TileLang version). `kind`
-    separates the grid baseline and comparison runs from the main TPE study."""
+    """One study per (template, spec hash, shape, dtype, mode, GPU, TileLang version), and per
+    ragged or full cache lengths for decode. `kind` separates the grid baseline and comparison
+    runs from the main TPE study."""
     spec = str(spec_hash)
     if len(spec) > 16:
         spec = hashlib.sha256(spec.encode()).hexdigest()[:16]
@@ -67,6 +101,8 @@ def study_name(problem: Problem, *, spec_hash: str, gpu: str, kind: str = "tpe")
         problem.template, problem.variant, spec, shape_tag(problem.shape()), problem.dtype,
         problem.mode, gpu_slug(gpu), f"tl{tilelang_version()}",
     ]
+    if problem.ragged:  # other inputs, the same tune-file entry (the engine sees no lengths)
+        parts.append("ragged")
     if kind != "tpe":
         parts.append(kind)
     return ":".join(parts)

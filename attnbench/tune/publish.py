@@ -45,7 +45,7 @@ def write_best(result: TuneResult, study: optuna.Study, objective: Objective,
                "confirmed against it")
         _note(result, f"tune file not written: {why}", logging.WARNING)
         return
-    winner = KernelConfig(**best.params)
+    winner = objective.problem.kind.config_type(**best.params)
     conf = None
     if winner != baseline:
         try:
@@ -66,7 +66,12 @@ def _entry(result: TuneResult, objective: Objective, best, cfg: KernelConfig, la
            baseline: KernelConfig, baseline_ms: float, outcome: str) -> dict:
     problem = objective.problem
     flops = problem.flops(objective.unmasked_fraction())
-    return {
+    extra = {}
+    if problem.decode:  # the cache's lengths: not part of the key (the engine cannot see them)
+        extra["ragged"] = problem.ragged
+    if best.user_attrs.get("bytes"):  # an objective that counts the bytes it moves (decode)
+        extra["tbps"] = float(best.user_attrs["bytes"]) / (latency_ms * 1e-3) / 1e12
+    return extra | {
         "template": problem.template,
         "variant": problem.variant,
         "spec_hash": objective.spec_hash(),
@@ -90,15 +95,15 @@ def _entry(result: TuneResult, objective: Objective, best, cfg: KernelConfig, la
     }
 
 
-def _config_of(entry) -> KernelConfig | None:
+def _config_of(entry, config_type: type) -> KernelConfig | None:
     try:
-        return KernelConfig.from_dict(dict(entry["config"]))
+        return config_type.from_dict(dict(entry["config"]))
     except Exception:  # a hand-edited or foreign entry: compared as "another config"
         return None
 
 
-def _key_of(entry) -> str:
-    cfg = _config_of(entry)
+def _key_of(entry, config_type: type) -> str:
+    cfg = _config_of(entry, config_type)
     return cfg.key() if cfg is not None else "an unreadable config"
 
 
@@ -106,26 +111,27 @@ def _store_winner(result, objective, path: Path, best, winner: KernelConfig,
                   baseline: KernelConfig, conf: Confirmation) -> None:
     entry = _entry(result, objective, best, winner, conf.winner_median_ms, baseline,
                    conf.baseline_median_ms, "tuned")
+    ctype = type(winner)
 
     def keep_old(old, new) -> bool:
         # The old entry is the baseline just beaten (or this winner): replace it. A different
         # config means another tuner wrote meanwhile: the faster recorded latency stays.
-        if _config_of(old) in (baseline, winner):
+        if _config_of(old, ctype) in (baseline, winner):
             return False
         try:
             return float(old["latency_ms"]) <= float(new["latency_ms"])
         except (KeyError, TypeError, ValueError):
             return False
 
-    written, old = tune_file.store_unless(path, entry, keep_old)
+    written, old = tune_file.store_unless(path, entry, keep_old, ctype)
     if written:
         result.tune_file, result.entry = str(path), entry
         _note(result, f"wrote {winner.key()} to {path}: {conf.reason()}"
-              + (f"; replaced {_key_of(old)}" if old else ""))
+              + (f"; replaced {_key_of(old, ctype)}" if old else ""))
     else:
         result.entry = old
         _note(result, f"kept the entry of {path} that another tuner wrote meanwhile "
-              f"({_key_of(old)}, {old.get('latency_ms')} ms): faster than this run's confirmed "
+              f"({_key_of(old, ctype)}, {old.get('latency_ms')} ms): faster than this run's confirmed "
               f"winner {winner.key()} ({conf.winner_median_ms:.4g} ms)")
 
 
@@ -136,14 +142,15 @@ def _store_baseline(result, objective, path: Path, best, baseline: KernelConfig,
     ms = conf.baseline_median_ms if conf is not None else best.value
     entry = _entry(result, objective, best, baseline, ms, baseline, ms, "baseline")
     # An existing entry stays: it is the baseline itself, or newer than it.
-    written, old = tune_file.store_unless(path, entry, lambda old, new: True)
+    ctype = type(baseline)
+    written, old = tune_file.store_unless(path, entry, lambda old, new: True, ctype)
     if written:
         result.tune_file, result.entry = str(path), entry
         _note(result, f"recorded the engine's current config {baseline.key()} ({ms:.4g} ms) in "
                       f"{path}: {why}")
     else:
         result.entry = old
-        _note(result, f"kept the entry of {path} ({_key_of(old)}): {why}")
+        _note(result, f"kept the entry of {path} ({_key_of(old, ctype)}): {why}")
 
 
 def _note(result: TuneResult, text: str, level: int = logging.INFO) -> None:

@@ -20,6 +20,7 @@ class TuneResult:
     best_tflops: float | None
     best_config: dict | None
     best_trial: int | None
+    best_tbps: float | None = None  # decode: bytes moved / time (the trial's `tbps`)
     history: list[float] = field(default_factory=list)  # latency per evaluated trial, in order
     history_keys: list[str] = field(default_factory=list)  # config key per evaluated trial
     tune_file: str | None = None

@@ -41,6 +41,7 @@ from attnbench.tune.storage import default_storage_url, make_storage, reap_dead_
 from attnbench.tune.workers import BenchWorker, CompilePool
 from engine.plan.config import KernelConfig
 from engine.tuning import tune_file
+from engine.tuning.select import for_shape
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,8 @@ def default_config(problem, space: SearchSpace, spec=None) -> KernelConfig | Non
         return None
     try:
         cfg = KINDS[problem.template].default(problem.head_dim, problem.head_dim_v,
-                                              problem.elem_bytes, spec=spec)
+                                              problem.elem_bytes, spec=spec,
+                                              **problem.validity_args())
     except ValueError:
         return None
     if not space.contains(cfg):
@@ -145,9 +147,13 @@ def current_config(objective: Objective, space: SearchSpace, gpu: str,
     problem = objective.problem
     hit = tune_file.lookup(tune_path, template=problem.template, spec_hash=objective.spec_hash(),
                            dtype=problem.dtype, mode=problem.mode, gpu=gpu,
-                           shape=problem.shape())
-    if hit is not None and space.contains(hit[0]):
-        return hit[0]
+                           shape=problem.shape(), config_type=space.config_type)
+    if hit is not None:
+        cfg = for_shape(hit[0], bool(hit[1].get("exact")))  # as the engine runs the entry
+        if space.contains(cfg) and not space.problems(
+                cfg, problem.head_dim, problem.head_dim_v, problem.elem_bytes,
+                **problem.validity_args()):
+            return cfg
     return default_config(problem, space, objective.traced_spec())
 
 
@@ -185,7 +191,8 @@ def _run_study(objective: Objective, space: SearchSpace, opts: TuneOptions,
             f"search space {space.source} is for template {space.template!r}, "
             f"but mode={problem.mode!r} needs {problem.template!r}"
         )
-    valid = space.valid_configs(problem.head_dim, problem.head_dim_v, problem.elem_bytes)
+    valid = space.valid_configs(problem.head_dim, problem.head_dim_v, problem.elem_bytes,
+                                **problem.validity_args())
     if not valid:
         raise ValueError(
             f"no config of {space.source} is valid for D={problem.head_dim}, "
@@ -269,7 +276,8 @@ def _run_study(objective: Objective, space: SearchSpace, opts: TuneOptions,
         _watch(threads, study, problem, target, opts)
         if errors:
             raise errors[0]
-        result = summarize(study, name, storage_url, gpu, len(valid), exhaustive, target, run_id)
+        result = summarize(study, name, storage_url, gpu, len(valid), exhaustive, target, run_id,
+                           space.config_type)
         result.interrupted = interrupted.is_set() or (
             result.evaluated < target and deadline is not None and time.monotonic() >= deadline
         )
@@ -329,7 +337,7 @@ def _first_sigint_stops(stop: threading.Event, interrupted: threading.Event):
 
 def summarize(
     study: optuna.Study, name: str, storage_url: str, gpu: str, n_valid: int, exhaustive: bool,
-    target: int, run_id: str = "",
+    target: int, run_id: str = "", config_type: type = KernelConfig,
 ) -> TuneResult:
     st = study_state(study)
     evaluated = sorted(
@@ -348,10 +356,11 @@ def summarize(
         failed=len(evaluated) - len(done),
         best_latency_ms=best.value if best else None,
         best_tflops=best.user_attrs.get("tflops") if best else None,
-        best_config=KernelConfig(**best.params).to_dict() if best else None,
+        best_config=config_type(**best.params).to_dict() if best else None,
+        best_tbps=best.user_attrs.get("tbps") if best else None,
         best_trial=best.number if best else None,
         history=[t.value if t.state == TrialState.COMPLETE else math.inf for t in evaluated],
-        history_keys=[KernelConfig(**t.params).key() for t in evaluated],
+        history_keys=[config_type(**t.params).key() for t in evaluated],
         run_id=run_id,
     )
     if run_id:
@@ -363,11 +372,11 @@ def summarize(
         base = [t for t in mine if t.user_attrs.get("baseline")]
         if base:
             res.baseline_latency_ms = base[0].value
-            res.baseline_config = KernelConfig(**base[0].params).to_dict()
+            res.baseline_config = config_type(**base[0].params).to_dict()
         if mine:
             top = min(mine, key=lambda t: (t.value, t.number))
             res.run_best_latency_ms = top.value
-            res.run_best_config = KernelConfig(**top.params).to_dict()
+            res.run_best_config = config_type(**top.params).to_dict()
             res.run_best_tflops = top.user_attrs.get("tflops")
             res.run_best_trial = top.number
     return res

@@ -1,4 +1,5 @@
-"""Search spaces as data: `search_spaces/<template>.toml` -> SearchSpace."""
+"""Search spaces as data: `search_spaces/<template>.toml` -> SearchSpace. A space's params are
+fields of its kind's config type (engine.kernels.registry: KernelConfig, DecodeConfig, ...)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,12 @@ from engine.kernels.registry import KINDS, get_kind
 from engine.plan.config import KernelConfig
 
 SPACES_DIR = data_dir("search_spaces")  # the checkout's search_spaces/, or the wheel's copy
-_CONFIG_FIELDS = {f.name: f for f in fields(KernelConfig)}
+
+
+def config_type(template: str) -> type:
+    """The config type of kind `template`; KernelConfig for a name the registry lacks (an
+    ad-hoc space in a test)."""
+    return KINDS[template].config_type if template in KINDS else KernelConfig
 
 
 class SearchSpaceError(ValueError):
@@ -24,7 +30,7 @@ class SearchSpaceError(ValueError):
 class SearchSpace:
     template: str
     params: tuple[tuple[str, tuple[Any, ...]], ...]  # ordered (name, choices)
-    seeds: tuple[KernelConfig, ...]
+    seeds: tuple[Any, ...]  # configs of config_type
     exhaustive_max_valid: int = 32
     n_startup_trials: int = 8
     source: str = ""
@@ -33,42 +39,46 @@ class SearchSpace:
     def names(self) -> tuple[str, ...]:
         return tuple(n for n, _ in self.params)
 
+    @property
+    def config_type(self) -> type:
+        return config_type(self.template)
+
     def choices(self, name: str) -> tuple[Any, ...]:
         return dict(self.params)[name]
 
-    def config(self, params: dict[str, Any]) -> KernelConfig:
-        return KernelConfig(**{n: params[n] for n in self.names if n in params})
+    def config(self, params: dict[str, Any]) -> Any:
+        return self.config_type(**{n: params[n] for n in self.names if n in params})
 
-    def params_of(self, cfg: KernelConfig) -> dict[str, Any]:
+    def params_of(self, cfg) -> dict[str, Any]:
         return {n: getattr(cfg, n) for n in self.names}
 
-    def contains(self, cfg: KernelConfig) -> bool:
-        default = KernelConfig()
-        for f in _CONFIG_FIELDS:
-            if f in self.names:
-                if getattr(cfg, f) not in self.choices(f):
+    def contains(self, cfg) -> bool:
+        if not isinstance(cfg, self.config_type):
+            return False
+        default = self.config_type()
+        for f in fields(self.config_type):
+            if f.name in self.names:
+                if getattr(cfg, f.name) not in self.choices(f.name):
                     return False
-            elif getattr(cfg, f) != getattr(default, f):
+            elif getattr(cfg, f.name) != getattr(default, f.name):
                 return False
         return True
 
-    def all_configs(self) -> list[KernelConfig]:
+    def all_configs(self) -> list:
         combos = itertools.product(*(c for _, c in self.params))
-        return [KernelConfig(**dict(zip(self.names, combo, strict=True))) for combo in combos]
+        return [self.config_type(**dict(zip(self.names, combo, strict=True))) for combo in combos]
 
-    def problems(
-        self, cfg: KernelConfig, head_dim: int, head_dim_v: int, elem_bytes: int = 2
-    ) -> list[str]:
-        """Why the template's validity model rejects `cfg` (empty list: valid)."""
-        return get_kind(self.template).problems(cfg, head_dim, head_dim_v, elem_bytes)
+    def problems(self, cfg, head_dim: int, head_dim_v: int, elem_bytes: int = 2,
+                 **extra: int) -> list[str]:
+        """Why the template's validity model rejects `cfg` (empty list: valid); `extra`: what
+        the kind's model takes beyond the head dims (decode: rows, Problem.validity_args)."""
+        return get_kind(self.template).problems(cfg, head_dim, head_dim_v, elem_bytes, **extra)
 
-    def valid_configs(
-        self, head_dim: int, head_dim_v: int, elem_bytes: int = 2
-    ) -> list[KernelConfig]:
+    def valid_configs(self, head_dim: int, head_dim_v: int, elem_bytes: int = 2,
+                      **extra: int) -> list:
         """Every config of the space the validity model accepts, in a stable order."""
-        return [
-            c for c in self.all_configs() if not self.problems(c, head_dim, head_dim_v, elem_bytes)
-        ]
+        return [c for c in self.all_configs()
+                if not self.problems(c, head_dim, head_dim_v, elem_bytes, **extra)]
 
 
 def space_path(template: str, spaces_dir: Path | None = None) -> Path:
@@ -99,17 +109,19 @@ def parse_space(data: dict, *, source: str = "<data>", template: str | None = No
     tmpl = data.get("template", template)
     if not isinstance(tmpl, str) or (template is not None and tmpl != template):
         raise SearchSpaceError(f"{source}: template={tmpl!r}, expected {template!r}")
+    ctype = config_type(tmpl)
+    defaults = ctype()  # each field's type: its default's (ints, and KernelConfig's gemm_policy)
+    known = sorted(f.name for f in fields(ctype))
     raw = data.get("params")
     if not isinstance(raw, dict) or not raw:
-        raise SearchSpaceError(f"{source}: [params] must map KernelConfig fields to lists")
+        raise SearchSpaceError(f"{source}: [params] must map {ctype.__name__} fields to lists")
     params = []
     for name, choices in raw.items():
-        if name not in _CONFIG_FIELDS:
+        if name not in known:
             raise SearchSpaceError(
-                f"{source}: params.{name} is not a KernelConfig field; "
-                f"known: {sorted(_CONFIG_FIELDS)}"
+                f"{source}: params.{name} is not a {ctype.__name__} field; known: {known}"
             )
-        want = str if name == "gemm_policy" else int
+        want = type(getattr(defaults, name))
         if (
             not isinstance(choices, list)
             or not choices
@@ -136,7 +148,7 @@ def parse_space(data: dict, *, source: str = "<data>", template: str | None = No
     seeds = []
     for i, s in enumerate(data.get("seed", [])):
         try:
-            cfg = KernelConfig.from_dict(dict(s))
+            cfg = ctype.from_dict(dict(s))
         except (TypeError, ValueError) as exc:
             raise SearchSpaceError(f"{source}: seed #{i}: {exc}") from exc
         if not space.contains(cfg):

@@ -80,16 +80,18 @@ def _plain_error(exc: BaseException) -> Exception:
     return TrialFailed(f"{type(exc).__name__}: {text}\n{tb}"[: 2 * MAX_REASON_CHARS])
 
 
-def _compile_task(objective: Objective, cfg: dict) -> None:
+# A config travels to a worker as itself (a frozen dataclass of its kind: KernelConfig,
+# DecodeConfig, ...), pickled like the objective.
+def _compile_task(objective: Objective, cfg) -> None:
     try:
-        objective.compile(KernelConfig(**cfg))
+        objective.compile(cfg)
     except Exception as exc:
         raise _plain_error(exc) from None
 
 
-def _bench_task(objective: Objective, cfg: dict) -> Measurement:
+def _bench_task(objective: Objective, cfg) -> Measurement:
     try:
-        return objective.evaluate(KernelConfig(**cfg))
+        return objective.evaluate(cfg)
     except Exception as exc:
         raise _plain_error(exc) from None
 
@@ -135,7 +137,7 @@ class CompilePool:
         # schedule, and two threads doing that at once leave it in its error state.
         with self._lock:
             return self._pool.schedule(
-                _compile_task, args=(objective, cfg.to_dict()), timeout=self.timeout_s
+                _compile_task, args=(objective, cfg), timeout=self.timeout_s
             )
 
     def result(self, future: concurrent.futures.Future) -> Outcome:
@@ -161,7 +163,7 @@ class BenchWorker:
 
     def run(self, objective: Objective, cfg: KernelConfig) -> Outcome:
         fut = self._pool.schedule(
-            _bench_task, args=(objective, cfg.to_dict()), timeout=self.timeout_s
+            _bench_task, args=(objective, cfg), timeout=self.timeout_s
         )
         return _outcome(fut, "benchmark", self.timeout_s)
 

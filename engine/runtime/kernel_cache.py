@@ -5,18 +5,22 @@ new kernels; `KernelCache.clear` drops them (after tuning wrote a new tune-file 
 
 from __future__ import annotations
 
-from engine.dtypes import KERNEL_DTYPES
+import logging
+
+from engine.dtypes import KERNEL_DTYPES, elem_bytes
 from engine.ir.merge import TracedMerge
 from engine.kernels.attention_bwd.launch import BackwardKernels
 from engine.kernels.attention_bwd.plan import check_backward_config
 from engine.kernels.attention_decode.launch import DecodeKernels
-from engine.kernels.attention_decode.plan import DecodeShape
+from engine.kernels.attention_decode.plan import DecodeConfig, DecodeShape
 from engine.kernels.attention_fwd.launch import ForwardKernel
 from engine.kernels.attention_fwd.plan import check_config
 from engine.kernels.registry import ATTENTION_BWD, ATTENTION_DECODE, ATTENTION_FWD
 from engine.plan.config import KernelConfig
 from engine.plan.request import KernelRequest
-from engine.tuning.select import tuned_config
+from engine.tuning.select import decode_shape, tuned_config
+
+log = logging.getLogger("engine")
 
 
 def forward_config(req: KernelRequest) -> KernelConfig:
@@ -39,6 +43,24 @@ def backward_config(req: KernelRequest, config: KernelConfig | None = None) -> K
     return check_backward_config(cfg, p.head_dim, p.head_dim_v, n_rows=n_rows)
 
 
+def decode_config(req: KernelRequest, shape: DecodeShape) -> DecodeConfig:
+    """The module's decode_config, else its tune file's entry for the decode shape (Sq, the
+    capacity, heads, dims and page size; the nearest tuned capacity and batch, its split count
+    then left to the plan), else the default. An entry the validity model rejects at this
+    shape's rows (another Sq) is skipped with a log line."""
+    if req.options.decode_config is not None:
+        return req.options.decode_config
+    d, dv, rows = shape.head_dim, shape.head_dim_v, shape.rows
+    cfg = tuned_config(req, ATTENTION_DECODE, decode_shape(shape.sizes(), shape.page_size))
+    if cfg is not None:
+        problems = ATTENTION_DECODE.problems(cfg, d, dv, elem_bytes(req.dtype), rows=rows)
+        if not problems:
+            return cfg
+        log.info("engine: tuned decode config %s is invalid at %d rows (%s); using the default",
+                 cfg.key(), rows, "; ".join(problems))
+    return ATTENTION_DECODE.default(d, dv, elem_bytes(req.dtype), rows=rows)
+
+
 class KernelCache:
     """Built kernels (generated, compiled on first launch) by request; `tune_checked`: whether
     tune=True already looked for (or made) a tuned entry."""
@@ -56,13 +78,12 @@ class KernelCache:
 
     def decode(self, req: KernelRequest, shape: DecodeShape, merge: TracedMerge | None,
                sm_count: int) -> DecodeKernels:
-        """The decode kernels at `shape` (the request's problem with the cache's paging): the
-        module's decode_config, else the kind's default."""
+        """The decode kernels at `shape` (the request's problem with the cache's paging) and
+        the config decode_config(req, shape) picks."""
         key = (req.key(), shape, merge, sm_count)
         if key not in self._decode:
-            cfg = req.options.decode_config or ATTENTION_DECODE.default(
-                shape.head_dim, shape.head_dim_v, rows=shape.rows)
-            self._decode[key] = ATTENTION_DECODE.build(req.spec, shape, cfg, merge, sm_count)
+            self._decode[key] = ATTENTION_DECODE.build(req.spec, shape, decode_config(req, shape),
+                                                       merge, sm_count)
         return self._decode[key]
 
     def forward(self, req: KernelRequest) -> ForwardKernel:

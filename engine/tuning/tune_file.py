@@ -1,4 +1,4 @@
-"""Tune files: the best KernelConfig per problem, written by `attnbench tune`, read by the engine.
+"""Tune files: the best config per problem, written by `attnbench tune`, read by the engine.
 
 One JSON file per GPU and kernel template (`results/tune/<gpu-slug>/<template>.json`):
 
@@ -7,6 +7,11 @@ One JSON file per GPU and kernel template (`results/tune/<gpu-slug>/<template>.j
                           "gpu": "NVIDIA H100 80GB HBM3", "shape": {...}, "config": {...},
                           "latency_ms": ..., "tflops": ..., "date": ..., "tilelang_version": ...,
                           ...}}}
+
+A kind's config type (engine.kernels.registry: KernelConfig, the decode kind's DecodeConfig) reads
+and checks its entries' `config` (`config_type=`). Decode shapes add `page_size` (0: contiguous
+cache) to the seven sizes; their key's shape tag ends in `_page<n>`, and a nearest-shape
+fallback keeps it (attention shapes have no page_size: their keys are unchanged).
 
 Entries written by `attnbench tune` also carry what the A/B confirmation found (`outcome`,
 `default_config`, `default_latency_ms`, `trial_latency_ms`, `best_trial`, `confirm`: see
@@ -41,9 +46,11 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 SHAPE_KEYS = ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_kv", "head_dim", "head_dim_v")
-# A nearest-shape fallback may change batch and sequence lengths, never heads or head dims
-# (those change the kernel itself, not only its grid).
-FIXED_SHAPE_KEYS = ("heads_q", "heads_kv", "head_dim", "head_dim_v")
+# Sizes only some kinds' shapes have: decode's page size (0: a contiguous cache).
+OPTIONAL_SHAPE_KEYS = ("page_size",)
+# A nearest-shape fallback may change batch and sequence lengths, never heads, head dims or the
+# paging (those change the kernel itself, not only its grid).
+FIXED_SHAPE_KEYS = ("heads_q", "heads_kv", "head_dim", "head_dim_v", "page_size")
 REQUIRED_ENTRY_KEYS = ("template", "spec_hash", "dtype", "mode", "gpu", "shape", "config")
 
 
@@ -79,10 +86,11 @@ def default_path(gpu: str, template: str) -> Path:
 
 def shape_tag(shape: Mapping[str, int]) -> str:
     s = {k: int(shape[k]) for k in SHAPE_KEYS}
-    return (
+    tag = (
         f"b{s['batch']}_hq{s['heads_q']}_hkv{s['heads_kv']}_sq{s['seqlen_q']}"
         f"_skv{s['seqlen_kv']}_d{s['head_dim']}_dv{s['head_dim_v']}"
     )
+    return tag + (f"_page{int(shape['page_size'])}" if "page_size" in shape else "")
 
 
 def entry_key(
@@ -103,6 +111,12 @@ def _check_shape(shape: Mapping[str, Any]) -> dict[str, int]:
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ValueError(f"shape[{k!r}]={v!r}: expected a positive int")
         out[k] = v
+    for k in OPTIONAL_SHAPE_KEYS:
+        if k in shape:
+            v = shape[k]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"shape[{k!r}]={v!r}: expected an int >= 0")
+            out[k] = v
     return out
 
 
@@ -167,13 +181,14 @@ def lookup(
     mode: str,
     gpu: str,
     shape: dict,
-) -> tuple[KernelConfig, dict] | None:
-    """The tuned config for this problem and its entry's metadata, or None.
+    config_type: type = KernelConfig,
+) -> tuple[Any, dict] | None:
+    """The tuned config (a `config_type`) for this problem and its entry's metadata, or None.
 
-    An exact shape match wins; otherwise the nearest tuned shape with the same heads and head
-    dims (by log-distance of sequence lengths and batch), announced with a logging.info line.
-    `path=None` means `default_path(gpu, template)`. The metadata dict is a copy of the entry
-    plus `exact` (bool) and `requested_shape`.
+    An exact shape match wins; otherwise the nearest tuned shape with the same heads, head
+    dims and paging (by log-distance of sequence lengths and batch), announced with a
+    logging.info line. `path=None` means `default_path(gpu, template)`. The metadata dict is a
+    copy of the entry plus `exact` (bool) and `requested_shape`.
     """
     want = _check_shape(shape)
     dtype_n = normalize_dtype(dtype)
@@ -201,7 +216,7 @@ def lookup(
             have = _check_shape(entry["shape"])
         except (ValueError, TypeError):
             continue
-        if any(have[k] != want[k] for k in FIXED_SHAPE_KEYS):
+        if any(have.get(k) != want.get(k) for k in FIXED_SHAPE_KEYS):
             continue
         dist = _distance(have, want)
         if best is None or (dist, key) < (best[0], best[1]):
@@ -210,7 +225,7 @@ def lookup(
         return None
     dist, key, entry = best
     try:
-        cfg = KernelConfig.from_dict(dict(entry["config"]))
+        cfg = config_type.from_dict(dict(entry["config"]))
     except (ConfigError, TypeError, ValueError) as exc:
         _warn(p, f"has an unusable config in entry {key!r} ({exc})")
         return None
@@ -244,36 +259,39 @@ def atomic_write_json(path: Path, data: Any) -> None:
     atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def store(path: str | os.PathLike, entry: Mapping[str, Any]) -> str:
+def store(path: str | os.PathLike, entry: Mapping[str, Any],
+          config_type: type = KernelConfig) -> str:
     """Add or replace one entry (keyed by template, spec hash, dtype, mode, GPU and shape),
-    keeping all other entries. Returns the entry's key. A corrupt file or one of another
-    format/TileLang version is moved aside to `<name>.bak` (with a warning) and a new one started.
+    keeping all other entries; its config must be a valid `config_type` dict. Returns the
+    entry's key. A corrupt file or one of another format/TileLang version is moved aside to
+    `<name>.bak` (with a warning) and a new one started.
     """
-    key, _, _ = _store(path, entry, keep_old=None)
+    key, _, _ = _store(path, entry, keep_old=None, config_type=config_type)
     return key
 
 
 def store_if_faster(
-    path: str | os.PathLike, entry: Mapping[str, Any]
+    path: str | os.PathLike, entry: Mapping[str, Any], config_type: type = KernelConfig
 ) -> tuple[bool, dict | None]:
     """Like `store`, but an existing entry for the same key with a lower `latency_ms` is kept
     (checked under the file lock, so two tuners never overwrite a faster entry). Returns
     (written, the previous entry or None)."""
-    return store_unless(path, entry, _faster_or_equal)
+    return store_unless(path, entry, _faster_or_equal, config_type)
 
 
 def store_unless(
     path: str | os.PathLike, entry: Mapping[str, Any],
     keep_old: Callable[[Mapping[str, Any], Mapping[str, Any]], bool],
+    config_type: type = KernelConfig,
 ) -> tuple[bool, dict | None]:
     """Like `store`, but an existing entry for the same key is kept when `keep_old(old, new)`
     says so (decided under the file lock). Returns (written, the previous entry or None)."""
-    _, written, old = _store(path, entry, keep_old=keep_old)
+    _, written, old = _store(path, entry, keep_old=keep_old, config_type=config_type)
     return written, old
 
 
 def _store(
-    path: str | os.PathLike, entry: Mapping[str, Any], *, keep_old
+    path: str | os.PathLike, entry: Mapping[str, Any], *, keep_old, config_type: type
 ) -> tuple[str, bool, dict | None]:
     missing = [k for k in (*REQUIRED_ENTRY_KEYS, "latency_ms", "tflops", "date") if k not in entry]
     if missing:
@@ -281,7 +299,7 @@ def _store(
     entry = dict(entry)
     entry["shape"] = _check_shape(entry["shape"])
     entry["dtype"] = normalize_dtype(entry["dtype"])
-    KernelConfig.from_dict(dict(entry["config"]))  # reject a malformed config before writing
+    config_type.from_dict(dict(entry["config"]))  # reject a malformed config before writing
     entry.setdefault("tilelang_version", tilelang_version())
     key = entry_key(**{k: entry[k] for k in ("template", "spec_hash", "dtype", "mode", "gpu",
                                              "shape")})
