@@ -434,7 +434,8 @@ class AttentionEngine(torch.nn.Module):
                        sm_count: int = 132) -> DecodeKernels:
         """The decode kernels (generated, not compiled) for a contiguous cache, or a paged one
         of `num_pages` pages of `page_size`, on a GPU of `sm_count` SMs (an H100's 132)."""
-        req, key = self.kernel_request(), (page_size, num_pages, sm_count)
+        req = self.kernel_request()
+        key = (page_size, num_pages, sm_count, self._kernel_cache.generation)
         last = self._decode_last
         if last is not None and last[0] is req and last[1] == key:
             return last[2]  # the call path's fast lookup (host time per decode step)

@@ -177,10 +177,13 @@ DECODE_SHAPE = dict(batch=2, heads_q=8, heads_kv=2, seqlen_q=2, seqlen_kv=1024)
                                         if not v.needs_equal_seqlens))
 def test_variant_decode_compiles_for_sm90a(name, tmp_path, monkeypatch):
     """The split kernel (wgmma, TMA loads of the cache) and the merge kernel of each variant."""
+    from engine.kernels.attention_decode.plan import DecodeConfig
     from engine.runtime.compile import compile_source
 
     monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
-    split, merge = _module(name, **DECODE_SHAPE).decode_kernels().sources()
+    mod = _module(name, **DECODE_SHAPE)
+    mod.decode_config = DecodeConfig(128, 2, 4)  # four splits: a merge kernel too
+    split, merge = mod.decode_kernels().sources()
     cuda = compile_source(split).get_kernel_source()
     assert "wgmma" in cuda and "tma_load" in cuda
     compile_source(merge)

@@ -70,11 +70,13 @@ class KernelCache:
         self._backward: dict[tuple, BackwardKernels] = {}
         self._decode: dict[tuple, DecodeKernels] = {}
         self.tune_checked = False
+        self.generation = 0
 
     def clear(self) -> None:
         self._forward.clear()
         self._backward.clear()
         self._decode.clear()
+        self.generation += 1  # what callers kept from the cache is stale
 
     def decode(self, req: KernelRequest, shape: DecodeShape, merge: TracedMerge | None,
                sm_count: int) -> DecodeKernels:

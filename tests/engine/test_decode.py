@@ -59,7 +59,7 @@ def test_reference_matches_a_row_by_row_loop():
                 s = (k[b, :n, h // 2] @ q[b, t, h]) * 0.25
                 s[torch.arange(n) > pos] = -math.inf
                 want = torch.softmax(s, 0) @ v[b, :n, h // 2]
-                assert torch.allclose(o[b, t, h], want, atol=1e-5), (b, t, h)
+                assert torch.allclose(o[b, t, h], want, atol=1e-4, rtol=1e-4), (b, t, h)
 
 
 def test_paged_cache_reads_through_its_block_table():
@@ -273,3 +273,13 @@ def test_decode_refuses_gradients_lse_and_qkv_mods():
     modded = AttentionEngine(meta, query_mod=lambda x: x * 2.0, backend="reference")
     with pytest.raises(NotImplementedError, match="query_mod"):
         modded(q.detach(), k, v, cache_seqlens=lens)
+
+
+def test_decode_kernels_are_rebuilt_after_the_cache_is_cleared():
+    mod = _module(backend="tilelang")
+    first = mod.decode_kernels()
+    assert mod.decode_kernels() is first  # the call path's lookup
+    mod.kernel_cache.clear()
+    assert mod.decode_kernels() is not first
+    mod.decode_config = DecodeConfig(64, 2, 2)
+    assert mod.decode_kernels().config == DecodeConfig(64, 2, 2)
