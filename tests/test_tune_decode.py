@@ -19,7 +19,7 @@ from attnbench.tune.problem import Problem, study_name
 from attnbench.tune.runner import current_config
 from attnbench.tune.space import SearchSpaceError, load_space, parse_space
 from engine.kernels.attention_decode.plan import DecodeConfig, DecodeShape, config_problems
-from engine.kernels.registry import ATTENTION_DECODE, kind_for
+from engine.kernels.registry import ATTENTION_DECODE, get_kind, kind_for
 from engine.plan.config import ConfigError, KernelConfig
 from engine.runtime.kernel_cache import decode_config
 from engine.tuning import select
@@ -182,7 +182,8 @@ def test_committed_tune_files_still_load():
         for key, e in data["entries"].items():
             fields = {k: e[k] for k in ("template", "spec_hash", "dtype", "mode", "gpu", "shape")}
             assert entry_key(**fields) == key
-            cfg, meta = lookup(f, **fields)
+            kind = get_kind(e["template"])  # each kind's entries hold its own config type
+            cfg, meta = lookup(f, **fields, config_type=kind.config_type)
             assert meta["exact"] and cfg.to_dict() == e["config"]
 
 
