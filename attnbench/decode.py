@@ -30,6 +30,7 @@ import torch
 
 from attnbench.cases import Case
 from engine.dtypes import elem_bytes, torch_dtype
+from engine.reference.decode import to_pages
 from engine.variants.library import (
     GEMMA2_SOFTCAP,
     GEMMA2_WINDOW,
@@ -132,23 +133,6 @@ def page_table(batch: int, capacity: int, page_size: int, seed: int,
     gen = torch.Generator().manual_seed(seed + _PAGES_SEED)
     order = torch.randperm(batch * pages, generator=gen)
     return order.view(batch, pages).to(device=device, dtype=torch.int32)
-
-
-def to_pages(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """A contiguous cache [B, capacity, H, D] as pages [B * pages, page_size, H, D], page
-    table[b, j] holding positions j * page_size .. (j + 1) * page_size - 1 of sequence b."""
-    batch, capacity = cache.shape[:2]
-    page_size = capacity // table.shape[1]
-    pages = cache.reshape(batch * table.shape[1], page_size, *cache.shape[2:])
-    out = torch.empty_like(pages)
-    out[table.reshape(-1).long()] = pages
-    return out
-
-
-def gather_pages(paged: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """The contiguous cache [B, capacity, H, D] that a paged one and its table hold."""
-    batch, pages = table.shape
-    return paged[table.long()].reshape(batch, pages * paged.shape[1], *paged.shape[2:])
 
 
 def make_decode_inputs(case: Case, variant, device: str | torch.device,

@@ -17,7 +17,6 @@ from attnbench.decode import (
     cache_lengths,
     case_traffic,
     decode_bytes,
-    gather_pages,
     make_decode_inputs,
     page_table,
     valid_mask,
@@ -27,6 +26,7 @@ from attnbench.impls.fa3 import decode_problem
 from attnbench.results.read import read_results
 from attnbench.runner import Runner, RunOptions
 from attnbench.suites import SuiteError, load_suite, parse_suite
+from engine.reference.decode import gather_pages
 from engine.variants import get_variant
 
 H100 = DeviceInfo("cuda", "NVIDIA H100 80GB HBM3", (9, 0))

@@ -18,6 +18,18 @@ from engine.reference.evaluate import Env, evaluate
 from engine.reference.executor import _bhsd, epilogue_rows, forward_rows, online_rows
 
 
+def to_pages(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """A contiguous cache [B, capacity, H, D] as pages [B * pages, page_size, H, D], page
+    block_table[b, j] holding positions j * page_size .. (j + 1) * page_size - 1 of sequence
+    b (gather_pages' inverse when the table uses every page once)."""
+    batch, capacity = cache.shape[:2]
+    pages = cache.reshape(batch * block_table.shape[1], capacity // block_table.shape[1],
+                          *cache.shape[2:])
+    out = torch.empty_like(pages)
+    out[block_table.reshape(-1).long()] = pages
+    return out
+
+
 def gather_pages(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     """A paged cache [num_pages, page_size, H, D] as the contiguous [B, pages * page_size, H, D]
     its block table [B, pages] describes."""

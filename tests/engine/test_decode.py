@@ -23,7 +23,7 @@ from engine.kernels.attention_decode.plan import (
 )
 from engine.mask.key_range import KeyRange, key_range
 from engine.plan.config import ConfigError
-from engine.reference.decode import decode_forward, split_decode_forward
+from engine.reference.decode import decode_forward, split_decode_forward, to_pages
 from engine.reference.executor import rel_err
 from engine.variants import VARIANTS
 
@@ -37,13 +37,6 @@ def _inputs(seed=0, Sq=SQ, dtype=torch.float32):
     k = torch.randn(B, CAP, HKV, D, generator=g).to(dtype)
     v = torch.randn(B, CAP, HKV, D, generator=g).to(dtype)
     return q, k, v, torch.tensor(LENS, dtype=torch.int32)
-
-
-def _paged(cache, page, perm):
-    pages = cache.reshape(B * CAP // page, page, *cache.shape[2:])
-    out = torch.empty_like(pages)
-    out[perm] = pages
-    return out
 
 
 def test_reference_matches_a_row_by_row_loop():
@@ -67,7 +60,7 @@ def test_paged_cache_reads_through_its_block_table():
     q, k, v, lens = _inputs(1)
     perm = torch.randperm(B * CAP // 16, generator=torch.Generator().manual_seed(0))
     table = perm.view(B, CAP // 16).int()
-    paged = decode_forward(spec, q, _paged(k, 16, perm), _paged(v, 16, perm), {}, lens, table)
+    paged = decode_forward(spec, q, to_pages(k, table), to_pages(v, table), {}, lens, table)
     assert torch.equal(paged, decode_forward(spec, q, k, v, {}, lens))
 
 
@@ -247,9 +240,8 @@ def test_bad_decode_arguments_are_named(change, match):
 def test_bad_block_tables_are_named():
     mod = _module()
     q, k, v, lens = _inputs(dtype=torch.float16)
-    perm = torch.randperm(B * CAP // 16)
-    kp, vp = _paged(k, 16, perm), _paged(v, 16, perm)
-    table = perm.view(B, CAP // 16).int()
+    table = torch.randperm(B * CAP // 16).view(B, CAP // 16).int()
+    kp, vp = to_pages(k, table), to_pages(v, table)
     with pytest.raises(ValueError, match=r"block_table: torch.int32 \(3, 5\)"):
         mod(q, kp, vp, cache_seqlens=lens, block_table=table[:, :5])
     bad = table.clone()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine.kernels.attention_decode.plan import DecodeConfig
-from engine.reference.decode import decode_forward
+from engine.reference.decode import decode_forward, to_pages
 from engine.reference.executor import rel_err
 from engine.variants import VARIANTS
 from tests.gpu.cases import BF16, FP16
@@ -53,14 +53,6 @@ def _module(case: tuple, **kw):
                                 head_dim=D, head_dim_v=Dv, dtype=dt, backend="tilelang", **kw)
 
 
-def _paged(cache: torch.Tensor, page: int, perm: torch.Tensor) -> torch.Tensor:
-    B = cache.shape[0]
-    pages = cache.reshape(B * CAP // page, page, *cache.shape[2:])
-    out = torch.empty_like(pages)
-    out[perm] = pages
-    return out
-
-
 def decode_inputs(case: tuple, mod, seed: int) -> tuple[list, dict]:
     """(q, k_cache, v_cache, *customs) and the keyword arguments of a decode call."""
     name, dt, Hq, Hkv, Sq, D, Dv, page = case
@@ -71,9 +63,9 @@ def decode_inputs(case: tuple, mod, seed: int) -> tuple[list, dict]:
     kw = {"cache_seqlens": torch.tensor(_lens(3, Sq), dtype=torch.int32, device="cuda")}
     if page:
         gen = torch.Generator().manual_seed(seed)
-        perm = torch.randperm(3 * CAP // page, generator=gen).cuda()
-        k, v = _paged(k, page, perm), _paged(v, page, perm)
-        kw["block_table"] = perm.view(3, CAP // page).int()
+        table = torch.randperm(3 * CAP // page, generator=gen).cuda().view(3, CAP // page).int()
+        k, v = to_pages(k, table), to_pages(v, table)
+        kw["block_table"] = table
     return [q, k, v, *(inp[n] for n in mod.custom_io.names())], kw
 
 
