@@ -10,18 +10,22 @@ import torch
 
 from engine.dsl.io import CustomIO
 from engine.dsl.online import OnlineFunc, OnlineSoftmax
+from engine.dtypes import KERNEL_DTYPES
 from engine.ir.merge import trace_merge
 from engine.ir.spec import TracedSpec
 from engine.ir.tensor_mods import mod_only_customs, trace_qkv_mods
 from engine.ir.trace import trace_spec
 from engine.kernels.attention_bwd.launch import BackwardKernels
-from engine.kernels.attention_decode.launch import DecodeKernels
-from engine.kernels.attention_decode.plan import DecodeConfig
+from engine.kernels.attention_decode.launch import DecodeKernels, launch_decode
+from engine.kernels.attention_decode.plan import DecodeConfig, DecodeShape
 from engine.kernels.attention_fwd.launch import ForwardKernel
 from engine.plan.config import KernelConfig
 from engine.plan.request import KernelOptions, KernelRequest
 from engine.problem import Problem
+from engine.reference.decode import decode_forward
 from engine.reference.tensor_mods import apply_qkv_mods
+from engine.runtime.decode_inputs import check_decode_args, check_decode_values
+from engine.runtime.device import sm_count as gpu_sm_count
 from engine.runtime.kernel_cache import KernelCache
 from engine.runtime.ops import compiled_forward, register
 
@@ -404,31 +408,27 @@ class AttentionEngine(torch.nn.Module):
                block_table: torch.Tensor | None = None, **named: torch.Tensor) -> torch.Tensor:
         """o [B, Sq, Hq, Dv] of the Sq new tokens of q against the KV cache (see the class
         docstring); what `mod(q, k_cache, v_cache, cache_seqlens=...)` runs."""
-        from engine.runtime.decode_inputs import check_decode_args, check_decode_values
-
         if cache_seqlens is None:
             raise ValueError("cache_seqlens: required for decode (int32 [B], the cache lengths)")
-        page_size, num_pages = check_decode_args(self.problem, self.dtype, q, k_cache, v_cache,
-                                                 cache_seqlens, block_table)
-        customs = self._check_customs(custom, named, q.device)
         if self.qkv_mods is not None:
             raise NotImplementedError("query_mod/key_mod/value_mod with a KV cache: apply them "
                                       "to q and to the keys and values as they enter the cache")
+        page_size, num_pages = check_decode_args(self.problem, self.dtype, q, k_cache, v_cache,
+                                                 cache_seqlens, block_table)
+        customs = self._check_customs(custom, named, q.device)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache,
                                                                       *customs)):
             raise ValueError("decode computes no gradients: call it under torch.no_grad() or "
                              "torch.inference_mode(), or detach the inputs")
         if self.check_cache_values:
             check_decode_values(cache_seqlens, block_table, self.problem.seqlen_q,
-                                self.problem.seqlen_kv, num_pages)
+                                self.problem.seqlen_kv, page_size, num_pages)
+        cd = dict(zip(self.custom_io.names(), customs, strict=True))
         if self.resolved_backend(q.device) == "reference":
-            from engine.reference.decode import decode_forward
-
-            cd = dict(zip(self.custom_io.names(), customs, strict=True))
             return decode_forward(self.spec, q, k_cache, v_cache, cd, cache_seqlens,
                                   block_table).to(q.dtype)
-        return self._decode_kernels(q, k_cache, v_cache, customs, cache_seqlens, block_table,
-                                    page_size, num_pages)
+        dk = self.decode_kernels(page_size, num_pages, gpu_sm_count(q.device))
+        return launch_decode(dk, q, k_cache, v_cache, cd, cache_seqlens, block_table)
 
     def decode_kernels(self, page_size: int = 0, num_pages: int = 0,
                        sm_count: int = 132) -> DecodeKernels:
@@ -439,28 +439,14 @@ class AttentionEngine(torch.nn.Module):
         last = self._decode_last
         if last is not None and last[0] is req and last[1] == key:
             return last[2]  # the call path's fast lookup (host time per decode step)
-        from engine.dtypes import KERNEL_DTYPES
-        from engine.kernels.attention_decode.plan import DecodeShape
-        from engine.problem import SIZE_KEYS
-
         if self.merge is None:
             _log_once(f"engine: {self.spec.online_name} has no merge rule (combine_online or "
                       "combine): decode runs one split per (batch, kv head)")
-        shape = DecodeShape(**{k: getattr(self.problem, k) for k in SIZE_KEYS},
-                            dtype=KERNEL_DTYPES[self.dtype], page_size=page_size,
-                            num_pages=num_pages)
+        shape = DecodeShape(**self.problem.sizes(), dtype=KERNEL_DTYPES[self.dtype],
+                            page_size=page_size, num_pages=num_pages)
         dk = self._kernel_cache.decode(req, shape, self.merge, sm_count)
         self._decode_last = (req, key, dk)
         return dk
-
-    def _decode_kernels(self, q, k_cache, v_cache, customs, cache_seqlens, block_table,
-                        page_size: int, num_pages: int) -> torch.Tensor:
-        from engine.kernels.attention_decode.launch import launch_decode
-        from engine.runtime.device import sm_count
-
-        dk = self.decode_kernels(page_size, num_pages, sm_count(q.device))
-        cd = dict(zip(self.custom_io.names(), customs, strict=True))
-        return launch_decode(dk, q, k_cache, v_cache, cd, cache_seqlens, block_table)
 
     def _apply_mods(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     customs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor,

@@ -65,7 +65,7 @@ def check_decode_args(p: Problem, dtype: torch.dtype, q, k_cache, v_cache, cache
 
 
 def check_decode_values(cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
-                        seqlen_q: int, capacity: int, num_pages: int) -> None:
+                        seqlen_q: int, capacity: int, page_size: int, num_pages: int) -> None:
     """ValueError for a length outside [Sq, capacity] or a page index outside the cache
     (skipped while a CUDA graph is captured; the kernels clamp instead)."""
     if cache_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -76,7 +76,6 @@ def check_decode_values(cache_seqlens: torch.Tensor, block_table: torch.Tensor |
                          f"(each sequence holds its {seqlen_q} new tokens, within the capacity)")
     if block_table is not None:
         # Only the pages that hold a sequence's keys (serving systems pad the rest).
-        page_size = capacity // block_table.shape[1]
         used = torch.arange(block_table.shape[1], device=block_table.device).view(1, -1) < \
             (cache_seqlens.view(-1, 1) + page_size - 1) // page_size
         bad = used & ((block_table < 0) | (block_table >= num_pages))
