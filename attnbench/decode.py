@@ -30,7 +30,8 @@ import torch
 
 from attnbench.cases import Case
 from engine.dtypes import elem_bytes, torch_dtype
-from engine.reference.decode import to_pages
+from engine.reference.decode import decode_forward, to_pages
+from engine.reference.executor import slice_customs
 from engine.variants.library import (
     GEMMA2_SOFTCAP,
     GEMMA2_WINDOW,
@@ -186,8 +187,6 @@ def decode_reference(case: Case, variant, inputs: dict,
     `sequences`, only theirs ([len(sequences), Sq, Hq, Dv], in that order). One sequence at a
     time: the executor widens K and V to float32 per query head, which for a whole batch of
     128k-token caches is tens of GiB."""
-    from engine.reference.decode import decode_forward
-
     mod = build_module(case, variant, "reference")
     customs = decode_customs(inputs)
     table = inputs["block_table"]
@@ -198,16 +197,8 @@ def decode_reference(case: Case, variant, inputs: dict,
             if table is None:  # a paged pool is shared: its table row picks the sequence
                 k, v = k[b:b + 1], v[b:b + 1]
             out.append(decode_forward(
-                mod.spec, inputs["q"][b:b + 1], k, v, _sequence_customs(mod, customs, b),
+                mod.spec, inputs["q"][b:b + 1], k, v,
+                slice_customs(customs, mod.custom_io.decls, {"batch": slice(b, b + 1)}),
                 inputs["cache_seqlens"][b:b + 1],
                 block_table=None if table is None else table[b:b + 1]))
     return torch.cat(out)
-
-
-def _sequence_customs(mod, customs: dict, b: int) -> dict[str, torch.Tensor]:
-    """The custom tensors of sequence b: those with a "batch" dim narrowed to it."""
-    out = {}
-    for name, t in customs.items():
-        dims = mod.custom_io.decls[name]
-        out[name] = t.narrow(dims.index("batch"), b, 1) if "batch" in dims else t
-    return out

@@ -263,10 +263,14 @@ def first_group(
     slice of the full problem's output and gradients (b and h indices are unchanged), so a
     kernel run at full size can be checked against a reference that costs 1/(B·Hkv) of it."""
     G = q.shape[2] // k.shape[2]
-    cut = {"batch": slice(0, 1), "heads": slice(0, G)}
-    out = {}
-    for name, t in customs.items():
-        index = tuple(cut.get(d, slice(None)) if isinstance(d, str) else slice(None)
-                      for d in decls[name])
-        out[name] = t[index]
+    out = slice_customs(customs, decls, {"batch": slice(0, 1), "heads": slice(0, G)})
     return q[:1, :, :G], k[:1, :, :1], v[:1, :, :1], out
+
+
+def slice_customs(customs: dict[str, torch.Tensor], decls: dict[str, tuple],
+                  cut: dict[str, slice]) -> dict[str, torch.Tensor]:
+    """The custom tensors cut along their declared named dims (`cut`: dim name -> slice),
+    other dims whole."""
+    return {name: t[tuple(cut.get(d, slice(None)) if isinstance(d, str) else slice(None)
+                          for d in decls[name])]
+            for name, t in customs.items()}

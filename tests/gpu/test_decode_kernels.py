@@ -106,7 +106,7 @@ def test_one_split_and_empty_splits(splits):
     """num_splits 1: the kernel normalises and writes O itself; 8 splits of a cache whose
     first sequence holds one key: seven of its splits see nothing."""
     case = ("softmax_causal", BF16, 8, 2, 1, 128, 128, 0)
-    mod = _module(case, )
+    mod = _module(case)
     mod.decode_config = DecodeConfig(128, 2, splits)
     _check(mod, *decode_inputs(case, mod, seed=5))
 
