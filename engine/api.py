@@ -24,7 +24,14 @@ from engine.plan.request import KernelOptions, KernelRequest
 from engine.problem import Problem
 from engine.reference.decode import decode_forward
 from engine.reference.tensor_mods import apply_qkv_mods
+from engine.runtime.arg_checks import (
+    bind_customs,
+    check_meta_tensors,
+    check_placement,
+    expect_tensor,
+)
 from engine.runtime.decode_inputs import check_decode_args, check_decode_values
+from engine.runtime.device import choose_backend
 from engine.runtime.device import sm_count as gpu_sm_count
 from engine.runtime.kernel_cache import KernelCache
 from engine.runtime.ops import compiled_forward, register
@@ -32,7 +39,6 @@ from engine.runtime.ops import compiled_forward, register
 log = logging.getLogger("engine")
 
 BACKENDS = ("auto", "reference", "tilelang")
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _warned: set[str] = set()
 
 
@@ -43,15 +49,7 @@ def _log_once(msg: str) -> None:
 
 
 def _check_meta(qkv_meta: Any) -> tuple[Problem, torch.dtype]:
-    if not isinstance(qkv_meta, (tuple, list)) or len(qkv_meta) != 3:
-        raise ValueError(
-            "qkv_meta: expected a tuple of 3 meta tensors (q, k, v) made with meta_tensor(B, H, S, D)"
-        )
-    for name, t in zip("qkv", qkv_meta, strict=True):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(
-                f"qkv_meta[{name}]: expected a 4-d tensor (B, H, S, D) from meta_tensor, got {t!r:.80}"
-            )
+    dtype = check_meta_tensors(qkv_meta, "B, H, S, D")
     qm, km, vm = qkv_meta
     (B, Hq, Sq, D), (Bk, Hkv, Skv, Dk), (Bv, Hv, Sv, Dv) = qm.shape, km.shape, vm.shape
     if not (B == Bk == Bv):
@@ -62,15 +60,8 @@ def _check_meta(qkv_meta: Any) -> tuple[Problem, torch.dtype]:
         raise ValueError(f"qkv_meta: v (H={Hv}, S={Sv}) must match k (H={Hkv}, S={Skv})")
     if Hq % Hkv:
         raise ValueError(f"qkv_meta: q heads {Hq} must be a multiple of kv heads {Hkv} (GQA)")
-    dtypes = {qm.dtype, km.dtype, vm.dtype}
-    if len(dtypes) != 1:
-        raise ValueError(f"qkv_meta: q, k, v dtypes differ: {qm.dtype}, {km.dtype}, {vm.dtype}")
-    if qm.dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(
-            f"qkv_meta: dtype {qm.dtype} not supported; expected one of {_SUPPORTED_DTYPES}"
-        )
     return Problem(batch=B, heads_q=Hq, heads_kv=Hkv, seqlen_q=Sq, seqlen_kv=Skv, head_dim=D,
-                   head_dim_v=Dv), qm.dtype
+                   head_dim_v=Dv), dtype
 
 
 class AttentionEngine(torch.nn.Module):
@@ -301,82 +292,26 @@ class AttentionEngine(torch.nn.Module):
             "v": (p.batch, p.seqlen_kv, p.heads_kv, p.head_dim_v),
         }
         for name, t in (("q", q), ("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+            expect_tensor(name, t)
             if tuple(t.shape) != want[name]:
                 raise ValueError(
                     f"{name}: shape {tuple(t.shape)} does not match qkv_meta; expected "
                     f"{want[name]} (runtime layout [B, S, H, D])"
                 )
-            if t.dtype != self.dtype:
-                raise ValueError(f"{name}: dtype {t.dtype}; expected {self.dtype} (from qkv_meta)")
-            if t.device != q.device:
-                raise ValueError(f"{name}: on {t.device}; expected {q.device} (the device of q)")
-            if t.stride(-1) != 1:
-                raise ValueError(
-                    f"{name}: last-dim stride {t.stride(-1)}; expected 1 (call .contiguous())"
-                )
+            check_placement(name, t, self.dtype, q.device)
         return self._check_customs(args, kwargs, q.device)
 
     def _check_customs(self, args, kwargs, device: torch.device) -> list[torch.Tensor]:
         """The CustomIO tensors, positional or by name, in declaration order (checked)."""
-        p = self.problem
-        names = self.custom_io.names()
-        if len(args) > len(names):
-            raise TypeError(
-                f"got {len(args)} positional custom inputs; declared: {names or 'none'}"
-            )
-        given = dict(zip(names, args, strict=False))
-        for key, val in kwargs.items():
-            if key not in names:
-                raise TypeError(
-                    f"unexpected input {key!r}; declared CustomIO inputs: {names or 'none'}"
-                )
-            if key in given:
-                raise TypeError(f"custom input {key!r} given twice")
-            given[key] = val
-        out = []
-        sizes = p.named_sizes()
-        for n in names:
-            if n not in given:
-                raise TypeError(
-                    f"missing custom input {n!r} (declared dims {self.custom_io.decls[n]})"
-                )
-            t = given[n]
-            exp = self.custom_io.expected_shape(n, sizes)
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(
-                    f"custom input {n!r}: expected a torch.Tensor, got {type(t).__name__}"
-                )
-            if tuple(t.shape) != exp:
-                raise ValueError(
-                    f"custom input {n!r}: shape {tuple(t.shape)}; expected {exp} "
-                    f"(dims {self.custom_io.decls[n]})"
-                )
-            if t.device != device:
-                raise ValueError(f"custom input {n!r}: on {t.device}; expected {device}")
-            out.append(t)
-        return out
+        return bind_customs(self.custom_io, args, kwargs, self.problem.named_sizes(), device)
 
     def resolved_backend(self, device: torch.device) -> str:
-        if self.backend_name == "tilelang":
-            from engine.runtime.device import hopper_problem
-
-            reason = hopper_problem(device, self.dtype)
-            if reason is not None:
-                raise RuntimeError(f"backend='tilelang' cannot run here: {reason}")
-            return "tilelang"
-        if self.backend_name == "reference":
-            return "reference"
-        from engine.runtime.device import hopper_problem
-
-        reason = hopper_problem(device, self.dtype)
-        if reason is None:
-            return "tilelang"
-        _log_once(f"engine: running the reference executor ({reason})")
-        if self.tune:
-            _log_once("engine: tune=True has nothing to tune on the reference executor")
-        return "reference"
+        backend, fallback = choose_backend(self.backend_name, device, self.dtype)
+        if fallback is not None:
+            _log_once(f"engine: running the reference executor ({fallback})")
+            if self.tune:
+                _log_once("engine: tune=True has nothing to tune on the reference executor")
+        return backend
 
     def forward(
         self,

@@ -20,7 +20,9 @@ from engine.ir.spec import TracedSpec
 from engine.ir.trace import TraceError, as_expr, call_hook, check_result, positional_arity
 
 TENSOR_LEAF = "tensor"  # the leaf op of the modded tensor's element (engine.reference.evaluate)
-_FORMS = "(x) or (x, custom_fwd_inputs, b, h, pos)"
+# A mod's accepted forms by positional arity: AttentionEngine takes (x) and the seeds' five
+# parameters; LinearAttentionEngine's scripts also write (x, custom_io).
+_FORMS = {1: "(x)", 2: "(x, custom_io)", 5: "(x, custom_fwd_inputs, b, h, pos)"}
 # A mod's position index ("q" or "kv"): the tile axis it varies along and its name in errors.
 _POSITIONS = {"q": ("m", "query position"), "kv": ("n", "key position")}
 _AXIS_NAMES = {"m": "query position (q_idx)", "n": "key position (kv_idx)"}
@@ -57,31 +59,36 @@ class QKVMods:
         return "\n".join(m.describe() for m in self.present())
 
 
-def trace_tensor_mod(hook: str, fn: Callable | None, pos: str, customs: CustomIO
+def trace_tensor_mod(hook: str, fn: Callable | None, pos: str, customs: CustomIO, *,
+                     arities: tuple[int, ...] = (1, 5), features: bool = True
                      ) -> TensorMod | None:
     """Trace `fn`, the mod named `hook`, of a tensor whose rows are indexed by `pos` ("q" or
-    "kv"): `fn(x)` or `fn(x, custom_fwd_inputs, b, h, pos)`, elementwise in x. None for None
-    (the identity); a malformed mod raises a TraceError naming `hook` and the fault."""
+    "kv"): called with the positional arity it declares among `arities` (forms in _FORMS),
+    elementwise in x. `features`: the tensor has a feature axis "d" (a decay [B, H, T] has
+    none). None for None (the identity); a malformed mod raises a TraceError naming `hook`."""
     if fn is None:
         return None
+    texts = [_FORMS[a] for a in arities]
+    forms = " or ".join([", ".join(texts[:-1]), texts[-1]] if len(texts) > 1 else texts)
     if not callable(fn):
-        raise TraceError(f"{hook}: expected a callable {_FORMS}, got {type(fn).__name__}")
+        raise TraceError(f"{hook}: expected a callable {forms}, got {type(fn).__name__}")
     arity = positional_arity(fn)
-    if arity not in (None, 1, 5):  # None (*args, a builtin): called as fn(x)
-        raise TraceError(f"{hook} takes {arity} positional parameters; expected {_FORMS}")
+    if arity is not None and arity not in arities:  # None (*args, a builtin): called as fn(x)
+        raise TraceError(f"{hook} takes {arity} positional parameters; expected {forms}")
     axis, position = _POSITIONS[pos]
-    x = leaf(TENSOR_LEAF, (axis, "d"))
-    args = (x,) if arity != 5 else (x, customs, index_leaf("b"), index_leaf("h"),
-                                    index_leaf(pos))
+    axes = (axis, "d") if features else (axis,)
+    x = leaf(TENSOR_LEAF, axes)
+    args = {2: (x, customs),
+            5: (x, customs, index_leaf("b"), index_leaf("h"), index_leaf(pos))}.get(arity, (x,))
     result = as_expr(hook, "the result", call_hook(hook, fn, args))
-    other = set(result.axes) - {axis, "d"}
+    other = set(result.axes) - set(axes)
     if other:
         raise TraceError(
             f"{hook}: the result varies along the {_AXIS_NAMES[other.pop()]}, but {hook} sees "
             f"one {position} (pos): read CustomIO inputs at pos explicitly, e.g. "
             "custom_fwd_inputs[name][b, pos]"
         )
-    return TensorMod(hook, check_result(hook, "the result", result, {axis, "d"}, customs), pos)
+    return TensorMod(hook, check_result(hook, "the result", result, set(axes), customs), pos)
 
 
 def trace_qkv_mods(query_mod: Callable | None, key_mod: Callable | None,

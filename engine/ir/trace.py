@@ -33,6 +33,11 @@ _ALLOWED = {
     "query_mod": {"tensor", "idx", "custom", "const"},
     "key_mod": {"tensor", "idx", "custom", "const"},
     "value_mod": {"tensor", "idx", "custom", "const"},
+    # LinearAttentionEngine's mods (its scripts' names; query_mod etc. are accepted too)
+    "q_mod": {"tensor", "idx", "custom", "const"},
+    "k_mod": {"tensor", "idx", "custom", "const"},
+    "v_mod": {"tensor", "idx", "custom", "const"},
+    "decay_mod": {"tensor", "idx", "custom", "const"},
 }
 # Names the seeds use for the backward's row sum of dO*O; resolved even when the parameter is
 # called something else (seed 000 names the parameter `doosum` but reads `doosum_rowscales`).

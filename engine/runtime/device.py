@@ -15,6 +15,19 @@ def hopper_problem(device: torch.device, dtype: torch.dtype) -> str | None:
     return _cuda_problem(device, dtype)
 
 
+def choose_backend(requested: str, device: torch.device, dtype: torch.dtype
+                   ) -> tuple[str, str | None]:
+    """(backend, fallback) for `requested` ("auto", "reference" or "tilelang") on `device`:
+    "tilelang" where the kernels can run, a RuntimeError where they were asked for and cannot,
+    and for "auto" elsewhere "reference" with `fallback` the reason (the caller logs it)."""
+    if requested == "reference":
+        return "reference", None
+    reason = hopper_problem(device, dtype)
+    if requested == "tilelang" and reason is not None:
+        raise RuntimeError(f"backend='tilelang' cannot run here: {reason}")
+    return ("tilelang", None) if reason is None else ("reference", reason)
+
+
 @functools.lru_cache(maxsize=64)
 def _cuda_problem(device: torch.device, dtype: torch.dtype) -> str | None:
     # once per (device, dtype): querying the capability was ~20 us of every module call
