@@ -39,6 +39,7 @@ from engine.dsl.online import (
 )
 from engine.flex import flex_attention
 from engine.ir.trace import TraceError
+from engine.linear_api import LinearAttentionEngine
 from engine.mask.block_mask import BlockMask, create_block_mask
 from engine.plan.config import ConfigError, KernelConfig
 from engine.runtime.tilelang_backend import kernel_backward_enabled
@@ -51,6 +52,7 @@ __all__ = [
     "DSLError",
     "Expr",
     "KernelConfig",
+    "LinearAttentionEngine",
     "OnlineFunc",
     "OnlineIdentity",
     "OnlineRetention",

@@ -1,0 +1,215 @@
+"""LinearAttentionEngine: the user-facing module of linear attention (Mamba2, simple GLA,
+RetNet's linear retention, feature-map linear attentions), compatible with AttentionEngine's
+linear scripts."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from engine.dsl.io import CustomIO
+from engine.ir.tensor_mods import TensorMod, trace_tensor_mod
+from engine.reference.linear import chunked
+from engine.reference.tensor_mods import apply_tensor_mod
+from engine.runtime import linear_backend
+from engine.runtime.arg_checks import bind_customs
+from engine.runtime.device import choose_backend
+from engine.runtime.linear_inputs import (
+    LinearProblem,
+    check_linear_args,
+    check_linear_meta,
+    check_offset_values,
+)
+
+log = logging.getLogger("engine")
+
+BACKENDS = ("auto", "reference", "tilelang")
+# (the scripts' name, seed 001's name) of each q/k/v mod
+_MOD_NAMES = (("q_mod", "query_mod"), ("k_mod", "key_mod"), ("v_mod", "value_mod"))
+_MOD_FORMS = (1, 2, 5)  # mod(x), mod(x, custom_io), mod(x, custom_io, b, h, pos)
+_warned: set[str] = set()
+
+
+def _log_once(msg: str) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        log.warning(msg)
+
+
+def _pick(name: str, alias: str, value: Any, alias_value: Any) -> tuple[str, Any]:
+    """The one of `name` / `alias` the caller gave (with the name it was given by)."""
+    if value is not None and alias_value is not None:
+        raise ValueError(f"give {name}= or {alias}= (the same argument), not both")
+    return (alias, alias_value) if alias_value is not None else (name, value)
+
+
+def _check_custom_io(custom_io: Any) -> CustomIO:
+    if custom_io is None:
+        return CustomIO({})
+    if not isinstance(custom_io, CustomIO):
+        raise ValueError(f"custom_io: expected a CustomIO, got {type(custom_io).__name__}")
+    for name, dims in custom_io.decls.items():
+        if "seq_len_kv" in dims:
+            raise ValueError(f"custom_io[{name!r}]: dim 'seq_len_kv' has no meaning in a linear "
+                             "attention (one time axis): use 'seq_len'")
+    return custom_io
+
+
+def _head_major(mod: TensorMod, x: torch.Tensor, customs: dict[str, torch.Tensor]
+                ) -> torch.Tensor:
+    """`mod` of x [B, H, T, D] (apply_tensor_mod works on [B, T, H, D]: a transposed view)."""
+    return apply_tensor_mod(mod, x.transpose(1, 2), customs).transpose(1, 2)
+
+
+def _decay_of(mod: TensorMod, decay: torch.Tensor, customs: dict[str, torch.Tensor]
+              ) -> torch.Tensor:
+    """`mod` of decay [B, H, T], as a [B, T, H, 1] view with a unit feature axis."""
+    y = apply_tensor_mod(mod, decay.transpose(1, 2).unsqueeze(-1), customs)
+    return y.squeeze(-1).transpose(1, 2)
+
+
+class LinearAttentionEngine(torch.nn.Module):
+    """A linear attention: o_t = sum_{s <= t} (q_t . k_s) exp(G_t - G_s) v_s, G the running
+    sum (per sequence) of the log decays g, plus q_t exp(G_t) h0 with an initial state h0.
+
+    qkv_meta: (q, k, v) meta tensors (B, HQ, T, D), (B, HK, T, D), (B, H, T, Dv) from
+    `meta_tensor`, HQ and HK dividing H (output head h reads q head h // (H // HQ); Mamba2
+    shares one q and k head: HQ = HK = 1). A call may bring another B and T; heads, head dims
+    and dtype are fixed.
+
+    Called as mod(q, k, v, decay, *custom_inputs, initial_state=None,
+    output_final_state=False, cu_seqlens=None, **named_custom_inputs) with q, k, v in the
+    layout [B, H, T, D] and decay [B, H, T] float32. Returns o [B, H, T, Dv] in q's dtype, or
+    (o, final_state) with output_final_state: the float32 state [N, H, D, Dv]
+    exp(G_T) h0 + sum_s exp(G_T - G_s) k_s v_s^T. initial_state: float32 [N, H, D, Dv].
+    cu_seqlens: int32 [N + 1] offsets of N sequences packed along T with B == 1 (fla's
+    convention); each runs from its own state and the state never crosses a boundary.
+
+    q_mod, k_mod, v_mod, decay_mod (None: the identity; seed 001's query_mod, key_mod,
+    value_mod are the same arguments): elementwise functions of one element, as mod(x),
+    mod(x, custom_io) or mod(x, custom_io, b, h, pos), that may read
+    custom_io.input_tensors["name"] (or custom_io["name"]) at the element's (b, h, t). After
+    decay_mod the decay is the log decay g. There is no implicit scale: put it in q_mod.
+    CustomIO dims: "batch", "heads" (H; in q_mod and k_mod h is that tensor's own head),
+    "seq_len" (T) or integer sizes. The mods run as a pre-pass of torch ops, so autograd gives
+    q, k, v, decay, initial_state and the custom inputs their gradients on every backend.
+
+    backend: "auto" (the TileLang kernels on a Hopper GPU, else the reference), "reference"
+    (engine.reference.linear.chunked) or "tilelang". config, backward_config: the kernels'
+    configs (engine.runtime.linear_backend). tune, tune_file (alias tune_filename), tune_bwd:
+    the tuning options, kept for the kernels.
+    """
+
+    def __init__(
+        self,
+        qkv_meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        q_mod: Callable | None = None,
+        k_mod: Callable | None = None,
+        v_mod: Callable | None = None,
+        decay_mod: Callable | None = None,
+        custom_io: CustomIO | None = None,
+        tune: bool = False,
+        tune_file: str | None = None,
+        *,
+        backend: str = "auto",
+        config: Any = None,
+        backward_config: Any = None,
+        query_mod: Callable | None = None,
+        key_mod: Callable | None = None,
+        value_mod: Callable | None = None,
+        tune_filename: str | None = None,
+        tune_bwd: bool = False,
+    ):
+        super().__init__()
+        self.problem: LinearProblem
+        self.problem, self.dtype = check_linear_meta(qkv_meta)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
+        for name, flag in (("tune", tune), ("tune_bwd", tune_bwd)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name}: expected a bool, got {flag!r}")
+        _, tune_file = _pick("tune_file", "tune_filename", tune_file, tune_filename)
+        self.custom_io = _check_custom_io(custom_io)
+        given = [_pick(n, a, f, fa) for (n, a), f, fa in
+                 zip(_MOD_NAMES, (q_mod, k_mod, v_mod), (query_mod, key_mod, value_mod),
+                     strict=True)]
+        # every mod indexes T as the query position: a linear attention has one time axis
+        self.q_mod, self.k_mod, self.v_mod = (
+            trace_tensor_mod(hook, fn, "q", self.custom_io, arities=_MOD_FORMS)
+            for hook, fn in given)
+        self.decay_mod = trace_tensor_mod("decay_mod", decay_mod, "q", self.custom_io,
+                                          arities=_MOD_FORMS, features=False)
+        self.backend_name = backend
+        self.config = config
+        self.backward_config = backward_config
+        self.tune = tune
+        self.tune_file = tune_file
+        self.tune_bwd = tune_bwd
+        self.check_offset_values = True  # cu_seqlens' values (a host synchronisation)
+        self._kernels = linear_backend.LinearKernelCache()
+
+    # ------------------------------------------------------------------ introspection
+    def mods(self) -> list[TensorMod]:
+        """The traced mods present (q, k, v, decay order)."""
+        return [m for m in (self.q_mod, self.k_mod, self.v_mod, self.decay_mod) if m is not None]
+
+    @property
+    def ir_text(self) -> str:
+        """The traced mods, one per line ("" when there are none: the plain core)."""
+        return "\n".join(m.describe() for m in self.mods())
+
+    @property
+    def tl_code(self) -> str:
+        """The TileLang sources of the kernels at qkv_meta's sizes, joined."""
+        sources = getattr(linear_backend, "kernel_sources", None)
+        if sources is None:  # TODO(kernels): engine.runtime.linear_backend.kernel_sources
+            raise NotImplementedError("tl_code: engine.runtime.linear_backend.kernel_sources "
+                                      "does not exist yet (the linear kernels are being built)")
+        return "\n\n".join(sources(self._kernels, self.problem.sizes(), self.dtype))
+
+    def extra_repr(self) -> str:
+        p = self.problem
+        return (f"B={p.batch}, HQ={p.heads_q}, HK={p.heads_k}, H={p.heads}, T={p.seqlen}, "
+                f"D={p.head_dim}, Dv={p.head_dim_v}, dtype={self.dtype}, "
+                f"backend={self.backend_name}")
+
+    def resolved_backend(self, device: torch.device) -> str:
+        backend, fallback = choose_backend(self.backend_name, device, self.dtype)
+        if fallback is not None:
+            _log_once(f"engine: linear attention runs the reference executor ({fallback})")
+        return backend
+
+    # ------------------------------------------------------------------ call
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,
+                *custom: torch.Tensor, initial_state: torch.Tensor | None = None,
+                output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
+                **named: torch.Tensor):
+        B, T = check_linear_args(self.problem, self.dtype, q, k, v, decay, initial_state,
+                                 cu_seqlens)
+        if cu_seqlens is not None and self.check_offset_values:
+            check_offset_values(cu_seqlens, T)
+        customs = bind_customs(self.custom_io, custom, named, self.problem.named_sizes(B, T),
+                               q.device)
+        q, k, v, g = self._apply_mods(q, k, v, decay,
+                                      dict(zip(self.custom_io.names(), customs, strict=True)))
+        q, k, v, g = (x.contiguous() for x in (q, k, v, g))
+        if self.resolved_backend(q.device) == "tilelang":
+            o, final = linear_backend.run(self._kernels, q, k, v, g, initial_state, cu_seqlens,
+                                          output_final_state, config=self.config,
+                                          backward_config=self.backward_config)
+        else:
+            o, final = chunked(q, k, v, g, initial_state, cu_seqlens)
+        return (o, final) if output_final_state else o
+
+    def _apply_mods(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    decay: torch.Tensor, customs: dict[str, torch.Tensor]
+                    ) -> tuple[torch.Tensor, ...]:
+        """q, k, v and the log decay g through their mods (a tensor without one as it is)."""
+        q, k, v = (x if m is None else _head_major(m, x, customs)
+                   for m, x in ((self.q_mod, q), (self.k_mod, k), (self.v_mod, v)))
+        g = decay if self.decay_mod is None else _decay_of(self.decay_mod, decay, customs)
+        return q, k, v, g
+
