@@ -1,7 +1,8 @@
-"""The variant library (see library.py)."""
+"""The variant libraries: attention (library.py) and linear attention (linear.py)."""
 
 from engine.variants.base import SpecParts, Variant
 from engine.variants.library import VARIANTS
+from engine.variants.linear import LINEAR_VARIANTS, LinearVariant, get_linear_variant
 
 
 def get_variant(name: str) -> Variant:
@@ -14,4 +15,5 @@ def get_variant(name: str) -> Variant:
         ) from None
 
 
-__all__ = ["VARIANTS", "SpecParts", "Variant", "get_variant"]
+__all__ = ["LINEAR_VARIANTS", "VARIANTS", "LinearVariant", "SpecParts", "Variant",
+           "get_linear_variant", "get_variant"]

@@ -1,0 +1,326 @@
+"""LinearAttentionEngine on the reference backend (CPU): each linear variant against its
+independent torch formulation (outputs and the gradients of every learnable input, Mamba2's
+A and dt included), states in and out, generation steps, packed sequences, the mods' forms
+and names, argument errors, and the call into the kernels' backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import CustomIO, LinearAttentionEngine, TraceError, meta_tensor
+from engine.reference.linear import naive_recurrence
+from engine.runtime import linear_backend
+from engine.variants import LINEAR_VARIANTS, get_linear_variant
+
+F32 = torch.float32
+
+
+def _sizes(name, **kw):
+    heads = dict(heads_q=1, heads_k=1) if name == "mamba2" else dict(heads_q=2, heads_k=4)
+    return {**dict(batch=2, heads=4, seqlen=100, head_dim=16, head_dim_v=8), **heads, **kw}
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _loss(o, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    return (o.float() * torch.randn(o.shape, generator=gen)).sum()
+
+
+@pytest.mark.parametrize("name", sorted(LINEAR_VARIANTS))
+def test_variant_matches_its_torch_formulation(name):
+    var = get_linear_variant(name)
+    sz = _sizes(name)
+    mod = var.build(sz, F32, backend="reference")
+    inp = var.make_inputs(sz, F32, seed=1, requires_grad=True)
+    o = mod(*inp.values())
+    assert o.shape == (2, 4, 100, 8) and o.dtype == F32
+    ref = var.reference_fn(inp)
+    assert _rel(o, ref) < 1e-5
+    names = ["q", "k", "v", *var.learnable]
+    got = torch.autograd.grad(_loss(o), [inp[n] for n in names])
+    want = torch.autograd.grad(_loss(ref), [inp[n] for n in names])
+    for n, a, b in zip(names, got, want, strict=True):
+        assert _rel(a, b) < 1e-4, n
+
+
+def test_mamba2_custom_gradients_flow_through_both_mods():
+    var = get_linear_variant("mamba2")
+    sz = _sizes("mamba2", seqlen=70)
+    inp = var.make_inputs(sz, F32, seed=2, requires_grad=True)
+    assert inp["decay"] is inp["dt"]  # dt is the decay input and v's scale: one leaf
+    o = var.build(sz, F32, backend="reference")(*inp.values())
+    gA, gdt = torch.autograd.grad(_loss(o), [inp["A"], inp["dt"]])
+    assert gA.shape == (1, 4) and gdt.shape == (2, 4, 70)
+    assert gA.abs().min() > 0 and gdt.abs().mean() > 0
+
+
+@pytest.mark.parametrize("name", sorted(LINEAR_VARIANTS))
+def test_variant_inputs_are_realistic(name):
+    var = get_linear_variant(name)
+    inp = var.make_inputs(_sizes(name), torch.bfloat16, seed=0)
+    assert list(inp)[:4] == ["q", "k", "v", "decay"]
+    assert inp["decay"].dtype == F32 and inp["decay"].shape == (2, 4, 100)
+    assert all(inp[n].dtype == torch.bfloat16 and inp[n].abs().min() >= 0 for n in "qkv")
+    mod = var.build(_sizes(name), torch.bfloat16, backend="reference")
+    g = mod._apply_mods(*(inp[n] for n in ("q", "k", "v", "decay")),
+                        {n: t for n, t in inp.items() if n in mod.custom_io.decls})[3]
+    assert (g <= 0).all() and torch.isfinite(g).all()  # log decays
+    if name == "mamba2":
+        assert 1e-4 < inp["dt"].median() < 0.2 and (inp["A"] < 0).all()
+
+
+def _mamba2_module(T=64, **kw):
+    return get_linear_variant("mamba2").build(_sizes("mamba2", seqlen=T, **kw), F32,
+                                              backend="reference")
+
+
+def _state(N, H=4, D=16, Dv=8, seed=5):
+    return torch.randn(N, H, D, Dv, generator=torch.Generator().manual_seed(seed))
+
+
+def test_states_in_and_out_match_the_recurrence():
+    var = get_linear_variant("simple_gla")
+    sz = _sizes("simple_gla", seqlen=90)
+    inp = var.make_inputs(sz, F32, seed=4)
+    h0 = _state(2)
+    o, h = var.build(sz, F32, backend="reference")(*inp.values(), initial_state=h0,
+                                                  output_final_state=True)
+    q = inp["q"] * 16 ** -0.5
+    want_o, want_h = naive_recurrence(q, inp["k"], inp["v"], inp["decay"], h0)
+    assert h.dtype == F32 and h.shape == (2, 4, 16, 8)
+    assert _rel(o, want_o) < 1e-5 and _rel(h, want_h) < 1e-5
+
+
+def test_generation_steps_continue_the_prefill():
+    var = get_linear_variant("mamba2")
+    mod = _mamba2_module(T=64)
+    inp = var.make_inputs(_sizes("mamba2", seqlen=64), F32, seed=6)
+    full = mod(*inp.values())
+    cut = 60
+    prefix = {n: (t[..., :cut, :] if n in "qkv" else t if n == "A" else t[..., :cut])
+              for n, t in inp.items()}
+    o, h = mod(*prefix.values(), output_final_state=True)
+    steps = [o]
+    for t in range(cut, 64):  # T = 1 calls with the state (B, T differ from qkv_meta's)
+        step = {n: (x[..., t:t + 1, :] if n in "qkv" else x if n == "A" else x[..., t:t + 1])
+                for n, x in inp.items()}
+        o_t, h = mod(*step.values(), initial_state=h, output_final_state=True)
+        steps.append(o_t)
+    assert _rel(torch.cat(steps, dim=2), full) < 1e-5
+
+
+def test_packed_sequences_match_separate_calls():
+    var = get_linear_variant("mamba2")
+    mod = _mamba2_module(T=100, batch=1)
+    inp = var.make_inputs(_sizes("mamba2", seqlen=100, batch=1), F32, seed=7)
+    cu = torch.tensor([0, 40, 100], dtype=torch.int32)
+    h0 = _state(2)
+    o, h = mod(*inp.values(), initial_state=h0, cu_seqlens=cu, output_final_state=True)
+    assert h.shape == (2, 4, 16, 8)
+    for n, (lo, hi) in enumerate(((0, 40), (40, 100))):
+        part = {k: (t[..., lo:hi, :] if k in "qkv" else t if k == "A" else t[..., lo:hi])
+                for k, t in inp.items()}
+        o_n, h_n = mod(*part.values(), initial_state=h0[n:n + 1], output_final_state=True)
+        assert _rel(o[:, :, lo:hi], o_n) < 1e-6 and _rel(h[n:n + 1], h_n) < 1e-6
+
+
+def test_initial_state_and_named_custom_gradients():
+    var = get_linear_variant("mamba2")
+    mod = _mamba2_module(T=50)
+    inp = var.make_inputs(_sizes("mamba2", seqlen=50), F32, seed=8, requires_grad=True)
+    h0 = _state(2).requires_grad_(True)
+    q, k, v, decay, A, dt = inp.values()
+    o = mod(q, k, v, decay, initial_state=h0, A=A, dt=dt)  # customs by name
+    (g_h0,) = torch.autograd.grad(_loss(o), [h0])
+    assert g_h0.shape == h0.shape and g_h0.abs().sum() > 0
+
+
+# ---------------------------------------------------------------- names and forms of the mods
+META = (meta_tensor(2, 2, 20, 8, dtype=F32), meta_tensor(2, 1, 20, 8, dtype=F32),
+        meta_tensor(2, 4, 20, 4, dtype=F32))
+CIO = CustomIO({"s": ("heads",), "w": ("batch", "heads", "seq_len")})
+
+
+def _call(mod, seed=0, T=20, **kw):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, h, T, d, generator=gen) for h, d in ((2, 8), (1, 8), (4, 4)))
+    decay = F.logsigmoid(torch.randn(2, 4, T, generator=gen))
+    customs = (torch.rand(4, generator=gen) + 0.5, torch.rand(2, 4, T, generator=gen) + 0.5)
+    return mod(q, k, v, decay, *customs[:len(mod.custom_io)], **kw)
+
+
+def test_mod_forms_and_seed_names_agree():
+    two = LinearAttentionEngine(META, q_mod=lambda x, c: x * c["s"],
+                                v_mod=lambda x, c: x * c.input_tensors["w"],
+                                decay_mod=lambda d, c: d * 0.5, custom_io=CIO,
+                                backend="reference")
+    five = LinearAttentionEngine(META, query_mod=lambda x, c, b, h, t: x * c["s"][h],
+                                 value_mod=lambda x, c, b, h, t: x * c["w"][b, h, t],
+                                 decay_mod=lambda d: d * 0.5, custom_io=CIO,
+                                 backend="reference")
+    torch.testing.assert_close(_call(two), _call(five))
+    assert two.ir_text.splitlines()[0].startswith("q_mod = ")
+    assert five.ir_text.splitlines()[0].startswith("query_mod = ")
+    assert "decay_mod = mul(tensor, 0.5)" in two.ir_text
+
+
+def test_options_are_kept():
+    mod = LinearAttentionEngine(META, tune_filename="t.json", tune_bwd=True)
+    assert (mod.tune_file, mod.tune_bwd, mod.backend_name) == ("t.json", True, "auto")
+    assert mod.resolved_backend(torch.device("cpu")) == "reference"  # no Hopper GPU here
+    o, h = _call(mod, output_final_state=True)
+    assert o.shape == (2, 4, 20, 4) and h.shape == (2, 4, 8, 4)
+    with pytest.raises(RuntimeError, match=r"backend='tilelang' cannot run here"):
+        _call(LinearAttentionEngine(META, backend="tilelang"))
+
+
+def test_tilelang_path_calls_the_backend_contract(monkeypatch):
+    seen = {}
+
+    def fake_run(cache, q, k, v, g, initial_state, cu_seqlens, output_final_state,
+                 config=None, backward_config=None):
+        seen.update(cache=cache, contiguous=all(x.is_contiguous() for x in (q, k, v, g)),
+                    g=g, final=output_final_state, config=config, bwd=backward_config)
+        return v.new_zeros(v.shape), None
+
+    mod = LinearAttentionEngine(META, decay_mod=lambda d, c: d * 2.0, backend="tilelang",
+                                config="cfg", backward_config="bcfg")
+    monkeypatch.setattr(mod, "resolved_backend", lambda device: "tilelang")
+    monkeypatch.setattr(linear_backend, "run", fake_run)
+    _call(mod, seed=9)
+    assert seen["cache"] is mod._kernels and seen["contiguous"] and seen["final"] is False
+    assert (seen["config"], seen["bwd"]) == ("cfg", "bcfg")
+    assert seen["g"].dtype == F32 and (seen["g"] <= 0).all()
+
+
+def test_tl_code_waits_for_the_kernels(monkeypatch):
+    monkeypatch.delattr(linear_backend, "kernel_sources", raising=False)
+    with pytest.raises(NotImplementedError, match=r"tl_code: .*kernel_sources"):
+        LinearAttentionEngine(META).tl_code  # noqa: B018
+
+
+# ---------------------------------------------------------------- errors
+MOD_ERRORS = [
+    (dict(q_mod=3), r"q_mod: expected a callable \(x\), \(x, custom_io\) or"),
+    (dict(k_mod=lambda x, a, b: x), r"k_mod takes 3 positional parameters"),
+    (dict(q_mod=lambda x: x.sum(-1)), r"q_mod: the DSL has no operation 'sum'"),
+    (dict(v_mod=lambda x, c: x * c["nope"]), r"v_mod: CustomIO: no input named 'nope'"),
+    (dict(decay_mod=lambda d: d.get_reduce("sum")), r"decay_mod: get_reduce needs a score tile"),
+    (dict(decay_mod=lambda d: d > 0), r"decay_mod: the result is boolean"),
+    (dict(key_mod=lambda x, c, b, h, t: x * c["w"][b, h, t + 1]),
+     r"key_mod: reads CustomIO input 'w' at computed indices"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "match"), MOD_ERRORS)
+def test_malformed_mods_name_the_hook(kwargs, match):
+    with pytest.raises(TraceError, match=match):
+        LinearAttentionEngine(META, custom_io=CIO, **kwargs)
+
+
+CTOR_ERRORS = [
+    (lambda: LinearAttentionEngine(META, q_mod=abs, query_mod=abs),
+     r"give q_mod= or query_mod= \(the same argument\), not both"),
+    (lambda: LinearAttentionEngine(META, tune_file="a", tune_filename="b"),
+     r"give tune_file= or tune_filename="),
+    (lambda: LinearAttentionEngine(META, backend="cuda"), r"backend='cuda': expected one of"),
+    (lambda: LinearAttentionEngine(META, tune="yes"), r"tune: expected a bool"),
+    (lambda: LinearAttentionEngine(META, custom_io={"a": (1,)}), r"custom_io: expected a CustomIO"),
+    (lambda: LinearAttentionEngine(META, custom_io=CustomIO({"a": ("seq_len_kv",)})),
+     r"custom_io\['a'\]: dim 'seq_len_kv' has no meaning"),
+    (lambda: LinearAttentionEngine(META[:2]), r"qkv_meta: expected a tuple of 3 meta tensors"),
+    (lambda: LinearAttentionEngine((META[0], meta_tensor(2, 3, 20, 8, dtype=F32), META[2])),
+     r"qkv_meta: k heads 3 must divide v's heads 4"),
+    (lambda: LinearAttentionEngine((META[0], META[1], meta_tensor(2, 4, 21, 4, dtype=F32))),
+     r"qkv_meta: lengths differ \(q 20, k 20, v 21\)"),
+    (lambda: LinearAttentionEngine((META[0], meta_tensor(2, 1, 20, 4, dtype=F32), META[2])),
+     r"qkv_meta: k head dim 4 != q head dim 8"),
+    (lambda: LinearAttentionEngine((META[0], META[1], meta_tensor(2, 4, 20, 4))),
+     r"qkv_meta: q, k, v dtypes differ"),
+]
+
+
+@pytest.mark.parametrize(("make", "match"), CTOR_ERRORS)
+def test_constructor_errors_name_the_argument(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def _args(T=20, B=2):
+    gen = torch.Generator().manual_seed(0)
+    return dict(q=torch.randn(B, 2, T, 8, generator=gen), k=torch.randn(B, 1, T, 8, generator=gen),
+                v=torch.randn(B, 4, T, 4, generator=gen),
+                decay=F.logsigmoid(torch.randn(B, 4, T, generator=gen)))
+
+
+def _with(**changes):
+    def call(mod):
+        a = _args(B=changes.pop("B", 2))
+        a.update(changes)
+        return mod(a.pop("q"), a.pop("k"), a.pop("v"), a.pop("decay"), **a)
+
+    return call
+
+
+CALL_ERRORS = [
+    (_with(q=torch.randn(2, 2, 20)), ValueError, r"q: shape \(2, 2, 20\); expected 4 dims"),
+    (_with(k=torch.randn(2, 2, 20, 8)), ValueError,
+     r"k: shape \(2, 2, 20, 8\); expected \(2, 1, 20, 8\) \(runtime layout \[B, H, T, D\]"),
+    (_with(v=torch.randn(2, 4, 19, 4)), ValueError, r"v: shape \(2, 4, 19, 4\); expected"),
+    (_with(v=[1.0]), TypeError, r"v: expected a torch.Tensor, got list"),
+    (_with(k=torch.randn(2, 1, 20, 8, dtype=torch.float64)), ValueError,
+     r"k: dtype torch.float64; expected torch.float32 \(from qkv_meta\)"),
+    (_with(q=torch.randn(2, 2, 8, 20).transpose(-1, -2)), ValueError,
+     r"q: last-dim stride 20; expected 1"),
+    (_with(k=torch.randn(2, 1, 20, 8, device="meta")), ValueError,
+     r"k: on meta; expected cpu \(the device of q\)"),
+    (_with(decay=torch.randn(2, 4, 20, dtype=torch.float16)), ValueError,
+     r"decay: dtype torch.float16; expected torch.float32"),
+    (_with(decay=torch.randn(2, 20, 4)), ValueError,
+     r"decay: shape \(2, 20, 4\); expected \(2, 4, 20\)"),
+    (_with(initial_state=torch.randn(2, 4, 4, 8)), ValueError,
+     r"initial_state: shape \(2, 4, 4, 8\); expected \(2, 4, 8, 4\)"),
+    (_with(initial_state=torch.randn(2, 4, 8, 4, dtype=torch.float64)), ValueError,
+     r"initial_state: dtype torch.float64; expected torch.float32"),
+    (_with(cu_seqlens=torch.tensor([0, 20])), ValueError,
+     r"cu_seqlens: torch.int64 \(2,\) on cpu; expected torch.int32"),
+    (_with(cu_seqlens=torch.tensor([0, 20], dtype=torch.int32)), ValueError,
+     r"cu_seqlens: packed sequences need batch 1, got q with batch 2"),
+    (_with(B=1, cu_seqlens=torch.tensor([1, 20], dtype=torch.int32)), ValueError,
+     r"cu_seqlens: runs 1..20; expected 0..20"),
+    (_with(B=1, cu_seqlens=torch.tensor([0, 10, 19], dtype=torch.int32)), ValueError,
+     r"cu_seqlens: runs 0..19; expected 0..20"),
+    (_with(B=1, cu_seqlens=torch.tensor([0, 12, 8, 20], dtype=torch.int32)), ValueError,
+     r"cu_seqlens: decreases"),
+    (_with(B=1, cu_seqlens=torch.tensor([0, 20], dtype=torch.int32),
+           initial_state=torch.randn(2, 4, 8, 4)), ValueError,
+     r"initial_state: shape \(2, 4, 8, 4\); expected \(1, 4, 8, 4\)"),
+    (_with(extra=torch.ones(1)), TypeError, r"unexpected input 'extra'; declared CustomIO"),
+]
+
+
+@pytest.mark.parametrize(("call", "exc", "match"), CALL_ERRORS)
+def test_call_errors_name_the_argument(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call(LinearAttentionEngine(META, backend="reference"))
+
+
+def test_custom_input_errors():
+    mod = LinearAttentionEngine(META, v_mod=lambda x, c: x * c["w"], custom_io=CIO,
+                                backend="reference")
+    a = _args()
+    s, w = torch.rand(4), torch.rand(2, 4, 20)
+    with pytest.raises(TypeError, match=r"missing custom input 'w'"):
+        mod(*a.values(), s)
+    with pytest.raises(TypeError, match=r"custom input 's' given twice"):
+        mod(*a.values(), s, w, s=s)
+    with pytest.raises(ValueError, match=r"custom input 'w': shape \(2, 4, 21\); expected "
+                       r"\(2, 4, 20\)"):
+        mod(*a.values(), s, torch.rand(2, 4, 21))
+    with pytest.raises(TypeError, match=r"got 3 positional custom inputs"):
+        mod(*a.values(), s, w, w)
