@@ -126,6 +126,7 @@ class LinearAttentionEngine(torch.nn.Module):
         super().__init__()
         self.problem: LinearProblem
         self.problem, self.dtype = check_linear_meta(qkv_meta)
+        self._meta = tuple(qkv_meta)  # shapes and dtype only (meta tensors hold no memory)
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
         for name, flag in (("tune", tune), ("tune_bwd", tune_bwd)):
@@ -163,12 +164,13 @@ class LinearAttentionEngine(torch.nn.Module):
 
     @property
     def tl_code(self) -> str:
-        """The TileLang sources of the kernels at qkv_meta's sizes, joined."""
+        """The TileLang sources of the forward kernels at qkv_meta's shapes, joined."""
         sources = getattr(linear_backend, "kernel_sources", None)
-        if sources is None:  # TODO(kernels): engine.runtime.linear_backend.kernel_sources
+        if sources is None:  # the kernels' half: engine.runtime.linear_backend.kernel_sources
             raise NotImplementedError("tl_code: engine.runtime.linear_backend.kernel_sources "
                                       "does not exist yet (the linear kernels are being built)")
-        return "\n\n".join(sources(self._kernels, self.problem.sizes(), self.dtype))
+        return "\n\n".join(sources(self._kernels, *self._meta, config=self.config,
+                                    backward_config=self.backward_config))
 
     def extra_repr(self) -> str:
         p = self.problem

@@ -112,6 +112,8 @@ def check_offset_values(cu_seqlens: torch.Tensor, T: int) -> None:
     first, last = int(cu_seqlens[0]), int(cu_seqlens[-1])
     if first != 0 or last != T:
         raise ValueError(f"cu_seqlens: runs {first}..{last}; expected 0..{T} (T, q's length)")
-    if bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
-        raise ValueError(f"cu_seqlens: decreases ({cu_seqlens.tolist()}); expected "
-                         "non-decreasing offsets")
+    drops = (cu_seqlens[1:] < cu_seqlens[:-1]).nonzero()
+    if drops.numel():
+        i = int(drops[0])
+        raise ValueError(f"cu_seqlens: decreases at entry {i + 1} ({int(cu_seqlens[i])} -> "
+                         f"{int(cu_seqlens[i + 1])}); expected non-decreasing offsets")

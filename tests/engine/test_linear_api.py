@@ -198,6 +198,20 @@ def test_tilelang_path_calls_the_backend_contract(monkeypatch):
     assert seen["g"].dtype == F32 and (seen["g"] <= 0).all()
 
 
+def test_tl_code_joins_the_kernel_sources(monkeypatch):
+    seen = {}
+
+    def fake_sources(cache, q, k, v, config=None, backward_config=None):
+        seen.update(cache=cache, shapes=[tuple(t.shape) for t in (q, k, v)], config=config)
+        return ["fwd one", "fwd two"]
+
+    monkeypatch.setattr(linear_backend, "kernel_sources", fake_sources, raising=False)
+    mod = LinearAttentionEngine(META, config="cfg")
+    assert mod.tl_code == "fwd one\n\nfwd two"
+    assert seen == dict(cache=mod._kernels, shapes=[(2, 2, 20, 8), (2, 1, 20, 8), (2, 4, 20, 4)],
+                        config="cfg")
+
+
 def test_tl_code_waits_for_the_kernels(monkeypatch):
     monkeypatch.delattr(linear_backend, "kernel_sources", raising=False)
     with pytest.raises(NotImplementedError, match=r"tl_code: .*kernel_sources"):
@@ -296,7 +310,7 @@ CALL_ERRORS = [
     (_with(B=1, cu_seqlens=torch.tensor([0, 10, 19], dtype=torch.int32)), ValueError,
      r"cu_seqlens: runs 0..19; expected 0..20"),
     (_with(B=1, cu_seqlens=torch.tensor([0, 12, 8, 20], dtype=torch.int32)), ValueError,
-     r"cu_seqlens: decreases"),
+     r"cu_seqlens: decreases at entry 2 \(12 -> 8\)"),
     (_with(B=1, cu_seqlens=torch.tensor([0, 20], dtype=torch.int32),
            initial_state=torch.randn(2, 4, 8, 4)), ValueError,
      r"initial_state: shape \(2, 4, 8, 4\); expected \(1, 4, 8, 4\)"),
