@@ -26,3 +26,6 @@ class Case(Problem):
     # sequence, and the paged cache's page size (0: contiguous)
     ragged: bool = False
     page_size: int = 0
+    # linear cases only (kind "linear", attnbench.linear): the value (and output) heads H, which
+    # heads_q (HQ) and heads_kv (HK) divide; 0 for the other kinds
+    heads: int = 0

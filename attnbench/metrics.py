@@ -13,6 +13,21 @@ compare with FlashAttention's and shared/ANCHORS.md, although the exact causal c
 (S+1)/(2S)); for every other mask the variant's exact `unmasked_fraction(Sq, Skv)`; 1 without a
 mask. Masked work a kernel may do anyway (partial blocks) is not counted.
 
+Linear attention (kind "linear", attnbench.linear) counts the matmul FLOPs of the chunked
+algorithm at chunk size C = 64 (`LINEAR_CHUNK`; fla's and the engine's default), per output head
+(H, the value heads: Mamba2's shared q/k heads do not reduce the work), unmasked work only as
+above (the causal half of each chunk's C x C block, C/2 key positions per token):
+
+    forward  = 2 * B * H * T * ((C/2) * (D + Dv)   + 2 * D * Dv)   (intra-chunk QK^T and PV;
+                                                                    inter-chunk q.state and
+                                                                    the state update k^T v)
+    backward = 2 * B * H * T * ((C/2) * (3D + 2Dv) + 5 * D * Dv)   (intra: as attention's
+                                                                    backward; inter: the state
+                                                                    recompute, dq, dk, dv and
+                                                                    the state gradient)
+
+Elementwise work (decays, mods, cumulative sums) is not counted.
+
 MFU is TFLOP/s divided by the device's dense (no sparsity) tensor-core peak for the dtype.
 Bandwidth-bound rows (decode) also carry TB/s and its fraction of the device's peak memory
 bandwidth (`GPU_MEM_BW`; the bytes counted in `attnbench.decode.decode_bytes`).
@@ -54,6 +69,25 @@ GPU_MEM_BW: tuple[tuple[str, float | None], ...] = (
     ("A100-SXM4-40GB", 1.555e12),
     ("L40S", 0.864e12),
 )
+
+
+LINEAR_CHUNK = 64  # the chunk size the linear FLOP count assumes (module docstring)
+
+
+def linear_flops(batch: int, heads: int, seqlen: int, head_dim: int, head_dim_v: int,
+                 mode: str, chunk: int = LINEAR_CHUNK) -> float:
+    """FLOPs of a chunked linear-attention layer by the convention of the module docstring."""
+    tokens = 2.0 * batch * heads * seqlen
+    d, dv, half = head_dim, head_dim_v, chunk / 2
+    fwd = tokens * (half * (d + dv) + 2 * d * dv)
+    bwd = tokens * (half * (3 * d + 2 * dv) + 5 * d * dv)
+    if mode == "fwd":
+        return fwd
+    if mode == "bwd":
+        return bwd
+    if mode == "fwd+bwd":
+        return fwd + bwd
+    raise ValueError(f"mode must be one of fwd, bwd, fwd+bwd; got {mode!r}")
 
 
 def unmasked_fraction(variant, mask: str, seqlen_q: int, seqlen_kv: int) -> float:

@@ -21,6 +21,12 @@ or paged, ragged lengths or full), are checked against the engine's decode refer
 count FLOPs over the pairs attended, and their rows carry the bytes moved, TB/s and the fraction
 of the GPU's peak memory bandwidth.
 
+Linear cases (kind "linear", attnbench.linear) take their variant from the linear-attention
+library, their inputs (q, k, v, decay and customs in [B, H, T, D]) from the variant, are checked
+against the variant's `reference_fn` (outputs and dq, dk, dv; one sequence at a time), and count
+the chunked algorithm's FLOPs (`metrics.linear_flops`). Their common layout is the engine's
+[B, H, T, D]; an implementation's `Prepared.to_common` maps to it.
+
 Accuracy: rel_err is the max over the output (and dq, dk, dv for bwd modes) of
 ||x - ref|| / ||ref||; a NaN/inf anywhere, or rel_err above `metrics.REL_TOL[dtype]`, fails
 the row. For plain softmax variants too large to materialise at once, the reference runs per
@@ -51,6 +57,7 @@ from attnbench.envinfo import environment
 from attnbench.gpustate import GpuMonitor, monitor_for
 from attnbench.impls import DeviceInfo, Impl, Prepared, Unsupported, registry
 from attnbench.impls.base import PLAIN_SOFTMAX, TORCH_DTYPES
+from attnbench.linear import linear_reference, make_linear_inputs
 from attnbench.results.schema import SCHEMA_VERSION
 from attnbench.results.store import append_rows, check_day_file, check_out_dir, result_path
 from attnbench.suites import Case, Suite
@@ -101,6 +108,15 @@ def default_get_variant(name: str):
     return get_variant(name)
 
 
+def default_get_linear_variant(name: str):
+    from engine.variants.linear import LINEAR_VARIANTS
+
+    if name not in LINEAR_VARIANTS:
+        raise ValueError(f"unknown linear variant {name!r}; known: "
+                         f"{', '.join(sorted(LINEAR_VARIANTS))}")
+    return LINEAR_VARIANTS[name]
+
+
 def _needs_grad(mode: str) -> bool:
     return mode != "fwd"
 
@@ -112,16 +128,20 @@ class Runner:
         options: RunOptions = RunOptions(),
         *,
         get_variant: Callable[[str], object] = default_get_variant,
+        get_linear_variant: Callable[[str], object] = default_get_linear_variant,
         impls: dict[str, Impl] | None = None,
         log: Callable[[str], None] = print,
         measure: Callable[..., Timing] = timing.measure,
         monitor: GpuMonitor | None = None,
     ) -> None:
-        """`measure` (attnbench.timing.measure's signature) and `monitor` are for tests."""
+        """`measure` (attnbench.timing.measure's signature) and `monitor` are for tests;
+        `get_variant` looks up attention and decode cases' variants, `get_linear_variant`
+        linear cases'."""
         self.suite = suite
         self.options = options
         self.device = resolve_device(options.device)
         self.get_variant = get_variant
+        self.get_linear_variant = get_linear_variant
         self.impls = impls if impls is not None else registry()
         self.log = log
         self.env = environment(self.device.type)
@@ -167,9 +187,14 @@ class Runner:
         return notes
 
     # ------------------------------------------------------------------ plans
+    def variant(self, case: Case):
+        """The case's variant, from its kind's library."""
+        lookup = self.get_linear_variant if case.kind == "linear" else self.get_variant
+        return lookup(case.variant)
+
     def plan(self, case: Case) -> dict[str, dict[str, str | None]]:
         """Per implementation of `case`, per mode: the skip reason on this machine, or None."""
-        variant = self.get_variant(case.variant)
+        variant = self.variant(case)
         return {name: self.impls[name].check_modes(case, variant, self.device)
                 for name in case.impls}
 
@@ -216,7 +241,7 @@ class Runner:
     # ------------------------------------------------------------------ one case
     def run_case(self, case: Case) -> list[dict]:
         self.prepare()
-        variant = self.get_variant(case.variant)
+        variant = self.variant(case)
         dev = self.device
         plan = self.plan(case)
         runnable = any(r is None for modes in plan.values() for r in modes.values())
@@ -307,7 +332,7 @@ class Runner:
                 grads = torch.autograd.grad(out, p.leaves, g, retain_graph=mode == "bwd")
                 # q, k, v's gradients are checked here; a learnable custom input's (timed
                 # too) is checked by the GPU tests against the reference executor
-                outs = [p.to_common(out)] + [p.to_common(x) for x in grads[:3]]
+                outs = [p.to_common(out), *p.grads_to_common(grads[:3])]
                 refs = list(ctx.reference(True))
                 if mode == "bwd":
                     def fn():
@@ -362,8 +387,8 @@ class Runner:
             "variant": case.variant, "shape": case.shape, "batch": case.batch,
             "heads_q": case.heads_q, "heads_kv": case.heads_kv, "seqlen_q": case.seqlen_q,
             "seqlen_kv": case.seqlen_kv, "head_dim": case.head_dim,
-            "head_dim_v": case.head_dim_v, "dtype": case.dtype, "causal": bool(variant.causal),
-            "mask": variant.mask, "mode": mode, "impl": impl, "baseline": case.baseline,
+            "head_dim_v": case.head_dim_v, "dtype": case.dtype, **_causal_and_mask(case, variant),
+            "mode": mode, "impl": impl, "baseline": case.baseline,
             "latency_ms": nan, "latency_spread_ms": nan, "repeats": 0, "flops": nan,
             "tflops": nan, "mfu": nan, "speedup": nan, "rel_err": nan, "max_abs_err": nan,
             "peak_mem_mb": nan, "compile_s": nan, "status": "", "reason": "",
@@ -387,6 +412,8 @@ class _CaseContext:
         self.grad_out: torch.Tensor | None = None  # decode cases run no backward
         if case.kind == "decode":
             self.inputs = make_decode_inputs(case, variant, device.type, seed)
+        elif case.kind == "linear":
+            self.inputs, self.grad_out = make_linear_inputs(case, variant, device.type, seed)
         else:
             self.inputs, self.grad_out = _attention_inputs(case, variant, device, seed)
         self.nbytes = sum(t.numel() * t.element_size() for t in self.inputs.values()
@@ -399,7 +426,8 @@ class _CaseContext:
         return _case_flops(self.case, self.variant, mode, self.seed)
 
     def reference(self, with_grads: bool) -> tuple[torch.Tensor, ...]:
-        """(out,) or (out, dq, dk, dv) in [B, S, H, D], float32/float64, computed once."""
+        """(out,) or (out, dq, dk, dv) in the common layout ([B, S, H, D]; linear cases
+        [B, H, T, D]), float32/float64, computed once."""
         if with_grads in self._ref:
             return self._ref[with_grads]
         if not with_grads and True in self._ref:
@@ -408,8 +436,12 @@ class _CaseContext:
         if c.kind == "decode":  # forward only (the suite refuses other modes)
             self._ref[False] = (decode_reference(c, self.variant, self.inputs),)
             return self._ref[False]
-        n = c.batch * c.heads_q * c.seqlen_q * c.seqlen_kv
+        n = c.batch * max(c.heads_q, c.heads) * c.seqlen_q * c.seqlen_kv
         dt = torch.float64 if n <= SMALL_FOR_FLOAT64 else torch.float32
+        if c.kind == "linear":
+            self._ref[with_grads] = linear_reference(c, self.variant, self.inputs, self.grad_out,
+                                                     dt, with_grads)
+            return self._ref[with_grads]
         chunked = n > REF_CHUNK_ELEMS and c.variant in PLAIN_SOFTMAX and set(self.inputs) == {
             "q", "k", "v"}
         res = (_reference_chunked if chunked else _reference_whole)(
@@ -490,9 +522,19 @@ def _accuracy(outs, refs) -> tuple[float, float]:
 def _case_flops(case: Case, variant, mode: str, seed: int) -> float:
     if case.kind == "decode":  # over the lengths the seed draws (ragged cases)
         return case_traffic(case, variant, seed)[1]
+    if case.kind == "linear":
+        return metrics.linear_flops(case.batch, case.heads, case.seqlen_q, case.head_dim,
+                                    case.head_dim_v, mode)
     frac = metrics.unmasked_fraction(variant, variant.mask, case.seqlen_q, case.seqlen_kv)
     return metrics.attention_flops(case.batch, case.heads_q, case.seqlen_q, case.seqlen_kv,
                                    case.head_dim, case.head_dim_v, mode, frac)
+
+
+def _causal_and_mask(case: Case, variant) -> dict:
+    """The row's causal and mask columns (a linear layer is causal by definition)."""
+    if case.kind == "linear":
+        return {"causal": True, "mask": "causal"}
+    return {"causal": bool(variant.causal), "mask": variant.mask}
 
 
 def _case_bytes(case: Case, variant, seed: int) -> float:

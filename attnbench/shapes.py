@@ -15,7 +15,8 @@ from attnbench.resources import package_file
 
 SHAPES_FILE = package_file("shapes.toml")
 
-_KEYS = {"heads_q", "heads_kv", "head_dim", "head_dim_v", "state_dim", "source"}
+_KEYS = {"heads_q", "heads_kv", "head_dim", "head_dim_v", "state_dim", "source", "linear"}
+LINEAR_KEYS = ("heads_q", "heads_k", "heads", "head_dim", "head_dim_v")
 
 
 @dataclass(frozen=True)
@@ -27,10 +28,19 @@ class ShapePreset:
     head_dim_v: int
     source: str
     state_dim: int | None = None
+    linear: tuple[tuple[str, int], ...] = ()  # the shapes file's `linear` table, if any
 
     @property
     def gqa(self) -> bool:
         return self.heads_kv != self.heads_q
+
+    def linear_sizes(self) -> dict[str, int]:
+        """The model read as linear attention: q heads, k heads, value (output) heads and the
+        q/k and value head dims (LINEAR_KEYS); the preset's `linear` table overrides the
+        default reading (heads_q, heads_kv, heads_q, head_dim, head_dim_v)."""
+        sizes = dict(zip(LINEAR_KEYS, (self.heads_q, self.heads_kv, self.heads_q, self.head_dim,
+                                       self.head_dim_v), strict=True))
+        return {**sizes, **dict(self.linear)}
 
 
 def _positive_int(name: str, key: str, value: object) -> int:
@@ -67,8 +77,25 @@ def parse_shapes(data: dict) -> dict[str, ShapePreset]:
         state = entry.get("state_dim")
         if state is not None:
             state = _positive_int(name, "state_dim", state)
-        presets[name] = ShapePreset(name, hq, hkv, d, dv, source, state)
+        presets[name] = ShapePreset(name, hq, hkv, d, dv, source, state,
+                                    _linear_table(name, entry.get("linear", {})))
     return presets
+
+
+def _linear_table(name: str, table: object) -> tuple[tuple[str, int], ...]:
+    if not isinstance(table, dict):
+        raise ValueError(f"shape preset {name!r}: linear must be a table, got {table!r}")
+    unknown = set(table) - set(LINEAR_KEYS)
+    if unknown:
+        raise ValueError(f"shape preset {name!r}: linear has unknown keys {sorted(unknown)}; "
+                         f"expected {list(LINEAR_KEYS)}")
+    sizes = {k: _positive_int(name, f"linear.{k}", v) for k, v in table.items()}
+    heads = sizes.get("heads")
+    for key in ("heads_q", "heads_k"):
+        if heads is not None and key in sizes and heads % sizes[key]:
+            raise ValueError(f"shape preset {name!r}: linear.heads ({heads}) must be a multiple "
+                             f"of linear.{key} ({sizes[key]})")
+    return tuple(sizes.items())
 
 
 def load_shapes(path: Path | str | None = None) -> dict[str, ShapePreset]:

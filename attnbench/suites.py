@@ -29,6 +29,11 @@ sequence and seqlen_kv as the cache capacity, time the forward only, and take tw
     page_size = 256      # paged cache of 256-token pages; 0 (default): contiguous. Must divide
                          # seqlen_kv. Both also take lists (their product is taken).
 
+Linear cases (kind = "linear", see attnbench.linear) name variants of the linear-attention
+library (engine.variants.linear) and read a shape as linear attention (the preset's
+`linear_sizes()`: q heads, k heads, value heads, q/k and value head dims); `seqlens` gives the
+sequence length T.
+
 A block expands to variants x shapes x seqlens x batch x dtypes (x ragged x page_size) cases;
 modes and impls are per case (one result row per case x impl x mode). Validation collects every
 problem and raises one `SuiteError` that names the bad key and lists the known names.
@@ -37,9 +42,11 @@ problem and raises one `SuiteError` that names the bad key and lists the known n
 from __future__ import annotations
 
 import fnmatch
+import functools
+import importlib
 import itertools
 import tomllib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -127,17 +134,34 @@ def read_suite_data(path: Path) -> dict:
     return data
 
 
-def known_variant_names() -> list[str]:
-    """Variant names from the engine (imported lazily: the engine is heavy)."""
+def known_variant_names(kind: str = "attention") -> list[str]:
+    """Variant names from the engine for a case kind: the linear-attention library for linear
+    cases, the attention library otherwise (imported lazily: the engine is heavy)."""
+    module, table = (("engine.variants.linear", "LINEAR_VARIANTS") if kind == "linear"
+                     else ("engine.variants", "VARIANTS"))
     try:
-        from engine.variants import VARIANTS
-    except ImportError as exc:
+        variants = getattr(importlib.import_module(module), table)
+    except (ImportError, AttributeError) as exc:
         raise SuiteError(
-            f"cannot validate variant names: engine.variants not importable ({exc})"
+            f"cannot validate {kind} variant names: {module}.{table} not importable ({exc})"
         ) from exc
-    if isinstance(VARIANTS, dict):
-        return sorted(VARIANTS)
-    return sorted(getattr(v, "name", v) for v in VARIANTS)
+    if isinstance(variants, dict):
+        return sorted(variants)
+    return sorted(getattr(v, "name", v) for v in variants)
+
+
+def variant_lookup(variant_names: Iterable[str] | None = None,
+                   linear_variant_names: Iterable[str] | None = None) -> Callable[[str], list[str]]:
+    """kind -> the variant names its cases may use: `linear_variant_names` for linear cases,
+    `variant_names` for the others; the engine's libraries where None."""
+    given = {"linear": linear_variant_names}
+    engine = functools.cache(known_variant_names)
+
+    def lookup(kind: str) -> list[str]:
+        names = given.get(kind, variant_names)
+        return engine(kind) if names is None else sorted(names)
+
+    return lookup
 
 
 def known_impl_names() -> list[str]:
@@ -151,6 +175,7 @@ def load_suite(
     *,
     shape_override: str | None = None,
     variant_names: Iterable[str] | None = None,
+    linear_variant_names: Iterable[str] | None = None,
     impl_names: Iterable[str] | None = None,
     shapes: dict[str, ShapePreset] | None = None,
     suites_dir: Path = SUITES_DIR,
@@ -158,7 +183,8 @@ def load_suite(
     path = resolve_suite_path(name_or_path, suites_dir)
     return parse_suite(
         read_suite_data(path), name=path.stem, path=str(path), shape_override=shape_override,
-        variant_names=variant_names, impl_names=impl_names, shapes=shapes,
+        variant_names=variant_names, linear_variant_names=linear_variant_names,
+        impl_names=impl_names, shapes=shapes,
     )
 
 
@@ -173,11 +199,15 @@ def parse_suite(
     path: str = "",
     shape_override: str | None = None,
     variant_names: Iterable[str] | None = None,
+    linear_variant_names: Iterable[str] | None = None,
     impl_names: Iterable[str] | None = None,
     shapes: dict[str, ShapePreset] | None = None,
 ) -> Suite:
-    """Validate a parsed suite file and expand it into cases."""
-    variants_known = sorted(variant_names) if variant_names is not None else known_variant_names()
+    """Validate a parsed suite file and expand it into cases.
+
+    `variant_names`, `linear_variant_names`: the known variants of attention (and decode) and of
+    linear cases (None: the engine's libraries)."""
+    variants_known = variant_lookup(variant_names, linear_variant_names)
     impls_known = sorted(impl_names) if impl_names is not None else known_impl_names()
     shapes = shapes if shapes is not None else load_shapes()
     errors: list[str] = []
@@ -236,11 +266,15 @@ def _expand_block(label, block, spec, suite_name, shape_override, variants_known
             return []
         return _as_list(spec[key])
 
+    kind = spec.get("kind", "attention")
+    if kind not in KINDS:
+        errors.append(f"{label}: unknown kind {kind!r}; known kinds: {', '.join(KINDS)}")
     variants = need("variants")
+    known = variants_known(kind) if kind in KINDS else []
     for v in variants:
-        if v not in variants_known:
-            errors.append(f"{label}: unknown variant {v!r}; known variants: "
-                          f"{', '.join(variants_known)}")
+        if v not in known:
+            errors.append(f"{label}: unknown variant {v!r}; known {kind} variants: "
+                          f"{', '.join(known)}")
     shape_list = [shape_override] if shape_override else need("shapes")
     for s in shape_list:
         if s not in shapes:
@@ -265,9 +299,6 @@ def _expand_block(label, block, spec, suite_name, shape_override, variants_known
             dtypes.append(dtype_name(d))
         except ValueError as exc:
             errors.append(f"{label}: {exc}")
-    kind = spec.get("kind", "attention")
-    if kind not in KINDS:
-        errors.append(f"{label}: unknown kind {kind!r}; known kinds: {', '.join(KINDS)}")
 
     if "seqlens" in spec:
         if "seqlen_q" in spec or "seqlen_kv" in spec:
@@ -301,6 +332,8 @@ def _expand_block(label, block, spec, suite_name, shape_override, variants_known
                                or tokens <= 0):
         errors.append(f"{label}: tokens must be a positive integer, got {tokens!r}")
     layouts = _decode_layouts(label, spec, kind, seqs, modes, errors)
+    if kind == "linear" and any(sq != skv for sq, skv in seqs):
+        errors.append(f"{label}: linear cases take one sequence length: give 'seqlens'")
     if len(errors) > n_err:
         return []
 
@@ -321,13 +354,21 @@ def _expand_block(label, block, spec, suite_name, shape_override, variants_known
             layout = ("ragged" if ragged else "", f"page{page}" if page else "")
             name = "/".join(x for x in (prefix, v, s, f"b{b}", seq, *layout, dt) if x)
             out.append(Case(
-                suite=suite_name, name=name, variant=v, shape=s, batch=b,
-                heads_q=preset.heads_q, heads_kv=preset.heads_kv, seqlen_q=sq, seqlen_kv=skv,
-                head_dim=preset.head_dim, head_dim_v=preset.head_dim_v, dtype=dt, kind=kind,
-                modes=tuple(modes), impls=tuple(impls), baseline=baseline, ragged=ragged,
-                page_size=page,
+                suite=suite_name, name=name, variant=v, shape=s, batch=b, seqlen_q=sq,
+                seqlen_kv=skv, dtype=dt, kind=kind, modes=tuple(modes), impls=tuple(impls),
+                baseline=baseline, ragged=ragged, page_size=page, **_heads_and_dims(preset, kind),
             ))
     return out
+
+
+def _heads_and_dims(preset: ShapePreset, kind: str) -> dict[str, int]:
+    """A case's head counts and head dims from its shape preset (linear: the linear reading)."""
+    if kind == "linear":
+        lin = preset.linear_sizes()
+        return dict(heads_q=lin["heads_q"], heads_kv=lin["heads_k"], heads=lin["heads"],
+                    head_dim=lin["head_dim"], head_dim_v=lin["head_dim_v"])
+    return dict(heads_q=preset.heads_q, heads_kv=preset.heads_kv, head_dim=preset.head_dim,
+                head_dim_v=preset.head_dim_v)
 
 
 def _decode_layouts(label: str, spec: dict, kind: str, seqs: list, modes: list,

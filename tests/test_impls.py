@@ -39,9 +39,9 @@ def test_cpu_only_runs_reference_and_sdpa_math():
     ("engine", case(dtype="float16"), A100, "compute capability >= 9.0"),
     ("engine-dynamic", case(kind="decode", dtype="float16"), H100,
      "decode cases not supported"),
-    ("fla", case(kind="linear", variant="retnet", heads_kv=2, dtype="bfloat16"), H100,
-     "GQA not supported"),
-    ("fla", case(variant="retnet", dtype="bfloat16"), H100, "attention cases not supported"),
+    ("fla", case(kind="linear", variant="linear_elu", heads=4, dtype="bfloat16"), H100,
+     "variant linear_elu not supported"),
+    ("fla", case(variant="simple_gla", dtype="bfloat16"), H100, "attention cases not supported"),
     ("reference", case(batch=8, heads_q=64, seqlen_q=16384, seqlen_kv=16384), CPU,
      "materialises"),
 ])
@@ -53,7 +53,7 @@ def test_capability_reasons(impl, c, dev, msg):
 def test_supported_cases_pass():
     assert get_impl("sdpa-cudnn").caps.check(case(dtype="bfloat16", heads_kv=2), H100) is None
     assert get_impl("engine").caps.check(case(dtype="bfloat16", variant="alibi"), H100) is None
-    c = case(kind="linear", variant="retnet", dtype="bfloat16")
+    c = case(kind="linear", variant="simple_gla", heads=4, dtype="bfloat16")
     assert get_impl("fla").caps.check(c, H100) is None
 
 

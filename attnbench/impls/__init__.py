@@ -24,7 +24,7 @@ IMPL_NAMES: tuple[str, ...] = (
     "flash-attention-3",
     "sdpa-cudnn",
     "sdpa-flash", "sdpa-efficient", "sdpa-math",
-    "flex", "reference", "fla",
+    "flex", "reference", "fla", "mamba_ssm",
 )
 
 __all__ = ["IMPL_NAMES", "Capabilities", "DeviceInfo", "Impl", "Prepared", "Unsupported",
@@ -44,11 +44,13 @@ def registry() -> dict[str, Impl]:
     from attnbench.impls.fa3 import FA3Impl
     from attnbench.impls.fla import FlaImpl
     from attnbench.impls.flex import FlexImpl
+    from attnbench.impls.mamba_ssm import MambaSsmImpl
     from attnbench.impls.sdpa import sdpa_impls
 
     impls: list[Impl] = [EngineImpl(), EngineDynamicImpl(), EngineDeterministicImpl(),
                          EngineFlexImpl(), EngineCompiledImpl(), FA3Impl(),
-                         *sdpa_impls(), FlexImpl(), ReferenceImpl(), FlaImpl()]
+                         *sdpa_impls(), FlexImpl(), ReferenceImpl(), FlaImpl(),
+                         MambaSsmImpl()]
     reg = {i.name: i for i in impls}
     assert tuple(reg) == IMPL_NAMES, "IMPL_NAMES out of sync with the registry"
     return reg

@@ -87,9 +87,9 @@ class Capabilities:
         if not self.gqa and case.heads_q != case.heads_kv:
             return f"GQA not supported (heads_q {case.heads_q} != heads_kv {case.heads_kv})"
         if self.max_score_elems is not None:
-            n = case.batch * case.heads_q * case.seqlen_q * case.seqlen_kv
+            n = case.batch * max(case.heads_q, case.heads) * case.seqlen_q * case.seqlen_kv
             if n > self.max_score_elems:
-                return (f"materialises B*Hq*Sq*Skv = {n:.3g} scores (limit "
+                return (f"materialises B*H*Sq*Skv = {n:.3g} scores (limit "
                         f"{self.max_score_elems:.3g})")
         return None
 
@@ -110,7 +110,8 @@ class Prepared:
     `forward()` computes the output in the implementation's own layout from inputs already
     arranged for it (layout changes happen in `prepare`, outside the timed region); `leaves`
     are its q, k, v tensors (requiring grad when a backward mode is run); `to_common` maps its
-    layout to [B, S, H, D] (for outputs and gradients) and `from_common` maps the other way
+    layout to the common one ([B, S, H, D]; linear cases [B, H, T, D]) for outputs and
+    gradients, and `from_common` maps the other way
     (for the output gradient); `context()` is entered around warm-up and timing.
     """
 
@@ -124,7 +125,16 @@ class Prepared:
     refusal: Callable[[BaseException], str | None] = lambda exc: None  # noqa: E731
     # (tflops, flops) -> reason to fail the row (e.g. a compiled path that fell back), or None
     verify: Callable[[float, float], str | None] = lambda tflops, flops: None  # noqa: E731
+    # (dq, dk, dv) of `leaves` -> the common layout's; None: `to_common` on each. For an
+    # implementation whose leaves are a mapping of the case's q, k, v (fla's Mamba2: q and k
+    # broadcast over heads, v * dt), the chain rule back to them.
+    grad_map: Callable[[tuple], tuple] | None = None
     extra: dict = field(default_factory=dict)
+
+    def grads_to_common(self, grads: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        if self.grad_map is not None:
+            return tuple(self.grad_map(grads))
+        return tuple(self.to_common(g) for g in grads)
 
 
 def learnable_customs(variant, inputs: dict, needs_grad: bool) -> dict[str, torch.Tensor]:

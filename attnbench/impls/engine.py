@@ -1,6 +1,8 @@
 """The engine itself: `engine` (generated TileLang kernels) and `reference` (its reference
 executor, plain torch on any device). Both also run decode cases (attnbench.decode) through the
-module's cache call, `mod(q, k_cache, v_cache, *customs, cache_seqlens=, block_table=)`."""
+module's cache call, `mod(q, k_cache, v_cache, *customs, cache_seqlens=, block_table=)`, and
+linear cases (attnbench.linear) through the variant's LinearAttentionEngine,
+`mod(q, k, v, decay, *customs)`."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from attnbench.impls.base import (
     learnable_customs,
     learnable_leaves,
 )
+from attnbench.linear import build_linear, linear_args
 
 
 def _decode_refusal(exc: BaseException) -> str | None:
@@ -31,19 +34,33 @@ def _decode_refusal(exc: BaseException) -> str | None:
     return f"engine decode: {exc}" if isinstance(exc, NotImplementedError) else None
 
 
+def _linear_refusal(exc: BaseException) -> str | None:
+    # NotImplementedError: a linear kernel (e.g. the backward) that has not been built yet
+    return f"engine linear: {exc}" if isinstance(exc, NotImplementedError) else None
+
+
 class _EngineBase(Impl):
     backend = ""
     dynamic_shapes: bool | None = None  # None: the engine's default (engine.kernels.attention_fwd.plan)
     deterministic = False
     decode = False  # runs decode cases (the module's cache call)
+    linear = False  # runs linear cases (the variant's LinearAttentionEngine)
 
     def kinds(self, base: frozenset[str]) -> frozenset[str]:
-        """The case kinds of `base` plus decode where this implementation runs it."""
-        return base | {"decode"} if self.decode else base
+        """The case kinds of `base` plus decode and linear where this implementation runs them."""
+        return (base | ({"decode"} if self.decode else set())
+                | ({"linear"} if self.linear else set()))
+
+    def check_modes(self, case: Case, variant, device: DeviceInfo) -> dict[str, str | None]:
+        if case.kind != "linear":
+            return super().check_modes(case, variant, device)
+        # every mode: a linear kernel not built yet refuses its call (_linear_refusal)
+        reason = self.check(case, variant, device)
+        return {m: reason for m in case.modes}
 
     def check(self, case: Case, variant, device: DeviceInfo) -> str | None:
         reason = super().check(case, variant, device)
-        if reason is None:
+        if reason is None and case.kind != "linear":
             dims = dict(head_dim=case.head_dim, head_dim_v=case.head_dim_v,
                         heads_q=case.heads_q, heads_kv=case.heads_kv)
             if "seqlen_q" in inspect.signature(variant.supports).parameters:
@@ -79,6 +96,8 @@ class _EngineBase(Impl):
     def prepare(self, case: Case, variant, inputs: dict, needs_grad: bool) -> Prepared:
         if case.kind == "decode":
             return self.prepare_decode(case, variant, inputs)
+        if case.kind == "linear":
+            return self.prepare_linear(case, variant, inputs, needs_grad)
         return self.prepare_module(self.checked_build(case, variant, needs_grad), variant,
                                    inputs, needs_grad)
 
@@ -109,6 +128,22 @@ class _EngineBase(Impl):
         return Prepared(forward=forward, compile_s=time.perf_counter() - t0,
                         refusal=_decode_refusal)
 
+    def prepare_linear(self, case: Case, variant, inputs: dict, needs_grad: bool) -> Prepared:
+        """The LinearAttentionEngine called on fresh leaves of q, k, v and of the variant's
+        learnable inputs (attnbench.linear.linear_args)."""
+        try:
+            mod = build_linear(case, variant, self.backend)
+        except NotImplementedError as exc:
+            raise Unsupported(f"engine linear backend {self.backend!r} not implemented: {exc}"
+                              ) from exc
+        q, k, v = grad_leaves(inputs, needs_grad)
+        args, learned = linear_args(variant, inputs, needs_grad)
+
+        def forward():
+            return mod(q, k, v, *args)
+
+        return Prepared(forward=forward, leaves=(q, k, v, *learned), refusal=_linear_refusal)
+
     @staticmethod
     def prepare_module(mod, variant, inputs: dict, needs_grad: bool) -> Prepared:
         """`mod` called on fresh leaves of q, k, v and of the variant's learnable inputs."""
@@ -126,6 +161,7 @@ class EngineImpl(_EngineBase):
     description = "the engine's generated TileLang kernels (variant.build(backend='tilelang'))"
     backend = "tilelang"
     decode = True
+    linear = True
 
     @property
     def caps(self) -> Capabilities:
@@ -147,13 +183,14 @@ class ReferenceImpl(_EngineBase):
     backend = "reference"
     gpu_only = False
     decode = True
+    linear = True
 
     @property
     def caps(self) -> Capabilities:
         # it may materialise the score matrix: bound it (2^31 fp32 scores = 8 GiB)
         return Capabilities(
             devices=frozenset({"cpu", "cuda"}), dtypes=ALL_DTYPES,
-            kinds=self.kinds(frozenset({"attention", "linear"})), max_score_elems=2**31,
+            kinds=self.kinds(frozenset({"attention"})), max_score_elems=2**31,
         )
 
 
@@ -165,6 +202,7 @@ class EngineDynamicImpl(EngineImpl):
     description = "the engine's kernels compiled once for every batch and sequence length"
     dynamic_shapes = True
     decode = False  # its own call path has no cache form
+    linear = False
 
 
 class EngineDeterministicImpl(EngineImpl):
@@ -175,6 +213,7 @@ class EngineDeterministicImpl(EngineImpl):
     description = "the engine's kernels with deterministic=True (atomic-free backward)"
     deterministic = True
     decode = False  # its own call path has no cache form
+    linear = False
 
     @property
     def caps(self) -> Capabilities:
@@ -190,6 +229,7 @@ class EngineFlexImpl(EngineImpl):
     name = "engine-flex"
     description = "engine.flex_attention with the variant's FlexAttention functions"
     decode = False  # its own call path has no cache form
+    linear = False
 
     def prepare(self, case: Case, variant, inputs: dict, needs_grad: bool) -> Prepared:
         from attnbench.impls.flex import flex_functions
@@ -224,6 +264,7 @@ class EngineCompiledImpl(EngineImpl):
     name = "engine-compiled"
     description = "the engine module under torch.compile(fullgraph=True, mode='reduce-overhead')"
     decode = False  # its own call path has no cache form
+    linear = False
 
     @property
     def caps(self) -> Capabilities:

@@ -1,31 +1,88 @@
-"""flash-linear-attention (`fla`, fla-core): chunked linear-attention kernels for `linear`
-cases. RetNet retention maps to `fla.ops.retention.chunk_retention` (fixed per-head decays
-1 - 2^(-5 - h), no normalisation); its accuracy is checked against the engine variant's
-`torch_reference` like every other row, so a definition mismatch shows as a failed row.
-Layout [B, T, H, D] (`head_first=False` is passed where the installed version still has it).
+"""flash-linear-attention (`fla`, fla-core 0.6.0): `chunk_simple_gla` for linear cases.
+
+Simple GLA, RetNet's linear retention (`chunk_retention` is `chunk_simple_gla` with a fixed
+g_gamma per head) and Mamba2's SSD with a scalar decay per head are all one fla op; the case's
+inputs are mapped onto it before timing (attnbench.impls.fla_inputs), the scale passed
+explicitly, and its output and q/k/v gradients checked against the variant's reference like
+every other row.
+
+The gated backward on Hopper (`gated_backward_on_hopper`): fla 0.6.0's Triton kernel for dq/dk
+with a data-dependent decay (`fla.ops.common.chunk_o.chunk_bwd_dqkwg`) raises on Hopper with
+Triton >= 3.4 and < 3.7.1 ("produces incorrect results", fla issue #640; the GPU host has
+torch 2.11's Triton 3.6), and fla's fix, its TileLang backend (`FLA_TILELANG`, on by default on
+Hopper), refuses simple GLA's call: its verifier wants the chunk states in q's dtype and
+`chunk_simple_gla_bwd` passes them in float32 (`states_in_fp32=True`), so the dispatch falls
+back to Triton and raises. Inside the row's timing context the adapter below hands that one
+call its states in q's dtype, which fla's TileLang kernel takes (the rounding shows in the
+row's rel_err). Decays fixed per head (g_gamma: retention) never reach the check. Where the
+TileLang backend is unavailable (no nvcc), the refusal becomes a skipped backward row.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import importlib.util
-import inspect
+import os
+from collections.abc import Callable, Iterator
 
 from attnbench.cases import Case
-from attnbench.impls.base import HALF, Capabilities, Impl, Prepared, grad_leaves
+from attnbench.impls.base import HALF, Capabilities, Impl, Prepared, Unsupported
+from attnbench.impls.fla_inputs import MAPPINGS, fla_call, from_fla, head_problem, to_fla
 
-# engine variant -> fla op (module, function)
-OPS = {"retnet": ("fla.ops.retention", "chunk_retention")}
+ISSUE_640 = "#640"  # fla's error text for the Hopper gated-backward refusal
+
+
+def load_op() -> Callable:
+    """fla's chunk_simple_gla (imported on first use: CUDA-only dependencies)."""
+    return importlib.import_module("fla.ops.simple_gla").chunk_simple_gla
+
+
+@contextlib.contextmanager
+def gated_backward_on_hopper() -> Iterator[None]:
+    """simple GLA's gated dq/dk backward through fla's TileLang kernel (module docstring)."""
+    chunk = importlib.import_module("fla.ops.simple_gla.chunk")
+    original = chunk.chunk_bwd_dqkwg
+
+    def states_in_input_dtype(*, q, h, dh, **kwargs):
+        return original(q=q, h=h.to(q.dtype), dh=dh.to(q.dtype), **kwargs)
+
+    before = os.environ.get("FLA_TILELANG")
+    os.environ["FLA_TILELANG"] = "1"
+    chunk.chunk_bwd_dqkwg = states_in_input_dtype
+    try:
+        yield
+    finally:
+        chunk.chunk_bwd_dqkwg = original
+        if before is None:
+            os.environ.pop("FLA_TILELANG", None)
+        else:
+            os.environ["FLA_TILELANG"] = before
+
+
+def _refusal(exc: BaseException) -> str | None:
+    if isinstance(exc, RuntimeError) and ISSUE_640 in str(exc):
+        return ("fla refuses the gated backward on Hopper with this Triton (#640) and its "
+                f"TileLang backend is unavailable here: {' '.join(str(exc).split())[:200]}")
+    return None
 
 
 class FlaImpl(Impl):
     name = "fla"
-    description = "flash-linear-attention (fla-core) chunked kernels"
+    description = "flash-linear-attention (fla-core) chunk_simple_gla"
+
+    def __init__(self, op: Callable[[], Callable] = load_op,
+                 backward_context: Callable[[], contextlib.AbstractContextManager]
+                 = gated_backward_on_hopper) -> None:
+        """`op` and `backward_context` are for tests (a torch stand-in on a CPU)."""
+        self.load_op = op
+        self.backward_context = backward_context
 
     @property
     def caps(self) -> Capabilities:
         return Capabilities(
             devices=frozenset({"cuda"}), dtypes=HALF, kinds=frozenset({"linear"}),
-            variants=frozenset(OPS), gqa=False,
+            variants=frozenset(MAPPINGS),
         )
 
     def unavailable(self) -> str | None:
@@ -35,17 +92,23 @@ class FlaImpl(Impl):
             found = False
         return None if found else "fla (fla-core) is not installed"
 
+    def check(self, case: Case, variant, device) -> str | None:
+        return super().check(case, variant, device) or head_problem(case)
+
     def prepare(self, case: Case, variant, inputs: dict, needs_grad: bool) -> Prepared:
-        module, func = OPS[case.variant]
-        op = getattr(importlib.import_module(module), func)
-        params = inspect.signature(op).parameters
-        extra = {"head_first": False} if "head_first" in params else {}
-        kw = variant.sdpa_kwargs(inputs) or {}
-        scale = kw.get("scale", case.head_dim**-0.5)
-        q, k, v = grad_leaves(inputs, needs_grad)
+        try:
+            call = fla_call(case, inputs, needs_grad)
+        except ValueError as exc:
+            raise Unsupported(f"fla: {exc}") from exc
+        op, kwargs = self.load_op(), call.kwargs()
+        q, k, v = call.q, call.k, call.v
 
         def forward():
-            out = op(q, k, v, scale=scale, **extra)
-            return out[0] if isinstance(out, tuple) else out  # (o, final_state)
+            return op(q, k, v, **kwargs)[0]  # (o, final_state)
 
-        return Prepared(forward=forward, leaves=(q, k, v))
+        gated = needs_grad and call.g is not None
+        return Prepared(
+            forward=forward, leaves=call.leaves, to_common=from_fla, from_common=to_fla,
+            grad_map=call.grads_back, refusal=_refusal,
+            context=self.backward_context if gated else contextlib.nullcontext,
+        )

@@ -1,0 +1,125 @@
+"""Linear-attention cases: the chunked/recurrent layer of engine.variants.linear.
+
+A linear case is a `Case` of kind "linear" whose variant is a `LinearVariant` (Mamba2, simple
+GLA, RetNet's linear retention, ...). Its sizes (`linear_sizes`) are the variant's: batch,
+heads_q (HQ), heads_k (HK, the case's heads_kv), heads (H, the value and output heads; HQ and
+HK divide it), seqlen (T, the case's seqlen_q), head_dim (D) and head_dim_v (Dv). Its inputs, in
+the engine's layout (`make_linear_inputs`, from the variant's `make_inputs`):
+
+    q      [B, HQ, T, D]        k  [B, HK, T, D]        v  [B, H, T, Dv]
+    decay  [B, H, T] float32    and the variant's custom tensors (dims batch, heads, seq_len or 1)
+
+The layer computes o [B, H, T, Dv]: o_t = sum_{s <= t} (q_t . k_s) exp(G_t - G_s) v_s after the
+variant's q/k/v mods, G the running sum of g = decay_mod(decay). Every implementation is checked
+against the variant's own torch formulation (`reference_fn`, the quadratic masked form), which
+`linear_reference` runs one sequence and group of heads at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attnbench.cases import Case
+from engine.dtypes import torch_dtype
+
+LINEAR_TENSORS = ("q", "k", "v", "decay")  # the call's leading tensors, in order
+GRAD_TENSORS = ("q", "k", "v")  # the inputs whose gradients every row checks
+REF_CHUNK_ELEMS = 2**28  # T x T elements per reference slice (1 GiB in float32)
+
+
+def linear_sizes(case: Case) -> dict[str, int]:
+    """The variant's size dict of a linear case."""
+    return {"batch": case.batch, "heads_q": case.heads_q, "heads_k": case.heads_kv,
+            "heads": case.heads, "seqlen": case.seqlen_q, "head_dim": case.head_dim,
+            "head_dim_v": case.head_dim_v}
+
+
+def linear_customs(inputs: dict) -> dict[str, torch.Tensor]:
+    """The variant's custom tensors among a linear case's inputs, in the call's order."""
+    return {n: t for n, t in inputs.items() if n not in LINEAR_TENSORS}
+
+
+def make_linear_inputs(case: Case, variant, device: str,
+                       seed: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The case's inputs (the variant's random tensors, never zeros) and the output gradient
+    [B, H, T, Dv] in the input dtype."""
+    dtype = torch_dtype(case.dtype)
+    inputs = variant.make_inputs(linear_sizes(case), dtype, device, seed, False)
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    grad_out = torch.randn(case.batch, case.heads, case.seqlen_q, case.head_dim_v,
+                           generator=gen, device=device, dtype=dtype)
+    return inputs, grad_out
+
+
+def _index(t: torch.Tensor, b: int, heads: slice, case: Case) -> tuple:
+    """The part of input `t` that sequence `b`, heads `heads` read: dim 0 is the batch (or 1,
+    shared), dim 1 the heads (H: cut; 1: shared); a tensor of fewer dims is shared whole."""
+    if t.dim() < 2:
+        return ()
+    rows = slice(b, b + 1) if t.shape[0] == case.batch else slice(None)
+    return (rows, heads if t.shape[1] == case.heads else slice(None))
+
+
+def head_chunk(case: Case, budget: int | None = None) -> int:
+    """Heads per reference slice: all H when q and k have H heads or one (the other head
+    counts would need slices on group bounds), else as many as keep T x T per head within
+    `budget` elements (default REF_CHUNK_ELEMS)."""
+    if {case.heads_q, case.heads_kv} - {1, case.heads}:
+        return case.heads
+    budget = REF_CHUNK_ELEMS if budget is None else budget
+    return max(1, min(case.heads, budget // (case.seqlen_q * case.seqlen_q)))
+
+
+def linear_reference(case: Case, variant, inputs: dict[str, torch.Tensor],
+                     grad_out: torch.Tensor | None, dtype: torch.dtype,
+                     with_grads: bool) -> tuple[torch.Tensor, ...]:
+    """(o,) or (o, dq, dk, dv) in the engine's layout and `dtype`, from the variant's
+    `reference_fn` run on `dtype` copies of the inputs one (sequence, group of heads) at a time:
+    sequences and heads are independent, and the reference materialises T x T per head.
+    Gradients of inputs a slice shares (one q head for all) add up over the slices."""
+    v = inputs["v"]
+    out = torch.empty(case.batch, case.heads, case.seqlen_q, case.head_dim_v, dtype=dtype,
+                      device=v.device)
+    grads = {n: torch.zeros(inputs[n].shape, dtype=dtype, device=v.device)
+             for n in GRAD_TENSORS} if with_grads else {}
+    per = head_chunk(case)
+    for b in range(case.batch):
+        for h0 in range(0, case.heads, per):
+            heads = slice(h0, min(h0 + per, case.heads))
+            sl = {n: t.detach()[_index(t, b, heads, case)].to(dtype) if t.is_floating_point()
+                  else t for n, t in inputs.items()}
+            where = (slice(b, b + 1), heads)
+            if not with_grads:
+                with torch.no_grad():
+                    out[where] = variant.reference_fn(sl)
+                continue
+            leaves = [sl[n].requires_grad_(True) for n in GRAD_TENSORS]
+            o = variant.reference_fn(sl)
+            out[where] = o.detach()
+            assert grad_out is not None
+            for n, g in zip(GRAD_TENSORS, torch.autograd.grad(o, leaves, grad_out[where].to(
+                    o.dtype)), strict=True):
+                grads[n][_index(inputs[n], b, heads, case)] += g
+    return (out, *grads.values())
+
+
+def linear_args(variant, inputs: dict[str, torch.Tensor],
+                needs_grad: bool) -> tuple[list[torch.Tensor], tuple[torch.Tensor, ...]]:
+    """The call's arguments after q, k, v (decay, then the customs in order) and those of them
+    that a backward differentiates: in the gradient modes the variant's learnable inputs are
+    fresh leaves, one per distinct tensor (Mamba2's dt is the decay and a custom input: one
+    leaf, so that both uses add to one gradient, as in training)."""
+    learnable = set(getattr(variant, "learnable", ()))
+    names = ["decay", *linear_customs(inputs)]
+    fresh: dict[int, torch.Tensor] = {}
+    for n in names:
+        t = inputs[n]
+        if needs_grad and any(m in learnable for m in names if inputs[m] is t):
+            fresh.setdefault(id(t), t.detach().clone().requires_grad_(True))
+    args = [fresh.get(id(inputs[n]), inputs[n]) for n in names]
+    return args, tuple(fresh.values())
+
+
+def build_linear(case: Case, variant, backend: str):
+    """The variant's LinearAttentionEngine for the case's sizes and dtype."""
+    return variant.build(linear_sizes(case), torch_dtype(case.dtype), backend=backend)

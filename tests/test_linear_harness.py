@@ -1,0 +1,284 @@
+"""The linear suite in the harness: cases, capabilities, fla's and mamba_ssm's input mappings
+(against torch stand-ins of their ops), the reference slices and a CPU run of the runner."""
+
+import contextlib
+import dataclasses
+import os
+import sys
+import types
+
+import pytest
+import torch
+
+from attnbench import linear, metrics
+from attnbench.cases import Case
+from attnbench.impls import DeviceInfo, get_impl, registry
+from attnbench.impls.base import ALL_DTYPES
+from attnbench.impls.fla import FlaImpl, gated_backward_on_hopper
+from attnbench.impls.fla_inputs import fla_call, from_fla, head_problem, to_fla
+from attnbench.impls.mamba_ssm import NOT_INSTALLED, MambaSsmImpl
+from attnbench.runner import Runner, RunOptions
+from attnbench.shapes import ShapePreset, get_shape, parse_shapes
+from attnbench.suites import SuiteError, load_suite, parse_suite
+from engine.variants.linear import LINEAR_VARIANTS
+
+CPU = DeviceInfo("cpu")
+H100 = DeviceInfo("cuda", "NVIDIA H100 80GB HBM3", (9, 0))
+MAPPED = ("simple_gla", "retnet_linear", "mamba2")
+
+
+def case(variant="simple_gla", **over) -> Case:
+    sizes = dict(batch=2, heads_q=3, heads_kv=3, heads=3, seqlen_q=37, seqlen_kv=37,
+                 head_dim=16, head_dim_v=8)
+    if variant == "mamba2":
+        sizes.update(heads_q=1, heads_kv=1)
+    c = dict(suite="t", name="c", variant=variant, shape="s", dtype="float32", kind="linear",
+             modes=("fwd", "fwd+bwd"), impls=("reference",), baseline="reference", **sizes)
+    c.update(over)
+    return Case(**c)
+
+
+def naive_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, **_):
+    """fla's chunk_simple_gla semantics in plain torch ([B, T, H, D]; float64 math)."""
+    B, T, H, _ = q.shape
+    if g is None:
+        g = g_gamma.view(1, 1, H).expand(B, T, H)
+    G = g.double().cumsum(1).transpose(1, 2)
+    qq, kk, vv = (x.double().transpose(1, 2) for x in (q, k, v))
+    keep = torch.ones(T, T, dtype=torch.bool).tril()
+    w = torch.where(keep, torch.exp(torch.where(keep, G[..., :, None] - G[..., None, :], 0.0)),
+                    0.0)
+    o = ((qq @ kk.transpose(-1, -2)) * scale * w) @ vv
+    return o.transpose(1, 2).to(q.dtype), None
+
+
+def naive_ssd(x, dt, A, B, C, chunk_size=256, **_):
+    """mamba_ssm's mamba_chunk_scan_combined semantics (one group, no D, z or dt bias)."""
+    H = x.shape[2]
+    return naive_simple_gla(C.expand(-1, -1, H, -1), B.expand(-1, -1, H, -1),
+                            x * dt[..., None], g=dt * A, scale=1.0)[0]
+
+
+def cpu(impl):
+    """`impl` allowed on a CPU in every dtype (its op replaced by a torch stand-in)."""
+    class OnCpu(type(impl)):
+        @property
+        def caps(self):
+            return dataclasses.replace(super().caps, devices=frozenset({"cpu"}),
+                                       dtypes=ALL_DTYPES)
+
+        def unavailable(self):
+            return None
+
+    impl.__class__ = OnCpu
+    return impl
+
+
+# ---------------------------------------------------------------- suite and shapes
+def test_linear_suite_expands_against_the_linear_library():
+    suite = load_suite("linear")
+    assert len(suite.cases) == 20
+    by_variant = {}
+    for c in suite.cases:
+        by_variant.setdefault(c.variant, []).append(c)
+        assert c.kind == "linear" and c.dtype == "bfloat16" and c.baseline == "fla"
+        assert c.modes == ("fwd", "fwd+bwd") and c.seqlen_q == c.seqlen_kv
+    assert set(by_variant) == {"simple_gla", "retnet_linear", "mamba2"}
+    for c in by_variant["mamba2"]:
+        assert (c.heads_q, c.heads_kv, c.heads, c.head_dim, c.head_dim_v) == (1, 1, 80, 128, 64)
+        assert c.impls == ("fla", "engine", "mamba_ssm") and c.batch in (1, 8)
+        assert 2048 <= c.seqlen_q <= 8192
+    dims = {(c.shape, c.batch, c.seqlen_q, c.heads, c.head_dim, c.head_dim_v)
+            for c in by_variant["simple_gla"]}
+    assert {("fla-h16-d128", 8, 4096, 16, 128, 128), ("fla-h16-d128", 2, 16384, 16, 128, 128),
+            ("yoco-13b", 8, 1024, 40, 256, 256), ("retnet-6.7b", 1, 2048, 32, 256, 512)} <= dims
+    assert dims == {(c.shape, c.batch, c.seqlen_q, c.heads, c.head_dim, c.head_dim_v)
+                    for c in by_variant["retnet_linear"]}
+
+
+def test_linear_cases_name_linear_variants():
+    data = {"kind": "linear", "impls": ["fla"], "modes": ["fwd"], "dtypes": ["bf16"],
+            "cases": [{"variants": ["softmax"], "shapes": ["fla-h16-d128"], "seqlens": [64]}]}
+    with pytest.raises(SuiteError, match="unknown variant 'softmax'; known linear variants: .*mamba2"):
+        parse_suite(data, name="t")
+    attention = {**data, "kind": "attention",
+                 "cases": [{"variants": ["mamba2"], "shapes": ["llama3-8b"], "seqlens": [64]}]}
+    with pytest.raises(SuiteError, match="unknown variant 'mamba2'; known attention variants"):
+        parse_suite(attention, name="t")
+    one_length = {**data, "cases": [{"variants": ["mamba2"], "shapes": ["mamba2-2.7b"],
+                                     "seqlen_q": [64], "seqlen_kv": [128]}]}
+    with pytest.raises(SuiteError, match="linear cases take one sequence length"):
+        parse_suite(one_length, name="t")
+
+
+def test_shape_presets_read_as_linear_attention():
+    assert get_shape("mamba2-2.7b").linear_sizes() == dict(
+        heads_q=1, heads_k=1, heads=80, head_dim=128, head_dim_v=64)
+    assert get_shape("retnet-6.7b").linear_sizes() == dict(
+        heads_q=32, heads_k=32, heads=32, head_dim=256, head_dim_v=512)
+    assert get_shape("yoco-13b").linear_sizes()["head_dim_v"] == 256
+    base = {"heads_q": 4, "head_dim": 64, "source": "x"}
+    with pytest.raises(ValueError, match="linear has unknown keys"):
+        parse_shapes({"s": {**base, "linear": {"state": 3}}})
+    with pytest.raises(ValueError, match="linear.heads .8. must be a multiple of linear.heads_q"):
+        parse_shapes({"s": {**base, "linear": {"heads": 8, "heads_q": 3}}})
+
+
+def test_linear_flops_count_the_chunked_matmuls():
+    # per token and head: fwd 2*(32*(D + Dv) + 2*D*Dv), bwd 2*(32*(3D + 2Dv) + 5*D*Dv)
+    fwd = metrics.linear_flops(2, 3, 10, 128, 64, "fwd")
+    assert fwd == 2 * 2 * 3 * 10 * (32 * 192 + 2 * 128 * 64)
+    bwd = metrics.linear_flops(2, 3, 10, 128, 64, "bwd")
+    assert bwd == 2 * 2 * 3 * 10 * (32 * (3 * 128 + 2 * 64) + 5 * 128 * 64)
+    assert metrics.linear_flops(2, 3, 10, 128, 64, "fwd+bwd") == fwd + bwd
+
+
+# ---------------------------------------------------------------- capabilities
+@pytest.mark.parametrize("impl, c, dev, msg", [
+    ("engine", case(dtype="bfloat16"), CPU, "needs a Hopper GPU"),
+    ("engine-dynamic", case(dtype="bfloat16"), H100, "linear cases not supported"),
+    ("fla", case(variant="linear_elu", dtype="bfloat16"), H100, "variant linear_elu not supported"),
+    ("fla", case(kind="attention", dtype="bfloat16"), H100, "attention cases not supported"),
+    ("fla", case(dtype="bfloat16"), CPU, "needs a CUDA GPU"),
+    ("mamba_ssm", case(dtype="bfloat16"), H100, "variant simple_gla not supported"),
+])
+def test_linear_capability_reasons(impl, c, dev, msg):
+    reason = get_impl(impl).check_modes(c, LINEAR_VARIANTS[c.variant], dev)
+    assert all(msg in r for r in reason.values()), reason
+
+
+def test_linear_capabilities_that_pass():
+    c = case(dtype="bfloat16")
+    assert set(get_impl("reference").check_modes(c, LINEAR_VARIANTS["simple_gla"], CPU).values()
+               ) == {None}
+    assert get_impl("engine").check_modes(c, LINEAR_VARIANTS["simple_gla"], H100) == {
+        "fwd": None, "fwd+bwd": None}
+    for variant in MAPPED:
+        assert get_impl("fla").caps.check(case(variant, dtype="bfloat16"), H100) is None
+    grouped = case(heads_q=2, heads_kv=2, heads=4, dtype="bfloat16")
+    assert "neither 1 (broadcast) nor the value heads" in head_problem(grouped)
+    assert head_problem(case("mamba2", heads=4)) is None
+
+
+def test_mamba_ssm_says_why_it_is_missing():
+    impl = get_impl("mamba_ssm")
+    c = case("mamba2", dtype="bfloat16")
+    assert impl.caps.check(c, H100) is None
+    if impl.unavailable() is not None:  # no wheel for the GPU host's torch/CUDA
+        assert impl.unavailable() == NOT_INSTALLED
+        assert "sdist" in NOT_INSTALLED and "torch 2.11" in NOT_INSTALLED
+
+
+# ---------------------------------------------------------------- input mappings
+def _inputs(c: Case, seed=0):
+    return LINEAR_VARIANTS[c.variant].make_inputs(linear.linear_sizes(c), torch.float64, "cpu",
+                                                  seed)
+
+
+@pytest.mark.parametrize("variant", MAPPED)
+def test_fla_mapping_matches_the_variant_reference(variant):
+    c = case(variant)
+    inputs = _inputs(c)
+    grad_out = torch.randn(c.batch, c.heads, c.seqlen_q, c.head_dim_v, dtype=torch.float64)
+    ref = linear.linear_reference(c, LINEAR_VARIANTS[variant], inputs, grad_out, torch.float64,
+                                  True)
+    call = fla_call(c, inputs, needs_grad=True)
+    out = naive_simple_gla(call.q, call.k, call.v, **call.kwargs())[0]
+    grads = torch.autograd.grad(out, call.leaves[:3], to_fla(grad_out))
+    got = (from_fla(out), *call.grads_back(grads))
+    for g, r in zip(got, ref, strict=True):
+        assert g.shape == r.shape
+        torch.testing.assert_close(g.double(), r, rtol=1e-6, atol=1e-6)  # float32 decays
+
+
+def test_fla_retention_needs_a_fixed_gamma():
+    c = case("retnet_linear")
+    inputs = _inputs(c)
+    inputs["decay"] = inputs["decay"].clone()
+    inputs["decay"][0, 0, 5] = 0.5
+    with pytest.raises(ValueError, match="one fixed gamma per head"):
+        fla_call(c, inputs, needs_grad=False)
+
+
+def test_mamba_ssm_mapping_matches_the_variant_reference():
+    c = case("mamba2")
+    inputs = _inputs(c)
+    ref = linear.linear_reference(c, LINEAR_VARIANTS["mamba2"], inputs, None, torch.float64,
+                                  False)[0]
+    p = MambaSsmImpl(op=lambda: naive_ssd).prepare(c, LINEAR_VARIANTS["mamba2"], inputs, False)
+    torch.testing.assert_close(p.to_common(p.forward()), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_gated_backward_hands_fla_its_states_in_the_input_dtype(monkeypatch):
+    seen = []
+    chunk = types.ModuleType("fla.ops.simple_gla.chunk")
+    chunk.chunk_bwd_dqkwg = lambda *, q, h, dh, **kw: seen.append((h.dtype, dh.dtype, kw))
+    monkeypatch.setitem(sys.modules, "fla.ops.simple_gla.chunk", chunk)
+    monkeypatch.delenv("FLA_TILELANG", raising=False)
+    original = chunk.chunk_bwd_dqkwg
+    q, h = torch.zeros(2, dtype=torch.bfloat16), torch.zeros(2)
+    with gated_backward_on_hopper():
+        assert chunk.chunk_bwd_dqkwg is not original
+        chunk.chunk_bwd_dqkwg(q=q, h=h, dh=h, g=1)
+        assert os.environ["FLA_TILELANG"] == "1"
+    assert seen == [(torch.bfloat16, torch.bfloat16, {"g": 1})]
+    assert chunk.chunk_bwd_dqkwg is original and "FLA_TILELANG" not in os.environ
+
+
+def test_linear_args_share_mamba2_dt_between_decay_and_custom():
+    v = LINEAR_VARIANTS["mamba2"]
+    inputs = _inputs(case("mamba2"))
+    args, learned = linear.linear_args(v, inputs, needs_grad=True)
+    decay, a, dt = args
+    assert decay is dt and len(learned) == 2 and all(t.requires_grad for t in learned)
+    args, learned = linear.linear_args(LINEAR_VARIANTS["retnet_linear"], _inputs(
+        case("retnet_linear")), needs_grad=True)
+    assert learned == () and not args[0].requires_grad
+
+
+def test_reference_slices_heads_exactly(monkeypatch):
+    c = case("mamba2", heads=4)
+    v = LINEAR_VARIANTS["mamba2"]
+    inputs = _inputs(c)
+    grad_out = torch.randn(c.batch, c.heads, c.seqlen_q, c.head_dim_v, dtype=torch.float64)
+    whole = linear.linear_reference(c, v, inputs, grad_out, torch.float64, True)
+    monkeypatch.setattr(linear, "REF_CHUNK_ELEMS", c.seqlen_q ** 2 * 3)  # 3 heads a slice
+    assert linear.head_chunk(c) == 3
+    parts = linear.linear_reference(c, v, inputs, grad_out, torch.float64, True)
+    for a, b in zip(whole, parts, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------- the runner on a CPU
+def test_runner_times_linear_cases_on_a_cpu(tmp_path):
+    shapes = {
+        "tiny": ShapePreset("tiny", 2, 2, 16, 16, "x"),
+        "tiny-ssd": ShapePreset("tiny-ssd", 3, 3, 8, 8, "x", None, (
+            ("heads_q", 1), ("heads_k", 1), ("heads", 3), ("head_dim", 16), ("head_dim_v", 8))),
+    }
+    data = {"kind": "linear", "impls": ["reference", "fla", "engine"], "baseline": "fla",
+            "modes": ["fwd", "fwd+bwd"], "dtypes": ["float32"], "repeats": 2, "warmup": 0,
+            "cases": [{"variants": ["simple_gla", "retnet_linear"], "shapes": ["tiny"],
+                       "seqlens": [40], "batch": 2},
+                      {"variants": ["mamba2"], "shapes": ["tiny-ssd"], "seqlens": [40],
+                       "batch": 2, "impls": ["reference", "fla", "engine", "mamba_ssm"]}]}
+    suite = parse_suite(data, name="lin", shapes=shapes)
+    impls = {**registry(), "mamba_ssm": cpu(MambaSsmImpl(op=lambda: naive_ssd)),
+             "fla": cpu(FlaImpl(op=lambda: naive_simple_gla,
+                                backward_context=contextlib.nullcontext))}
+    rows = Runner(suite, RunOptions(device="cpu", out_dir=tmp_path, noise_threshold=10.0),
+                  impls=impls, log=lambda s: None).run().rows
+    ran = [r for r in rows if r["impl"] != "engine"]
+    assert len(ran) == 2 * 2 * 2 + 3 * 2
+    for r in ran:
+        assert r["status"] == "ok" and r["rel_err"] < 1e-5, r
+        heads, dv = (3, 8) if r["variant"] == "mamba2" else (2, 16)
+        assert r["causal"] and r["flops"] == metrics.linear_flops(2, heads, 40, 16, dv, r["mode"])
+        if r["impl"] == "fla":
+            assert r["speedup"] == 1.0
+    mamba = [r for r in ran if r["variant"] == "mamba2"]
+    assert {(r["heads_q"], r["heads_kv"], r["head_dim"], r["head_dim_v"]) for r in mamba} == {
+        (1, 1, 16, 8)}
+    engine = [r for r in rows if r["impl"] == "engine"]
+    assert {r["status"] for r in engine} == {"skipped"}
+    assert {r["reason"] for r in engine} == {"needs a Hopper GPU"}
