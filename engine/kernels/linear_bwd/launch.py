@@ -1,0 +1,100 @@
+"""Build and launch the chunked backward: the forward's state pass again (the per-chunk
+states are recomputed, not kept: they would hold chunks x D x Dv per head), the reverse state
+pass, the dV kernel and the dQ/dK kernel; then the decays' gradient, summed from each
+sequence's end (plus the final state's own term), and the sums over heads that share q or k."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.kernels.linear_bwd.codegen import generate_dqk, generate_dstates, generate_dv
+from engine.kernels.linear_fwd.launch import ForwardKernels, ForwardState, run_states
+from engine.kernels.linear_fwd.plan import LinearConfig, LinearShape, check_config
+from engine.kernels.linear_fwd.tables import per_sequence, sequence_reverse_cumsum
+from engine.runtime.kernel import Kernel
+
+
+@dataclass
+class BackwardKernels:
+    shape: LinearShape
+    config: LinearConfig
+    dv: Kernel
+    dqk: Kernel
+    _dstates: dict[tuple[bool, bool], Kernel] = field(default_factory=dict)
+
+    def dstates(self, final_grad: bool, initial_grad: bool) -> Kernel:
+        key = (final_grad, initial_grad)
+        if key not in self._dstates:
+            self._dstates[key] = Kernel(generate_dstates(self.shape, self.config, *key))
+        return self._dstates[key]
+
+    def sources(self, final_grad: bool = False, initial_grad: bool = False) -> list[str]:
+        return [self.dstates(final_grad, initial_grad).source, self.dv.source, self.dqk.source]
+
+    def compile(self, final_grad: bool = False, initial_grad: bool = False) -> None:
+        self.dstates(final_grad, initial_grad).compiled()
+        self.dv.compiled()
+        self.dqk.compiled()
+
+
+def build_backward(shape: LinearShape, cfg: LinearConfig) -> BackwardKernels:
+    """The backward kernels at `shape` and `cfg` (checked; its chunk must be the forward's)."""
+    elem = 4 if shape.dtype == "float32" else 2
+    check_config(cfg, shape.head_dim, shape.head_dim_v, elem)
+    return BackwardKernels(shape, cfg, Kernel(generate_dv(shape, cfg)),
+                           Kernel(generate_dqk(shape, cfg)))
+
+
+def _group_sum(x: torch.Tensor, heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """Per-output-head gradients [B, H, T, D] summed over the heads sharing one of `heads`."""
+    B, H, T, D = x.shape
+    return x.view(B, heads, H // heads, T, D).sum(2).to(dtype)
+
+
+def launch_backward(fk: ForwardKernels, bk: BackwardKernels, q: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor, g: torch.Tensor, fwd: ForwardState, initial_state: torch.Tensor | None,
+                    do: torch.Tensor, dht: torch.Tensor | None, initial_grad: bool
+                    ) -> tuple[torch.Tensor, ...]:
+    """(dq, dk, dv, dg [B, H, T] fp32, dh0 or None)."""
+    s = bk.shape
+    tb, dev = fwd.tables, q.device
+    hs, _ = run_states(fk, k, v, tb, g, initial_state, False)
+    common = {"G": g, "Seqs": tb.seqs, "Chunks": tb.chunks}
+    dhs = torch.empty_like(hs)
+    args = {"Q": q, "dO": do, **common, "dHs": dhs}
+    if dht is not None:
+        args["dHt"] = dht
+    dh0 = None
+    if initial_grad:
+        dh0 = args["dH0"] = torch.empty(s.num_seqs, s.heads, s.head_dim, s.head_dim_v,
+                                        dtype=torch.float32, device=dev)
+    bk.dstates(dht is not None, initial_grad)(**args)
+    dv = torch.empty_like(v)
+    bk.dv(Q=q, K=k, dO=do, **common, dHs=dhs, dV=dv)
+    dq, dk = _outputs(s, q, k)
+    nk = s.head_dim // bk.config.block_K
+    dgp = torch.empty(nk, s.batch, s.heads, s.seqlen, dtype=torch.float32, device=dev)
+    bk.dqk(Q=q, K=k, V=v, dO=do, **common, Hs=hs, dHs=dhs, dG=dgp,
+           **{("dQ" if s.heads_q == s.heads else "dQh"): dq,
+              ("dK" if s.heads_k == s.heads else "dKh"): dk})
+    if s.heads_q != s.heads:
+        dq = _group_sum(dq, s.heads_q, q.dtype)
+    if s.heads_k != s.heads:
+        dk = _group_sum(dk, s.heads_k, k.dtype)
+    dg = sequence_reverse_cumsum(dgp.sum(0) if nk > 1 else dgp[0], tb)
+    if dht is not None:  # the final state's decay exp(G_T) reaches every position's g
+        dg = dg + per_sequence((dht * fwd.final).sum((-2, -1)), tb, s)
+    return dq, dk, dv, dg, dh0
+
+
+def _outputs(s: LinearShape, q: torch.Tensor, k: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """dq and dk buffers: the inputs' shapes, or per output head in fp32 where heads share."""
+    def one(x: torch.Tensor, heads: int) -> torch.Tensor:
+        if heads == s.heads:
+            return torch.empty_like(x)
+        return torch.empty(s.batch, s.heads, s.seqlen, s.head_dim, dtype=torch.float32,
+                           device=x.device)
+    return one(q, s.heads_q), one(k, s.heads_k)

@@ -1,0 +1,89 @@
+"""Build and launch the chunked forward: the state pass, then the output kernel."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.kernels.linear_fwd.codegen import generate_output, generate_states
+from engine.kernels.linear_fwd.plan import LinearConfig, LinearShape, check_config
+from engine.kernels.linear_fwd.tables import ChunkTables, chunk_tables
+from engine.runtime.kernel import Kernel
+
+
+@dataclass
+class ForwardKernels:
+    shape: LinearShape
+    config: LinearConfig
+    output: Kernel
+    _states: dict[tuple[bool, bool], Kernel] = field(default_factory=dict)
+    _tables: dict[torch.device, ChunkTables] = field(default_factory=dict)
+
+    def states(self, initial: bool, final: bool) -> Kernel:
+        """The state pass reading an initial state or not, writing the final one or not."""
+        key = (initial, final)
+        if key not in self._states:
+            self._states[key] = Kernel(generate_states(self.shape, self.config, *key))
+        return self._states[key]
+
+    def sources(self, initial: bool = False, final: bool = False) -> list[str]:
+        return [self.states(initial, final).source, self.output.source]
+
+    def compile(self, initial: bool = False, final: bool = False) -> None:
+        self.states(initial, final).compiled()
+        self.output.compiled()
+
+    def tables(self, cu_seqlens: torch.Tensor | None, device: torch.device) -> ChunkTables:
+        """The call's chunk tables (kept per device for equal-length rows: they never change)."""
+        if cu_seqlens is not None:
+            return chunk_tables(self.shape, self.config.chunk, cu_seqlens, device)
+        if device not in self._tables:
+            self._tables[device] = chunk_tables(self.shape, self.config.chunk, None, device)
+        return self._tables[device]
+
+
+def build_forward(shape: LinearShape, cfg: LinearConfig) -> ForwardKernels:
+    """The forward kernels at `shape` and `cfg` (checked), generated, not compiled."""
+    elem = 4 if shape.dtype == "float32" else 2
+    check_config(cfg, shape.head_dim, shape.head_dim_v, elem)
+    return ForwardKernels(shape, cfg, Kernel(generate_output(shape, cfg)))
+
+
+@dataclass
+class ForwardState:
+    """What the backward needs from the forward besides its inputs."""
+
+    tables: ChunkTables
+    final: torch.Tensor | None
+
+
+def run_states(fk: ForwardKernels, k: torch.Tensor, v: torch.Tensor, tables: ChunkTables,
+               g: torch.Tensor, initial_state: torch.Tensor | None, final: bool
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(Hs: the state entering every chunk slot, the final state or None)."""
+    s, C = fk.shape, fk.config.chunk
+    hs = torch.empty(s.slots(C), s.heads, s.head_dim, s.head_dim_v, dtype=k.dtype,
+                     device=k.device)
+    args = {"K": k, "V": v, "G": g, "Seqs": tables.seqs, "Chunks": tables.chunks, "Hs": hs}
+    if initial_state is not None:
+        args["H0"] = initial_state
+    ht = None
+    if final:
+        ht = args["Ht"] = torch.empty(s.num_seqs, s.heads, s.head_dim, s.head_dim_v,
+                                      dtype=torch.float32, device=k.device)
+    fk.states(initial_state is not None, final)(**args)
+    return hs, ht
+
+
+def launch_forward(fk: ForwardKernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   g: torch.Tensor, initial_state: torch.Tensor | None,
+                   cu_seqlens: torch.Tensor | None, final: bool
+                   ) -> tuple[torch.Tensor, ForwardState]:
+    """o [B, H, T, Dv] and what the backward reuses (inputs checked and contiguous)."""
+    s = fk.shape
+    tables = fk.tables(cu_seqlens, q.device)
+    hs, ht = run_states(fk, k, v, tables, g, initial_state, final)
+    o = torch.empty(s.batch, s.heads, s.seqlen, s.head_dim_v, dtype=q.dtype, device=q.device)
+    fk.output(Q=q, K=k, V=v, G=g, Seqs=tables.seqs, Chunks=tables.chunks, Hs=hs, O=o)
+    return o, ForwardState(tables, ht)

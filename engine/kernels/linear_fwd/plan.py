@@ -1,0 +1,139 @@
+"""The chunked linear-attention kinds' plan (forward here, backward in linear_bwd): shapes,
+the config and its validity model.
+
+The sequence is cut into chunks of `chunk` positions. A state pass walks each (sequence,
+head)'s chunks in order, one thread block per (value tile, key tile) of the [D, Dv] state,
+and stores the state entering every chunk; the output (and the backward's gradient) kernels
+then run one thread block per (chunk, head), all chunks at once. Chunks are numbered by slot:
+the launcher's tables (launch.chunk_tables) give each slot its batch row, first position and
+length, so equal-length batches and packed sequences (cu_seqlens) run the same kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from engine.plan.config import SMEM_LIMIT_BYTES, ConfigError, config_from_dict
+
+CHUNKS = (64, 128)
+TILES = (32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    """chunk: positions per chunk; block_K, block_V: the state tile a state-pass block owns
+    ([block_K, block_V] of [D, Dv]); block_V is also the output kernels' value tile (they loop
+    over Dv in block_V steps); num_stages: the state pass's load pipeline depth; threads: threads
+    per block."""
+
+    chunk: int = 64
+    block_K: int = 64
+    block_V: int = 64
+    num_stages: int = 2
+    threads: int = 128
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> LinearConfig:
+        return config_from_dict(cls, data)
+
+    def key(self) -> str:
+        return (f"C{self.chunk}_K{self.block_K}_V{self.block_V}_s{self.num_stages}_"
+                f"t{self.threads}")
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """q [B, heads_q, T, D], k [B, heads_k, T, D], v [B, heads, T, Dv] in `dtype`; `sequences`
+    the number of packed sequences (cu_seqlens given, batch 1) or 0 (batch rows of length T)."""
+
+    batch: int
+    heads_q: int
+    heads_k: int
+    heads: int
+    seqlen: int
+    head_dim: int
+    head_dim_v: int
+    dtype: str
+    sequences: int = 0
+
+    @property
+    def num_seqs(self) -> int:
+        return self.sequences or self.batch
+
+    def slots(self, chunk: int) -> int:
+        """Chunk slots: every chunk of every sequence fits (a packed sequence adds at most one
+        partial chunk)."""
+        per_row = -(-self.seqlen // chunk)
+        return per_row + self.sequences if self.sequences else self.batch * per_row
+
+    def key(self) -> str:
+        return (f"B{self.batch}_H{self.heads_q}x{self.heads_k}x{self.heads}_T{self.seqlen}_"
+                f"D{self.head_dim}x{self.head_dim_v}_{self.dtype}_n{self.sequences}")
+
+
+def _smem_bytes(cfg: LinearConfig, head_dim: int, elem: int) -> int:
+    """The largest of the kernels' shared tiles (the output and gradient kernels hold whole
+    [chunk, D] q and k tiles beside [chunk, block_V] and [D, block_V] ones)."""
+    C, D, V = cfg.chunk, head_dim, cfg.block_V
+    states = cfg.num_stages * C * (cfg.block_K + V) * elem + cfg.block_K * V * elem
+    output = (2 * C * D + 2 * C * V + D * V + C * C) * elem + 4 * C
+    grads = (2 * C * D + 2 * C * V + 2 * D * V + C * C) * elem + 4 * C
+    return max(states, output, grads)
+
+
+def config_problems(cfg: LinearConfig, head_dim: int, head_dim_v: int, elem_bytes: int = 2,
+                    spec=None) -> list[str]:
+    """Every reason `cfg` cannot run at these head dims (empty: valid)."""
+    out = []
+    if cfg.chunk not in CHUNKS:
+        out.append(f"chunk={cfg.chunk}: expected one of {CHUNKS}")
+    for name, tile, dim in (("block_K", cfg.block_K, head_dim), ("block_V", cfg.block_V,
+                                                                  head_dim_v)):
+        if tile not in TILES or dim % tile:
+            out.append(f"{name}={tile}: expected one of {TILES} dividing {dim}")
+    if cfg.threads not in (128, 256):
+        out.append(f"threads={cfg.threads}: expected 128 or 256")
+    if cfg.num_stages not in (1, 2, 3):
+        out.append(f"num_stages={cfg.num_stages}: expected 1, 2 or 3")
+    smem = _smem_bytes(cfg, head_dim, elem_bytes)
+    if smem > SMEM_LIMIT_BYTES:
+        out.append(f"shared memory {smem} B > {SMEM_LIMIT_BYTES} B")
+    return out
+
+
+def check_config(cfg: LinearConfig, head_dim: int, head_dim_v: int, elem_bytes: int = 2
+                 ) -> None:
+    problems = config_problems(cfg, head_dim, head_dim_v, elem_bytes)
+    if problems:
+        raise ConfigError(f"LinearConfig {cfg.key()} at D={head_dim}, Dv={head_dim_v}: "
+                          + "; ".join(problems))
+
+
+def default_linear_config(head_dim: int, head_dim_v: int, elem_bytes: int = 2, spec=None
+                          ) -> LinearConfig:
+    """64-position chunks; state tiles of 128 x 64 where the head dims allow (the state pass
+    then reads each value tile once per 128 key columns)."""
+    bk = next(t for t in (128, 64, 32) if head_dim % t == 0)
+    bv = 64 if head_dim_v % 64 == 0 else 32
+    cfg = LinearConfig(block_K=bk, block_V=bv)
+    check_config(cfg, head_dim, head_dim_v, elem_bytes)
+    return cfg
+
+
+def config_for_shape(shape: LinearShape, sm_count: int = 132) -> LinearConfig:
+    """The default at this shape: where the state pass has under two blocks per SM (few
+    sequences x heads), 128-position chunks halve its serial steps (measured on an H200,
+    results/NOTES.md); else default_linear_config's."""
+    elem = 4 if shape.dtype == "float32" else 2
+    cfg = default_linear_config(shape.head_dim, shape.head_dim_v, elem)
+    blocks = (shape.num_seqs * shape.heads * (shape.head_dim // cfg.block_K)
+              * (shape.head_dim_v // cfg.block_V))
+    if blocks < 2 * sm_count:
+        wide = dataclasses.replace(cfg, chunk=128, threads=256)
+        if not config_problems(wide, shape.head_dim, shape.head_dim_v, elem):
+            return wide
+    return cfg

@@ -1,0 +1,113 @@
+"""The linear-attention kernels behind LinearAttentionEngine: chunked forward and backward,
+and the recurrent step, as one autograd function of the core problem
+
+    o_t = sum_{s <= t} (q_t . k_s) exp(G_t - G_s) v_s  (+ q_t exp(G_t) h0),  G = cumsum(g)
+
+with q [B, HQ, T, D], k [B, HK, T, D], v [B, H, T, Dv] (HQ and HK divide H; output head h
+reads q head h // (H // HQ) and k head h // (H // HK)), g [B, H, T] float32 (log decays,
+after the decay mod), initial state h0 [N, H, D, Dv] float32 (N = B, or the number of packed
+sequences when cu_seqlens, int32 [N + 1], is given and B == 1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.dtypes import KERNEL_DTYPES
+from engine.kernels.linear_bwd.launch import BackwardKernels, build_backward, launch_backward
+from engine.kernels.linear_fwd.launch import ForwardKernels, build_forward, launch_forward
+from engine.kernels.linear_fwd.plan import LinearConfig, LinearShape, config_for_shape
+
+
+class LinearKernelCache:
+    """The kernels one LinearAttentionEngine has built, by shape and config."""
+
+    def __init__(self) -> None:
+        self.kernels: dict = {}
+
+    def clear(self) -> None:
+        self.kernels.clear()
+
+    def forward(self, shape: LinearShape, cfg: LinearConfig) -> ForwardKernels:
+        key = ("fwd", shape, cfg)
+        if key not in self.kernels:
+            self.kernels[key] = build_forward(shape, cfg)
+        return self.kernels[key]
+
+    def backward(self, shape: LinearShape, cfg: LinearConfig) -> BackwardKernels:
+        key = ("bwd", shape, cfg)
+        if key not in self.kernels:
+            self.kernels[key] = build_backward(shape, cfg)
+        return self.kernels[key]
+
+
+def linear_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 cu_seqlens: torch.Tensor | None) -> LinearShape:
+    B, HQ, T, D = q.shape
+    return LinearShape(batch=B, heads_q=HQ, heads_k=k.shape[1], heads=v.shape[1], seqlen=T,
+                       head_dim=D, head_dim_v=v.shape[3], dtype=KERNEL_DTYPES[q.dtype],
+                       sequences=0 if cu_seqlens is None else cu_seqlens.numel() - 1)
+
+
+def configs(shape: LinearShape, config: LinearConfig | None,
+            backward_config: LinearConfig | None) -> tuple[LinearConfig, LinearConfig]:
+    """The forward's config and the backward's (which must share its chunk)."""
+    fwd = config or config_for_shape(shape)
+    bwd = backward_config or fwd
+    if bwd.chunk != fwd.chunk:
+        raise ValueError(f"backward_config: chunk {bwd.chunk} must equal the forward's "
+                         f"chunk {fwd.chunk}")
+    return fwd, bwd
+
+
+class _ChunkedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, cache, fwd_cfg, bwd_cfg, q, k, v, g, h0, cu_seqlens, want_final):
+        shape = linear_shape(q, k, v, cu_seqlens)
+        fk = cache.forward(shape, fwd_cfg)
+        o, state = launch_forward(fk, q, k, v, g, h0, cu_seqlens, want_final)
+        ctx.cache, ctx.shape, ctx.bwd_cfg, ctx.fk, ctx.state = cache, shape, bwd_cfg, fk, state
+        ctx.save_for_backward(q, k, v, g, h0)
+        ctx.set_materialize_grads(False)  # an unused final state sends no gradient
+        return o, state.final
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, h0 = ctx.saved_tensors
+        if do is None:  # only the final state is used
+            s = ctx.shape
+            do = q.new_zeros(s.batch, s.heads, s.seqlen, s.head_dim_v)
+        bk = ctx.cache.backward(ctx.shape, ctx.bwd_cfg)
+        initial_grad = h0 is not None and ctx.needs_input_grad[7]
+        dq, dk, dv, dg, dh0 = launch_backward(
+            ctx.fk, bk, q, k, v, g, ctx.state, h0, do.contiguous(),
+            None if dht is None else dht.contiguous(), initial_grad)
+        return None, None, None, dq, dk, dv, dg, dh0, None, None
+
+
+def run(cache: LinearKernelCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        g: torch.Tensor, initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+        output_final_state: bool, config: LinearConfig | None = None,
+        backward_config: LinearConfig | None = None
+        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(o [B, H, T, Dv] in q's dtype, final state [N, H, D, Dv] float32 or None), differentiable
+    in q, k, v, g and initial_state (inputs already checked and contiguous)."""
+    shape = linear_shape(q, k, v, cu_seqlens)
+    fwd, bwd = configs(shape, config, backward_config)
+    h0 = None if initial_state is None else initial_state.float().contiguous()
+    o, ht = _ChunkedLinear.apply(cache, fwd, bwd, q, k, v, g.float().contiguous(), h0,
+                                 cu_seqlens, output_final_state)
+    return o, (ht if output_final_state else None)
+
+
+def kernel_sources(cache: LinearKernelCache, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor, config: LinearConfig | None = None,
+                   backward_config: LinearConfig | None = None,
+                   modes: tuple[str, ...] = ("fwd",)) -> list[str]:
+    """The TileLang sources run for tensors shaped as q, k, v (meta tensors will do)."""
+    shape = linear_shape(q, k, v, None)
+    fwd, bwd = configs(shape, config, backward_config)
+    out = cache.forward(shape, fwd).sources()
+    if "bwd" in modes:
+        out += cache.backward(shape, bwd).sources()
+    return out
