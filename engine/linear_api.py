@@ -14,7 +14,7 @@ from engine.dsl.io import CustomIO
 from engine.ir.tensor_mods import TensorMod, trace_tensor_mod
 from engine.reference.linear import chunked
 from engine.reference.tensor_mods import apply_tensor_mod
-from engine.runtime import linear_backend
+from engine.runtime import linear_backend, linear_tuning
 from engine.runtime.arg_checks import bind_customs
 from engine.runtime.device import choose_backend
 from engine.runtime.linear_inputs import (
@@ -99,8 +99,11 @@ class LinearAttentionEngine(torch.nn.Module):
 
     backend: "auto" (the TileLang kernels on a Hopper GPU, else the reference), "reference"
     (engine.reference.linear.chunked) or "tilelang". config, backward_config: the kernels'
-    configs (engine.runtime.linear_backend). tune, tune_file (alias tune_filename), tune_bwd:
-    the tuning options, kept for the kernels.
+    LinearConfigs; None: the tune file's entry for the call's exact shape, else the plan's
+    choice (engine.runtime.linear_tuning). tune_file (alias tune_filename): the tune file
+    (default results/tune/<gpu>/linear_fwd.json and linear_bwd.json). tune, tune_bwd: the
+    linear kernels are tuned by `attnbench tune --mode linear`, not on the first call; with
+    either set the module says so once and loads what that command wrote.
     """
 
     def __init__(
@@ -151,6 +154,7 @@ class LinearAttentionEngine(torch.nn.Module):
         self.tune_bwd = tune_bwd
         self.check_offset_values = True  # cu_seqlens' values (a host synchronisation)
         self._kernels = linear_backend.LinearKernelCache()
+        self._tuned = linear_tuning.TuneLookup()
 
     # ------------------------------------------------------------------ introspection
     def mods(self) -> list[TensorMod]:
@@ -165,12 +169,19 @@ class LinearAttentionEngine(torch.nn.Module):
     @property
     def tl_code(self) -> str:
         """The TileLang sources of the forward kernels at qkv_meta's shapes, joined."""
+        return "\n\n".join(self.kernel_sources())
+
+    def kernel_sources(self, modes: tuple[str, ...] = ("fwd",)) -> list[str]:
+        """The TileLang sources a call at qkv_meta's shapes runs (no initial or final state),
+        at the configs it runs: the forward's, and with "bwd" in `modes` a training call's
+        forward and backward."""
         sources = getattr(linear_backend, "kernel_sources", None)
         if sources is None:  # the kernels' half: engine.runtime.linear_backend.kernel_sources
             raise NotImplementedError("tl_code: engine.runtime.linear_backend.kernel_sources "
                                       "does not exist yet (the linear kernels are being built)")
-        return "\n\n".join(sources(self._kernels, *self._meta, config=self.config,
-                                    backward_config=self.backward_config))
+        q, k, v = self._meta
+        fwd, bwd = self._configs(q, k, v, None, "bwd" in modes)
+        return sources(self._kernels, q, k, v, config=fwd, backward_config=bwd, modes=modes)
 
     def extra_repr(self) -> str:
         p = self.problem
@@ -199,12 +210,28 @@ class LinearAttentionEngine(torch.nn.Module):
                                       dict(zip(self.custom_io.names(), customs, strict=True)))
         q, k, v, g = (x.contiguous() for x in (q, k, v, g))
         if self.resolved_backend(q.device) == "tilelang":
+            fwd, bwd = self._configs(q, k, v, cu_seqlens,
+                                     linear_tuning.needs_grad(q, k, v, g, initial_state))
             o, final = linear_backend.run(self._kernels, q, k, v, g, initial_state, cu_seqlens,
-                                          output_final_state, config=self.config,
-                                          backward_config=self.backward_config)
+                                          output_final_state, config=fwd, backward_config=bwd)
         else:
             o, final = chunked(q, k, v, g, initial_state, cu_seqlens)
         return (o, final) if output_final_state else o
+
+    def _configs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 cu_seqlens: torch.Tensor | None, training: bool) -> tuple[Any, Any]:
+        """(forward, backward or None) configs of a call (linear_tuning.pick); the module's
+        own where they are all the call needs."""
+        if self.config is not None and (self.backward_config is not None or not training):
+            return self.config, self.backward_config
+        if self.tune or self.tune_bwd:
+            _log_once("engine: LinearAttentionEngine(tune=True): the linear kernels are tuned by "
+                      "`attnbench tune --mode linear` (per shape, into results/tune/<gpu>/"
+                      "linear_fwd.json and linear_bwd.json), not on the first call; this "
+                      "module runs those entries where its shape has one")
+        shape = linear_backend.linear_shape(q, k, v, cu_seqlens)
+        tuned = self._tuned(shape, self.tune_file)
+        return linear_tuning.pick(shape, self.config, self.backward_config, tuned, training)
 
     def _apply_mods(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     decay: torch.Tensor, customs: dict[str, torch.Tensor]

@@ -2,7 +2,7 @@
 # Everything GPU-side in one call (the device tool runs it in the repo root with $OUT set):
 # GPU tests, then the benchmark suites; results under $OUT, a short table last.
 # Usage: scripts/gpu.sh [tests[:forward|:backward]] [SUITE[:impl,impl]] [compare-grid] [tune]
-#        [tune-bwd] [tune-decode] [tune-suite:SUITE] ...
+#        [tune-bwd] [tune-decode] [tune-linear] [tune-suite:SUITE] ...
 #   default: tests softmax-d128 softmax-d128-bwd variants
 #   decode: the decode suite (issue 23; its engine kernels compile on each case's first call)
 #   linear: the linear suite (issue 18): engine vs fla (and mamba_ssm, skipped: no wheel), fwd and
@@ -15,6 +15,9 @@
 #   tune-decode: the decode kind (attnbench tune --mode decode) on the decode suite's case
 #     DECODE_FILTER (default softmax/llama3-8b/b1/s1x131072/bfloat16), DECODE_TRIALS (default 8)
 #     Optuna trials; the attention_decode tune file copied to $OUT/tune
+#   tune-linear: the linear kinds (attnbench tune --mode linear) on the linear suite's cases
+#     LINEAR_FILTER (default mamba2/mamba2-2.7b/b8/s2048/bfloat16), LINEAR_TRIALS (default 8)
+#     Optuna trials each kind; the linear_fwd / linear_bwd tune files copied to $OUT/tune
 #   user-loop: tune=True on three custom variants, then both modules timed in a user loop
 #     (scripts/tune_user_loop.py; record and tune files to $OUT/tune)
 #   RUN_FILTER=PATTERN: suites run only the cases matching PATTERN (attnbench run --filter)
@@ -54,7 +57,8 @@ tune_suite() {
     --timeout "$timeout" --storage "sqlite:///$OUT/tune/studies-$suite-$mode.db" 2>&1 \
     | grep -v "^\[I \|INFO\|Warning" | tail -30
   cp results/tune/*/attention_fwd.json results/tune/*/attention_bwd.json \
-    results/tune/*/attention_decode.json "$OUT/tune/" 2>/dev/null
+    results/tune/*/attention_decode.json results/tune/*/linear_fwd.json \
+    results/tune/*/linear_bwd.json "$OUT/tune/" 2>/dev/null
 }
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests softmax-d128 softmax-d128-bwd variants)
 for step in "${steps[@]}"; do
@@ -95,6 +99,9 @@ for step in "${steps[@]}"; do
   elif [ "$step" = tune-decode ]; then
     tune_suite decode decode "${DECODE_TRIALS:-8}" 420 --tpe \
       --filter "${DECODE_FILTER:-softmax/llama3-8b/b1/s1x131072/bfloat16}"
+  elif [ "$step" = tune-linear ]; then
+    tune_suite linear linear "${LINEAR_TRIALS:-8}" 500 --tpe \
+      --filter "${LINEAR_FILTER:-mamba2/mamba2-2.7b/b8/s2048/bfloat16}"
   elif [ "${step%%:*}" = tune-suite ]; then
     tune_suite "${step#*:}" both 8 380
   else

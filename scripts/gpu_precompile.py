@@ -23,13 +23,26 @@ def _decode_sources(mod, case) -> list[str]:
     return mod.decode_kernels(case.page_size, pages, sm_count(torch.device("cuda"))).sources()
 
 
+def _linear_sources(impl, case) -> list[str]:
+    """The linear kernels the case's call builds (no initial or final state: the suite's
+    call), at the configs the module runs (its tune file's, else the plan's)."""
+    from attnbench.linear import build_linear
+    from engine.variants.linear import get_linear_variant
+
+    mod = build_linear(case, get_linear_variant(case.variant), impl.backend)
+    return mod.kernel_sources(("fwd", "bwd") if set(case.modes) - {"fwd"} else ("fwd",))
+
+
 def main(names: list[str]) -> int:
     impls = registry()
     srcs = []
     for name in names:
         for c in load_suite(name).cases:
             engines = [impls[i] for i in ENGINE_IMPLS if i in c.impls]
-            if not engines or c.kind not in ("attention", "decode"):
+            if not engines or c.kind not in ("attention", "decode", "linear"):
+                continue
+            if c.kind == "linear":
+                srcs += _linear_sources(engines[0], c)
                 continue
             v = get_variant(c.variant)
             if v.supports(head_dim=c.head_dim, head_dim_v=c.head_dim_v, heads_q=c.heads_q,

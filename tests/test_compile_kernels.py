@@ -197,3 +197,45 @@ def test_paged_decode_compiles(page, tmp_path, monkeypatch):
     mod = _module("softmax_causal", **DECODE_SHAPE)
     for src in mod.decode_kernels(page, 2 * 1024 // page).sources():
         compile_source(src)
+
+
+# ---------------------------------------------------------------- linear attention
+def _linear_sources(b: int, hq: int, hk: int, h: int, t: int, d: int, dv: int, config=None,
+                    packed: int = 0, flags: tuple[tuple[bool, bool], ...] = ((False, False),)
+                    ) -> list[str]:
+    """The forward and backward sources of a linear call (engine.runtime.linear_backend) with
+    each (initial state, final state) of `flags`; `packed` sequences through cu_seqlens."""
+    from engine.kernels.linear_fwd.plan import default_linear_config
+    from engine.runtime import linear_backend
+
+    meta = [torch.empty(b, n, t, dim, dtype=torch.bfloat16, device="meta")
+            for n, dim in ((hq, d), (hk, d), (h, dv))]
+    cu = torch.empty(packed + 1, dtype=torch.int32, device="meta") if packed else None
+    cfg = config or default_linear_config(d, dv)
+    cache = linear_backend.LinearKernelCache()
+    return [s for initial, final in flags for s in linear_backend.kernel_sources(
+        cache, *meta, config=cfg, modes=("fwd", "bwd"), initial_state=initial,
+        final_state=final, cu_seqlens=cu)]
+
+
+def test_linear_kernels_compile_for_sm90a(tmp_path, monkeypatch):
+    """The chunked forward (state pass with and without initial and final states, output
+    kernel) and backward (reverse state pass with and without dht / dh0, dV, dQ/dK) at the
+    default config; a packed batch; one q and k head shared by four (Mamba2's); D 256 with
+    Dv 512 (RetNet); 128-position chunks on 256 threads. Distinct sources compile once, in
+    parallel."""
+    from engine.kernels.linear_fwd.plan import LinearConfig
+    from engine.runtime.precompile import precompile
+
+    monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
+    every = ((False, False), (True, True))
+    sources = [
+        *_linear_sources(2, 2, 2, 2, 200, 64, 64, flags=every),
+        *_linear_sources(1, 2, 2, 2, 300, 64, 64, packed=3),
+        *_linear_sources(2, 1, 1, 4, 200, 128, 64),
+        *_linear_sources(1, 2, 2, 2, 200, 256, 512),
+        *_linear_sources(2, 2, 2, 2, 200, 64, 64,
+                         config=LinearConfig(chunk=128, block_K=64, block_V=64, threads=256)),
+    ]
+    errors = precompile(sources)
+    assert not errors, "\n".join(e[:500] for e in errors.values())

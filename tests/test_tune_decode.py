@@ -131,7 +131,7 @@ def test_cli_decode_problems_from_the_suite_and_by_hand(capsys):
         assert message in capsys.readouterr().err
     with pytest.raises(SystemExit):
         _args("--mode", "prefill")
-    assert "expected one of fwd, bwd, both, decode or a kernel kind" in capsys.readouterr().err
+    assert "expected one of fwd, bwd, both, decode, linear or a kernel kind" in capsys.readouterr().err
 
 
 def test_decode_space_is_checked_by_the_decode_validity_model():

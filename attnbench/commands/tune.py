@@ -11,19 +11,22 @@ import sys
 import time
 from pathlib import Path
 
-MODES = ("fwd", "bwd", "both", "decode")
+MODES = ("fwd", "bwd", "both", "decode", "linear")
 KERNEL_DTYPES = ("bf16", "fp16")  # what the engine's kernels (and so the tuner) take
 
 
 def studies_of(mode: str) -> list[tuple[str, str]]:
     """(problem family, kernel mode) of each kind `--mode` tunes: fwd and bwd the attention
-    kinds, both the two, decode the decode kind; a kind's name (attention_decode) that kind."""
+    kinds, both the two, decode the decode kind, linear the two linear kinds (an inference
+    call's forward, a training step's forward and backward); a kind's name (linear_bwd) that
+    kind."""
     from engine.kernels.registry import KINDS
 
     if mode in KINDS:
         return [(KINDS[mode].family, KINDS[mode].mode)]
-    if mode == "both":
-        return [("attention", "fwd"), ("attention", "bwd")]
+    if mode in ("both", "linear"):
+        family = "attention" if mode == "both" else "linear"
+        return [(family, "fwd"), (family, "bwd")]
     return [("decode", "fwd")] if mode == "decode" else [("attention", mode)]
 
 
@@ -116,15 +119,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--variant", help="attention variant (default softmax)")
     p.add_argument("--seqlens", type=parse_seqlens,
                    help="sequence lengths, one study each (default 2k,4k,8k,16k; --mode decode: "
-                   "the KV cache's capacity, default 4k,32k,128k)")
+                   "the KV cache's capacity, default 4k,32k,128k; --mode linear: default "
+                   "2k,4k,8k)")
     p.add_argument("--batch", type=_positive(int),
                    help="batch size (default: 16k tokens per batch, i.e. 16384 // seqlen)")
     p.add_argument("--dtype", type=parse_dtype,
                    help="bf16 (default) or fp16; bfloat16 and float16 are accepted too")
     p.add_argument("--mode", default="fwd", type=_mode, metavar="{" + ",".join(MODES) + "}",
                    help="fwd times the forward; bwd times forward+backward; both tunes the two; "
-                   "decode the decode kernels on a KV cache (suite cases of kind decode); a "
-                   "kernel kind's name (attention_decode) tunes that kind")
+                   "decode the decode kernels on a KV cache (suite cases of kind decode); "
+                   "linear the linear-attention forward and forward+backward (suite cases of "
+                   "kind linear, or --shape's linear reading); a kernel kind's name "
+                   "(attention_decode, linear_fwd, linear_bwd) tunes that kind")
     p.add_argument("--new-tokens", type=_positive(int),
                    help="--mode decode: new query tokens per sequence (default 1)")
     p.add_argument("--page-size", type=_non_negative_int,
@@ -232,9 +238,8 @@ def _problems(args, family: str, mode: str) -> list:
             engine = any(i in c.impls for i in ("engine", "engine-dynamic"))
             if not engine or c.kind != family or dtype not in KERNEL_DTYPES:
                 continue
-            cache = {"ragged": c.ragged, "page_size": c.page_size} if family == "decode" else {}
             prob = Problem(variant=c.variant, **c.sizes(), dtype=dtype, mode=mode, family=family,
-                           **cache)
+                           **_family_fields(c, family))
             if prob not in out:
                 out.append(prob)
         if not out:
@@ -243,6 +248,8 @@ def _problems(args, family: str, mode: str) -> list:
         return out
     if args.filter:
         raise ValueError("--filter selects cases of --suite")
+    if family == "linear":
+        return _linear_problems(args, mode)
     geo = _geometry(args)
     if family != "decode":
         given = [f"--{a.replace('_', '-')}" for a in _DECODE_ONLY if getattr(args, a) is not None]
@@ -264,6 +271,43 @@ def _problems(args, family: str, mode: str) -> list:
                 seqlen_q=args.new_tokens or 1, seqlen_kv=cap, dtype=args.dtype or "bf16",
                 mode=mode, family=family, ragged=bool(args.ragged), page_size=page, **geo)
         for cap in caps
+    ]
+
+
+def _family_fields(case, family: str) -> dict:
+    """The Problem fields a suite case of `family` adds to its sizes."""
+    if family == "decode":
+        return {"ragged": case.ragged, "page_size": case.page_size}
+    return {"heads": case.heads} if family == "linear" else {}
+
+
+def _linear_problems(args, mode: str) -> list:
+    """Linear problems by hand: --shape read as linear attention (its q, k and value heads and
+    head dims; --heads-q, --heads-kv (k's heads), --head-dim, --head-dim-v override them), one
+    per --seqlens length."""
+    from attnbench.shapes import get_shape
+    from attnbench.tune.problem import Problem
+
+    given = [f"--{a.replace('_', '-')}" for a in _DECODE_ONLY if getattr(args, a) is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)}: KV-cache options of --mode decode")
+    if not args.shape:
+        raise ValueError("--shape: a linear study reads its heads and head dims from a shape "
+                         "preset (e.g. --shape mamba2-2.7b), or give --suite linear")
+    try:
+        lin = get_shape(args.shape).linear_sizes()
+    except ValueError as exc:
+        raise ValueError(f"--shape: {exc}") from None
+    for flag, key in (("heads_q", "heads_q"), ("heads_kv", "heads_k"), ("head_dim", "head_dim"),
+                      ("head_dim_v", "head_dim_v")):
+        if getattr(args, flag) is not None:
+            lin[key] = getattr(args, flag)
+    return [
+        Problem(variant=args.variant or "simple_gla", batch=args.batch or max(1, 16384 // t),
+                heads_q=lin["heads_q"], heads_kv=lin["heads_k"], heads=lin["heads"],
+                seqlen_q=t, seqlen_kv=t, head_dim=lin["head_dim"], head_dim_v=lin["head_dim_v"],
+                dtype=args.dtype or "bf16", mode=mode, family="linear")
+        for t in (args.seqlens or parse_seqlens("2k,4k,8k"))
     ]
 
 
@@ -366,10 +410,11 @@ def _checked_work(args) -> list[tuple]:
 
 def _check_variants(args, problems) -> None:
     from engine.variants import get_variant
+    from engine.variants.linear import get_linear_variant
 
-    for name in dict.fromkeys(p.variant for p in problems):
+    for name, linear in dict.fromkeys((p.variant, p.linear) for p in problems):
         try:
-            get_variant(name)
+            (get_linear_variant if linear else get_variant)(name)
         except ValueError as exc:
             flag = "--suite" if args.suite else "--variant"
             raise ValueError(f"{flag}: {exc}") from None
@@ -399,6 +444,10 @@ def _objective(args, problem):
         except TypeError as exc:
             raise ValueError(f"--fake-options: {exc}") from None
         return FakeObjective(problem=problem, **opts)
+    if problem.linear:
+        from attnbench.tune.linear_objective import LinearObjective
+
+        return LinearObjective(problem=problem, seed=args.seed)
     if problem.decode:
         from attnbench.tune.decode_objective import DecodeObjective
 

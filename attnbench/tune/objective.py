@@ -58,7 +58,8 @@ class FakeObjective:
     """Latency from a smooth formula of the config with a unique optimum.
 
     Optimum: block_M=128, block_N=128, num_stages=2, threads=256, FullRow, swizzle 8 (a decode
-    problem's DecodeConfig: block_N=128, num_stages=2, num_splits=16). Configs
+    problem's DecodeConfig: block_N=128, num_stages=2, num_splits=16; a linear problem's
+    LinearConfig: chunk=64, block_K=block_V=64, num_stages=2, threads=128). Configs
     with block_N=32 and num_stages=3 "fail to compile"; `hang_keys` hang and `crash_keys` kill
     their worker process (SIGKILL-like exit), to exercise timeouts and worker replacement.
     `delay_s` makes each step take that long (tests of resume and sharing); `trace_path`, when
@@ -105,7 +106,7 @@ class FakeObjective:
         self._trace("compile", cfg, t0)
         if cfg.key() in self.unpicklable_keys:
             raise UnpicklableError(f"Fatal: No valid warp partition (fake) for {cfg.key()}")
-        if cfg.block_N == 32 and cfg.num_stages == 3:
+        if getattr(cfg, "block_N", None) == 32 and cfg.num_stages == 3:
             raise TrialFailed(f"compile failed: fake nvcc error for {cfg.key()}")
 
     def evaluate(self, cfg: KernelConfig) -> Measurement:
@@ -133,6 +134,8 @@ _MEASUREMENTS = itertools.count()  # per process: the fake's noise differs betwe
 def fake_latency_ms(cfg: KernelConfig, problem: Problem) -> float:
     if problem.decode:
         return fake_decode_ms(cfg, problem)
+    if problem.linear:
+        return fake_linear_ms(cfg, problem)
     work = problem.flops() / 1e12  # TFLOP
     lm = math.log2(cfg.block_M / 128)
     ln = math.log2(cfg.block_N / 128)
@@ -157,3 +160,13 @@ def fake_decode_ms(cfg, problem: Problem) -> float:
     ls = math.log2(cfg.num_splits / 16) if cfg.num_splits else 0.5
     penalty = 0.25 * ln * ln + 0.12 * (cfg.num_stages - 2) ** 2 + 0.05 * ls * ls
     return 1000.0 * nbytes / 3e12 * (1.0 + penalty)
+
+
+def fake_linear_ms(cfg, problem: Problem) -> float:
+    """The chunked algorithm's FLOPs at 300 TFLOP/s at the optimum (chunk 64, 64 x 64 state
+    tiles, 2 stages, 128 threads), slower away from it."""
+    lc = math.log2(cfg.chunk / 64)
+    lk, lv = math.log2(cfg.block_K / 64), math.log2(cfg.block_V / 64)
+    penalty = (0.2 * lc * lc + 0.15 * lk * lk + 0.15 * lv * lv
+               + 0.1 * (cfg.num_stages - 2) ** 2 + 0.1 * math.log2(cfg.threads / 128) ** 2)
+    return 1000.0 * problem.flops() / 1e12 / 300.0 * (1.0 + penalty)

@@ -119,16 +119,20 @@ def _enqueue(study: optuna.Study, configs, space: SearchSpace) -> int:
 
 
 def default_config(problem, space: SearchSpace, spec=None) -> KernelConfig | None:
-    """The engine's default config for this problem (and `spec`, its TracedSpec, when known)
-    if the space can express it, else None."""
+    """The engine's default config for this problem (and `spec`, its TracedSpec, when known;
+    at its shape where the kind's default depends on it) if the space can express it, else
+    None."""
     from engine.kernels.registry import KINDS
 
     if problem.template not in KINDS:
         return None
+    kind = KINDS[problem.template]
     try:
-        cfg = KINDS[problem.template].default(problem.head_dim, problem.head_dim_v,
-                                              problem.elem_bytes, spec=spec,
-                                              **problem.validity_args())
+        if kind.at_shape is not None:
+            cfg = kind.at_shape(problem.shape(), problem.dtype)
+        else:
+            cfg = kind.default(problem.head_dim, problem.head_dim_v, problem.elem_bytes,
+                               spec=spec, **problem.validity_args())
     except ValueError:
         return None
     if not space.contains(cfg):
@@ -148,8 +152,9 @@ def current_config(objective: Objective, space: SearchSpace, gpu: str,
     hit = tune_file.lookup(tune_path, template=problem.template, spec_hash=objective.spec_hash(),
                            dtype=problem.dtype, mode=problem.mode, gpu=gpu,
                            shape=problem.shape(), config_type=space.config_type)
-    if hit is not None:
-        cfg = for_shape(hit[0], bool(hit[1].get("exact")))  # as the engine runs the entry
+    exact = hit is not None and bool(hit[1].get("exact"))
+    if hit is not None and (exact or problem.kind.nearest):
+        cfg = for_shape(hit[0], exact)  # as the engine runs the entry
         if space.contains(cfg) and not space.problems(
                 cfg, problem.head_dim, problem.head_dim_v, problem.elem_bytes,
                 **problem.validity_args()):

@@ -21,9 +21,16 @@ from engine.kernels.attention_decode.codegen import generate_split
 from engine.kernels.attention_fwd import launch as fwd_launch
 from engine.kernels.attention_fwd import plan as fwd_plan
 from engine.kernels.attention_fwd.codegen import generate_forward
+from engine.kernels.linear_bwd import launch as lin_bwd_launch
+from engine.kernels.linear_bwd.codegen import generate_dqk
+from engine.kernels.linear_fwd import launch as lin_fwd_launch
+from engine.kernels.linear_fwd import plan as lin_plan
+from engine.kernels.linear_fwd.codegen import generate_output
+from engine.kernels.linear_fwd.tune_shape import default_at
 from engine.plan.config import KernelConfig
 from engine.reference import executor
 from engine.reference.decode import decode_forward
+from engine.reference.linear import chunked
 
 SEARCH_SPACES = Path(__file__).resolve().parents[2] / "search_spaces"
 
@@ -36,7 +43,8 @@ class KernelKind:
     family: str
     mode: str
     config_type: type
-    # The AttentionEngine argument that fixes this kind's config (tuning trials set it).
+    # The front end's argument that fixes this kind's config (AttentionEngine's, or
+    # LinearAttentionEngine's for the linear kinds); tuning trials set it.
     config_arg: str
     # (cfg, head_dim, head_dim_v, elem_bytes) -> every reason cfg is invalid (empty: valid).
     problems: Callable[..., list[str]]
@@ -44,9 +52,17 @@ class KernelKind:
     # (ValueError: none is valid).
     default: Callable[..., Any]
     generate: Callable[..., Any]  # the main kernel's generator -> GeneratedKernel
-    build: Callable[..., Any]  # (spec, shape, cfg, ...) -> the kind's kernels, not compiled
+    # (spec, shape, cfg, ...) -> the kind's kernels, not compiled; the linear kinds have no
+    # spec (their mods run as a torch pre-pass): (LinearShape, cfg)
+    build: Callable[..., Any]
     launch: Callable[..., Any]  # runs built kernels on tensors
     reference: Callable[..., Any]  # what every kernel of the kind is tested against
+    # (tune-file shape, dtype) -> the config the engine runs at that shape when no tune file
+    # has one, where it depends on more than the head dims (None: `default`)
+    at_shape: Callable[[dict, str], Any] | None = None
+    # Whether the engine runs a tune-file entry of the nearest tuned shape when the exact one
+    # is missing (the linear kinds: exact shapes only, engine.runtime.linear_tuning).
+    nearest: bool = True
 
     @property
     def search_space(self) -> Path:
@@ -75,8 +91,25 @@ ATTENTION_DECODE = KernelKind(
     reference=decode_forward,
 )
 
+# The chunked linear attention (LinearAttentionEngine). A linear_bwd study times forward and
+# backward at one config: its entry is the pair a training step runs (linear_tuning.pick).
+LINEAR_FWD = KernelKind(
+    name="linear_fwd", family="linear", mode="fwd", config_type=lin_plan.LinearConfig,
+    config_arg="config", problems=lin_plan.config_problems,
+    default=lin_plan.default_linear_config, generate=generate_output,
+    build=lin_fwd_launch.build_forward, launch=lin_fwd_launch.launch_forward,
+    reference=chunked, at_shape=default_at, nearest=False,
+)
+LINEAR_BWD = KernelKind(
+    name="linear_bwd", family="linear", mode="bwd", config_type=lin_plan.LinearConfig,
+    config_arg="backward_config", problems=lin_plan.config_problems,
+    default=lin_plan.default_linear_config, generate=generate_dqk,
+    build=lin_bwd_launch.build_backward, launch=lin_bwd_launch.launch_backward,
+    reference=chunked, at_shape=default_at, nearest=False,
+)
+
 KINDS: dict[str, KernelKind] = {k.name: k for k in (ATTENTION_FWD, ATTENTION_BWD,
-                                                    ATTENTION_DECODE)}
+                                                    ATTENTION_DECODE, LINEAR_FWD, LINEAR_BWD)}
 
 
 def get_kind(name: str) -> KernelKind:

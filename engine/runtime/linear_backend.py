@@ -103,11 +103,16 @@ def run(cache: LinearKernelCache, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 def kernel_sources(cache: LinearKernelCache, q: torch.Tensor, k: torch.Tensor,
                    v: torch.Tensor, config: LinearConfig | None = None,
                    backward_config: LinearConfig | None = None,
-                   modes: tuple[str, ...] = ("fwd",)) -> list[str]:
-    """The TileLang sources run for tensors shaped as q, k, v (meta tensors will do)."""
-    shape = linear_shape(q, k, v, None)
+                   modes: tuple[str, ...] = ("fwd",), *, initial_state: bool = False,
+                   final_state: bool = False, cu_seqlens: torch.Tensor | None = None
+                   ) -> list[str]:
+    """The TileLang sources run for tensors shaped as q, k, v (meta tensors will do): the
+    forward's, and with "bwd" in `modes` the backward's, of a call with an initial state or
+    not and returning the final state or not (the backward then takes that state's gradient
+    and gives the initial state's), packed by `cu_seqlens` or not."""
+    shape = linear_shape(q, k, v, cu_seqlens)
     fwd, bwd = configs(shape, config, backward_config)
-    out = cache.forward(shape, fwd).sources()
+    out = cache.forward(shape, fwd).sources(initial_state, final_state)
     if "bwd" in modes:
-        out += cache.backward(shape, bwd).sources()
+        out += cache.backward(shape, bwd).sources(final_state, initial_state)
     return out

@@ -46,11 +46,12 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 SHAPE_KEYS = ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_kv", "head_dim", "head_dim_v")
-# Sizes only some kinds' shapes have: decode's page size (0: a contiguous cache).
-OPTIONAL_SHAPE_KEYS = ("page_size",)
+# Sizes only some kinds' shapes have: decode's page size (0: a contiguous cache), the linear
+# kinds' value heads (engine/kernels/linear_fwd/tune_shape.py).
+OPTIONAL_SHAPE_KEYS = ("page_size", "heads")
 # A nearest-shape fallback may change batch and sequence lengths, never heads, head dims or the
 # paging (those change the kernel itself, not only its grid).
-FIXED_SHAPE_KEYS = ("heads_q", "heads_kv", "head_dim", "head_dim_v", "page_size")
+FIXED_SHAPE_KEYS = ("heads_q", "heads_kv", "head_dim", "head_dim_v", "page_size", "heads")
 REQUIRED_ENTRY_KEYS = ("template", "spec_hash", "dtype", "mode", "gpu", "shape", "config")
 
 
@@ -90,7 +91,8 @@ def shape_tag(shape: Mapping[str, int]) -> str:
         f"b{s['batch']}_hq{s['heads_q']}_hkv{s['heads_kv']}_sq{s['seqlen_q']}"
         f"_skv{s['seqlen_kv']}_d{s['head_dim']}_dv{s['head_dim_v']}"
     )
-    return tag + (f"_page{int(shape['page_size'])}" if "page_size" in shape else "")
+    tag += f"_page{int(shape['page_size'])}" if "page_size" in shape else ""
+    return tag + (f"_h{int(shape['heads'])}" if "heads" in shape else "")
 
 
 def entry_key(

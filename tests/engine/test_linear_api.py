@@ -201,7 +201,7 @@ def test_tilelang_path_calls_the_backend_contract(monkeypatch):
 def test_tl_code_joins_the_kernel_sources(monkeypatch):
     seen = {}
 
-    def fake_sources(cache, q, k, v, config=None, backward_config=None):
+    def fake_sources(cache, q, k, v, config=None, backward_config=None, modes=("fwd",)):
         seen.update(cache=cache, shapes=[tuple(t.shape) for t in (q, k, v)], config=config)
         return ["fwd one", "fwd two"]
 

@@ -29,8 +29,8 @@ def test_each_kind_is_complete(name):
 def test_unknown_kinds_are_named():
     with pytest.raises(ValueError, match="attention_fwd"):
         get_kind("attention")
-    with pytest.raises(ValueError, match="family='linear'"):
-        kind_for("linear", "fwd")
+    with pytest.raises(ValueError, match="family='linear', mode='decode'"):
+        kind_for("linear", "decode")
 
 
 def test_kind_names_are_spelled_only_in_the_registry():
