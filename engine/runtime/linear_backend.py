@@ -17,6 +17,8 @@ from engine.dtypes import KERNEL_DTYPES
 from engine.kernels.linear_bwd.launch import BackwardKernels, build_backward, launch_backward
 from engine.kernels.linear_fwd.launch import ForwardKernels, build_forward, launch_forward
 from engine.kernels.linear_fwd.plan import LinearConfig, LinearShape, config_for_shape
+from engine.kernels.linear_step.launch import StepKernels, build_step, launch_step
+from engine.kernels.linear_step.plan import MAX_STEP_TOKENS, default_step_config
 
 
 class LinearKernelCache:
@@ -38,6 +40,13 @@ class LinearKernelCache:
         key = ("bwd", shape, cfg)
         if key not in self.kernels:
             self.kernels[key] = build_backward(shape, cfg)
+        return self.kernels[key]
+
+    def step(self, shape: LinearShape) -> StepKernels:
+        key = ("step", shape)
+        if key not in self.kernels:
+            self.kernels[key] = build_step(shape, default_step_config(shape.head_dim,
+                                                                      shape.head_dim_v))
         return self.kernels[key]
 
 
@@ -91,13 +100,25 @@ def run(cache: LinearKernelCache, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         backward_config: LinearConfig | None = None
         ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(o [B, H, T, Dv] in q's dtype, final state [N, H, D, Dv] float32 or None), differentiable
-    in q, k, v, g and initial_state (inputs already checked and contiguous)."""
+    in q, k, v, g and initial_state (inputs already checked and contiguous). A call of at most
+    MAX_STEP_TOKENS positions per row that needs no gradient runs the recurrent step."""
     shape = linear_shape(q, k, v, cu_seqlens)
-    fwd, bwd = configs(shape, config, backward_config)
     h0 = None if initial_state is None else initial_state.float().contiguous()
+    if is_step(shape, q, k, v, g, h0):
+        o, ht = launch_step(cache.step(shape), q, k, v, g.float().contiguous(), h0)
+        return o, (ht if output_final_state else None)
+    fwd, bwd = configs(shape, config, backward_config)
     o, ht = _ChunkedLinear.apply(cache, fwd, bwd, q, k, v, g.float().contiguous(), h0,
                                  cu_seqlens, output_final_state)
     return o, (ht if output_final_state else None)
+
+
+def is_step(shape: LinearShape, *tensors: torch.Tensor | None) -> bool:
+    """Whether a call runs the recurrent step: few positions, equal rows, no gradient."""
+    if shape.sequences or shape.seqlen > MAX_STEP_TOKENS:
+        return False
+    return not (torch.is_grad_enabled()
+                and any(t is not None and t.requires_grad for t in tensors))
 
 
 def kernel_sources(cache: LinearKernelCache, q: torch.Tensor, k: torch.Tensor,

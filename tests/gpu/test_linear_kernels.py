@@ -13,7 +13,7 @@ import torch
 
 from engine.kernels.linear_fwd.plan import LinearConfig
 from engine.reference.executor import rel_err
-from engine.reference.linear import chunked
+from engine.reference.linear import chunked, naive_recurrence
 from engine.runtime import linear_backend
 from tests.gpu.cases import BF16, FP16, selected_params
 
@@ -27,6 +27,7 @@ PACKED = (0, 37, 150, 300)
 # where they nearly cancel; measured up to 2.2e-2 (results/NOTES.md). Everything else: 2e-2.
 LIMITS = {"dg": 3e-2}
 C128 = LinearConfig(chunk=128, block_K=128, block_V=64, threads=256)
+ONE = LinearConfig(block_K=64, single_pass=True, threads=256)  # the single-pass forward
 # (dtype, (HQ, HK, H), (D, Dv), B, T, states, packed, config or None: the default)
 CASES = ([(dt, h, d, 2, 200, True, False, None) for dt in (BF16, FP16) for h in HEADS
           for d in DIMS]
@@ -36,7 +37,12 @@ CASES = ([(dt, h, d, 2, 200, True, False, None) for dt in (BF16, FP16) for h in 
          + [(BF16, (4, 4, 4), (64, 64), 2, t, True, False, None) for t in (1, 64, 65)]
          + [(BF16, h, d, 2, 300, True, False, C128) for h in HEADS[:2]
             for d in ((128, 128), (128, 64))]
-         + [(BF16, (1, 1, 4), (128, 128), 1, PACKED[-1], True, True, C128)])
+         + [(BF16, (1, 1, 4), (128, 128), 1, PACKED[-1], True, True, C128)]
+         + [(BF16, h, d, 2, 200, True, False, ONE) for h in HEADS
+            for d in ((64, 64), (128, 128), (128, 64), (256, 256))]
+         + [(FP16, (4, 4, 4), (128, 128), 2, 200, True, False, ONE),
+            (BF16, (1, 1, 4), (128, 128), 1, PACKED[-1], True, True, ONE),
+            (BF16, (4, 4, 4), (64, 64), 2, 1, True, False, ONE)])
 
 
 def case_id(c: tuple) -> str:
@@ -72,8 +78,17 @@ def _sources(case: tuple) -> list[str]:
     shape = linear_backend.linear_shape(q, k, v, torch.empty(len(PACKED)) if packed else None)
     fwd, bwd = linear_backend.configs(shape, cfg, None)
     fk, bk = cache.forward(shape, fwd), cache.backward(shape, bwd)
-    return [fk.states(states, states).source, fk.states(states, False).source,
-            fk.output.source, *bk.sources(states, states)]
+    # the forward's kernels, the backward's, and the state pass the backward reruns
+    return [*fk.sources(states, states), fk.states(states, False).source,
+            *bk.sources(states, states)]
+
+
+def _step_sources(case: tuple) -> list[str]:
+    dt, (hq, hk, h), (d, dv), t, states = case
+    shape = linear_backend.linear_shape(torch.empty(3, hq, t, d, dtype=dt, device="meta"),
+                                        torch.empty(3, hk, t, d, dtype=dt, device="meta"),
+                                        torch.empty(3, h, t, dv, dtype=dt, device="meta"), None)
+    return linear_backend.LinearKernelCache().step(shape).sources(states)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -82,6 +97,8 @@ def _precompiled(request):
 
     chosen = selected_params(request, "case")
     srcs = [s for c in CASES if c in chosen for s in _sources(c)]
+    srcs += [s for c in STEP_CASES if c in selected_params(request, "case") for s in
+             _step_sources(c)]
     for err in precompile(list(dict.fromkeys(srcs))).values():
         print("precompile failed:", err[:300])
 
@@ -116,3 +133,47 @@ def test_linear_kernels_match_reference(case):
     bad = {n: f"{e:.2e}" for n, e in errs.items() if not e < LIMITS.get(n, 2e-2)}
     assert not bad, f"relative errors over {LIMITS}: {bad} (all: " + \
         ", ".join(f"{n} {e:.1e}" for n, e in errs.items()) + ")"
+
+
+# The recurrent step (engine.kernels.linear_step): a few positions per row, no gradient.
+STEP_CASES = ([(BF16, h, d, t, True) for h in HEADS for d in ((64, 64), (128, 128), (256, 512))
+               for t in (1, 3)]
+              + [(FP16, (4, 4, 4), (128, 128), 1, True), (BF16, (4, 4, 4), (128, 128), 1, False),
+                 (BF16, (1, 1, 4), (128, 64), 8, True)])
+
+
+def step_id(c: tuple) -> str:
+    dt, (hq, hk, h), (d, dv), t, states = c
+    return (f"{'bf16' if dt is BF16 else 'fp16'}-H{hq}x{hk}x{h}-D{d}x{dv}-T{t}"
+            + ("-state" if states else ""))
+
+
+@pytest.mark.parametrize("case", STEP_CASES, ids=step_id)
+def test_recurrent_step_matches_recurrence(case):
+    dt, heads, dims, t, states = case
+    x = _inputs((dt, heads, dims, 3, t, states, False, None))
+    assert linear_backend.is_step(linear_backend.linear_shape(x["q"], x["k"], x["v"], None))
+    with torch.no_grad():
+        o, ht = linear_backend.run(linear_backend.LinearKernelCache(), x["q"], x["k"], x["v"],
+                                   x["g"], x["h0"], None, True)
+        ro, rht = naive_recurrence(*(x[n].double() for n in "qkv"), x["g"].double(),
+                                   None if x["h0"] is None else x["h0"].double())
+    assert not torch.isnan(o).any() and not torch.isnan(ht).any()
+    assert rel_err(o, ro) < 2e-2 and rel_err(ht, rht) < 2e-2, (rel_err(o, ro), rel_err(ht, rht))
+
+
+def test_generation_continues_a_prefill():
+    """A chunked prefill's final state, then single-token steps: the same as one pass."""
+    x = _inputs((BF16, (1, 1, 4), (128, 64), 2, 203, True, False, None))
+    cache = linear_backend.LinearKernelCache()
+    with torch.no_grad():
+        o, h = linear_backend.run(cache, *(x[n][:, :, :200].contiguous()
+                                           for n in ("q", "k", "v", "g")), x["h0"], None, True)
+        outs = [o]
+        for i in range(200, 203):
+            o, h = linear_backend.run(cache, *(x[n][:, :, i:i + 1].contiguous()
+                                               for n in ("q", "k", "v", "g")), h, None, True)
+            outs.append(o)
+        ro, rht = naive_recurrence(*(x[n].double() for n in "qkv"), x["g"].double(),
+                                   x["h0"].double())
+    assert rel_err(torch.cat(outs, 2), ro) < 2e-2 and rel_err(h, rht) < 2e-2

@@ -1,4 +1,5 @@
-"""Build and launch the chunked forward: the state pass, then the output kernel."""
+"""Build and launch the chunked forward: the single pass, or the state pass then the output
+kernel (LinearConfig.single_pass)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.kernels.linear_fwd.codegen import generate_output, generate_states
+from engine.kernels.linear_fwd.codegen import generate_fused, generate_output, generate_states
 from engine.kernels.linear_fwd.plan import LinearConfig, LinearShape, check_config
 from engine.kernels.linear_fwd.tables import ChunkTables, chunk_tables
 from engine.runtime.kernel import Kernel
@@ -18,6 +19,7 @@ class ForwardKernels:
     config: LinearConfig
     output: Kernel
     _states: dict[tuple[bool, bool], Kernel] = field(default_factory=dict)
+    _single: dict[tuple[bool, bool], Kernel] = field(default_factory=dict)
     _tables: dict[torch.device, ChunkTables] = field(default_factory=dict)
 
     def states(self, initial: bool, final: bool) -> Kernel:
@@ -27,12 +29,25 @@ class ForwardKernels:
             self._states[key] = Kernel(generate_states(self.shape, self.config, *key))
         return self._states[key]
 
+    def single(self, initial: bool, final: bool) -> Kernel:
+        """The single-pass forward reading an initial state or not, writing the final one or
+        not."""
+        key = (initial, final)
+        if key not in self._single:
+            self._single[key] = Kernel(generate_fused(self.shape, self.config, *key))
+        return self._single[key]
+
+    def forward_kernels(self, initial: bool, final: bool) -> list[Kernel]:
+        if single_pass(self, None):
+            return [self.single(initial, final)]
+        return [self.states(initial, final), self.output]
+
     def sources(self, initial: bool = False, final: bool = False) -> list[str]:
-        return [self.states(initial, final).source, self.output.source]
+        return [k.source for k in self.forward_kernels(initial, final)]
 
     def compile(self, initial: bool = False, final: bool = False) -> None:
-        self.states(initial, final).compiled()
-        self.output.compiled()
+        for k in self.forward_kernels(initial, final):
+            k.compiled()
 
     def tables(self, cu_seqlens: torch.Tensor | None, device: torch.device) -> ChunkTables:
         """The call's chunk tables (kept per device for equal-length rows: they never change)."""
@@ -76,6 +91,13 @@ def run_states(fk: ForwardKernels, k: torch.Tensor, v: torch.Tensor, tables: Chu
     return hs, ht
 
 
+def single_pass(fk: ForwardKernels, cu_seqlens: torch.Tensor | None) -> bool:
+    """Whether a call runs the single pass: its config says so and its rows are longer than
+    one chunk (a single pass whose chunk loop runs once gave wrong outputs at T = 1 on the
+    H200, results/NOTES.md; the two kernels have no such loop to pipeline)."""
+    return fk.config.single_pass and (cu_seqlens is not None or fk.shape.seqlen > fk.config.chunk)
+
+
 def launch_forward(fk: ForwardKernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    g: torch.Tensor, initial_state: torch.Tensor | None,
                    cu_seqlens: torch.Tensor | None, final: bool
@@ -83,7 +105,17 @@ def launch_forward(fk: ForwardKernels, q: torch.Tensor, k: torch.Tensor, v: torc
     """o [B, H, T, Dv] and what the backward reuses (inputs checked and contiguous)."""
     s = fk.shape
     tables = fk.tables(cu_seqlens, q.device)
-    hs, ht = run_states(fk, k, v, tables, g, initial_state, final)
     o = torch.empty(s.batch, s.heads, s.seqlen, s.head_dim_v, dtype=q.dtype, device=q.device)
-    fk.output(Q=q, K=k, V=v, G=g, Seqs=tables.seqs, Chunks=tables.chunks, Hs=hs, O=o)
+    io = {"Q": q, "K": k, "V": v, "G": g, "Seqs": tables.seqs, "Chunks": tables.chunks, "O": o}
+    if not single_pass(fk, cu_seqlens):
+        hs, ht = run_states(fk, k, v, tables, g, initial_state, final)
+        fk.output(**io, Hs=hs)
+        return o, ForwardState(tables, ht)
+    ht = None
+    if initial_state is not None:
+        io["H0"] = initial_state
+    if final:
+        ht = io["Ht"] = torch.empty(s.num_seqs, s.heads, s.head_dim, s.head_dim_v,
+                                    dtype=torch.float32, device=q.device)
+    fk.single(initial_state is not None, final)(**io)
     return o, ForwardState(tables, ht)

@@ -25,13 +25,16 @@ class LinearConfig:
     """chunk: positions per chunk; block_K, block_V: the state tile a state-pass block owns
     ([block_K, block_V] of [D, Dv]); block_V is also the output kernels' value tile (they loop
     over Dv in block_V steps); num_stages: the state pass's load pipeline depth; threads: threads
-    per block."""
+    per block. single_pass: the forward is one kernel that keeps each block's [D, block_V]
+    state slice in registers (else the state pass stores every chunk's state for the output
+    kernel); the backward always recomputes the states with the state pass."""
 
     chunk: int = 64
     block_K: int = 64
     block_V: int = 64
     num_stages: int = 2
     threads: int = 128
+    single_pass: bool = False
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -42,7 +45,7 @@ class LinearConfig:
 
     def key(self) -> str:
         return (f"C{self.chunk}_K{self.block_K}_V{self.block_V}_s{self.num_stages}_"
-                f"t{self.threads}")
+                f"t{self.threads}" + ("_1p" if self.single_pass else ""))
 
 
 @dataclass(frozen=True)
@@ -82,7 +85,12 @@ def _smem_bytes(cfg: LinearConfig, head_dim: int, elem: int) -> int:
     states = cfg.num_stages * C * (cfg.block_K + V) * elem + cfg.block_K * V * elem
     output = (2 * C * D + 2 * C * V + D * V + C * C) * elem + 4 * C
     grads = (2 * C * D + 2 * C * V + 2 * D * V + C * C) * elem + 4 * C
-    return max(states, output, grads)
+    single = ((2 * C * D + C * V) * cfg.num_stages + 3 * C * V + D * V + C * C) * elem + 12 * C
+    return max(states, output, grads, single if cfg.single_pass else 0)
+
+
+# The single pass's state slice: at most this many fp32 registers per thread.
+STATE_REGS = 64
 
 
 def config_problems(cfg: LinearConfig, head_dim: int, head_dim_v: int, elem_bytes: int = 2,
@@ -99,6 +107,9 @@ def config_problems(cfg: LinearConfig, head_dim: int, head_dim_v: int, elem_byte
         out.append(f"threads={cfg.threads}: expected 128 or 256")
     if cfg.num_stages not in (1, 2, 3):
         out.append(f"num_stages={cfg.num_stages}: expected 1, 2 or 3")
+    if cfg.single_pass and head_dim * cfg.block_V > STATE_REGS * cfg.threads:
+        out.append(f"single_pass: a [{head_dim}, {cfg.block_V}] fp32 state over {cfg.threads} "
+                   f"threads is over {STATE_REGS} registers each")
     smem = _smem_bytes(cfg, head_dim, elem_bytes)
     if smem > SMEM_LIMIT_BYTES:
         out.append(f"shared memory {smem} B > {SMEM_LIMIT_BYTES} B")
@@ -125,15 +136,17 @@ def default_linear_config(head_dim: int, head_dim_v: int, elem_bytes: int = 2, s
 
 
 def config_for_shape(shape: LinearShape, sm_count: int = 132) -> LinearConfig:
-    """The default at this shape: where the state pass has under two blocks per SM (few
-    sequences x heads), 128-position chunks halve its serial steps (measured on an H200,
-    results/NOTES.md); else default_linear_config's."""
+    """The default at this shape (measured on an H200, results/NOTES.md): with at least one
+    single-pass block per SM (sequences x heads x value tiles), the single pass (256 threads:
+    its serial chunk loop is the bound, and two warpgroups shorten each step); with fewer, the
+    two kernels with 128-position chunks (half the serial steps) where they fit; else
+    default_linear_config's."""
     elem = 4 if shape.dtype == "float32" else 2
     cfg = default_linear_config(shape.head_dim, shape.head_dim_v, elem)
-    blocks = (shape.num_seqs * shape.heads * (shape.head_dim // cfg.block_K)
-              * (shape.head_dim_v // cfg.block_V))
-    if blocks < 2 * sm_count:
-        wide = dataclasses.replace(cfg, chunk=128, threads=256)
-        if not config_problems(wide, shape.head_dim, shape.head_dim_v, elem):
-            return wide
+    tries = [dataclasses.replace(cfg, chunk=128, threads=256)]
+    if shape.num_seqs * shape.heads * (shape.head_dim_v // cfg.block_V) >= sm_count:
+        tries.insert(0, dataclasses.replace(cfg, single_pass=True, threads=256))
+    for c in tries:
+        if not config_problems(c, shape.head_dim, shape.head_dim_v, elem):
+            return c
     return cfg
