@@ -100,7 +100,10 @@ class LinearAttentionEngine(torch.nn.Module):
     backend: "auto" (the TileLang kernels on a Hopper GPU, else the reference), "reference"
     (engine.reference.linear.chunked) or "tilelang". config, backward_config: the kernels'
     LinearConfigs; None: the tune file's entry for the call's exact shape, else the plan's
-    choice (engine.runtime.linear_tuning). tune_file (alias tune_filename): the tune file
+    choice (engine.runtime.linear_tuning). A call of at most 8 positions per row (no
+    cu_seqlens) that needs no gradient runs the recurrent step kernel instead
+    (engine.kernels.linear_step: generation with initial_state and output_final_state=True);
+    step_config (a StepConfig) fixes its tiles. tune_file (alias tune_filename): the tune file
     (default results/tune/<gpu>/linear_fwd.json and linear_bwd.json). tune, tune_bwd: the
     linear kernels are tuned by `attnbench tune --mode linear`, not on the first call; with
     either set the module says so once and loads what that command wrote.
@@ -125,6 +128,7 @@ class LinearAttentionEngine(torch.nn.Module):
         value_mod: Callable | None = None,
         tune_filename: str | None = None,
         tune_bwd: bool = False,
+        step_config: Any = None,
     ):
         super().__init__()
         self.problem: LinearProblem
@@ -149,6 +153,7 @@ class LinearAttentionEngine(torch.nn.Module):
         self.backend_name = backend
         self.config = config
         self.backward_config = backward_config
+        self.step_config = step_config
         self.tune = tune
         self.tune_file = tune_file
         self.tune_bwd = tune_bwd
@@ -175,13 +180,10 @@ class LinearAttentionEngine(torch.nn.Module):
         """The TileLang sources a call at qkv_meta's shapes runs (no initial or final state),
         at the configs it runs: the forward's, and with "bwd" in `modes` a training call's
         forward and backward."""
-        sources = getattr(linear_backend, "kernel_sources", None)
-        if sources is None:  # the kernels' half: engine.runtime.linear_backend.kernel_sources
-            raise NotImplementedError("tl_code: engine.runtime.linear_backend.kernel_sources "
-                                      "does not exist yet (the linear kernels are being built)")
         q, k, v = self._meta
         fwd, bwd = self._configs(q, k, v, None, "bwd" in modes)
-        return sources(self._kernels, q, k, v, config=fwd, backward_config=bwd, modes=modes)
+        return linear_backend.kernel_sources(self._kernels, q, k, v, config=fwd,
+                                             backward_config=bwd, modes=modes)
 
     def extra_repr(self) -> str:
         p = self.problem
@@ -213,7 +215,8 @@ class LinearAttentionEngine(torch.nn.Module):
             fwd, bwd = self._configs(q, k, v, cu_seqlens,
                                      linear_tuning.needs_grad(q, k, v, g, initial_state))
             o, final = linear_backend.run(self._kernels, q, k, v, g, initial_state, cu_seqlens,
-                                          output_final_state, config=fwd, backward_config=bwd)
+                                          output_final_state, config=fwd, backward_config=bwd,
+                                          step_config=self.step_config)
         else:
             o, final = chunked(q, k, v, g, initial_state, cu_seqlens)
         return (o, final) if output_final_state else o

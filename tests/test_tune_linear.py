@@ -167,7 +167,8 @@ def test_the_module_runs_the_tuned_configs(tmp_path, engine_gpu, monkeypatch, ca
     store(path, _entry(LINEAR_BWD, shape, TRAIN), LinearConfig)
     seen = []
 
-    def fake_run(cache, q, k, v, g, h0, cu, final, config=None, backward_config=None):
+    def fake_run(cache, q, k, v, g, h0, cu, final, config=None, backward_config=None,
+                 step_config=None):
         seen.append((config, backward_config))
         return v.new_zeros(v.shape) + 0 * (q.sum() + k.sum() + v.sum()), None
 

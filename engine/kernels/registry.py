@@ -27,10 +27,13 @@ from engine.kernels.linear_fwd import launch as lin_fwd_launch
 from engine.kernels.linear_fwd import plan as lin_plan
 from engine.kernels.linear_fwd.codegen import generate_output
 from engine.kernels.linear_fwd.tune_shape import default_at
+from engine.kernels.linear_step import launch as step_launch
+from engine.kernels.linear_step import plan as step_plan
+from engine.kernels.linear_step.codegen import generate_step
 from engine.plan.config import KernelConfig
 from engine.reference import executor
 from engine.reference.decode import decode_forward
-from engine.reference.linear import chunked
+from engine.reference.linear import chunked, naive_recurrence
 
 SEARCH_SPACES = Path(__file__).resolve().parents[2] / "search_spaces"
 
@@ -108,8 +111,18 @@ LINEAR_BWD = KernelKind(
     reference=chunked, at_shape=default_at, nearest=False,
 )
 
+# The recurrent step: a few positions against the state (generation), no gradient.
+LINEAR_STEP = KernelKind(
+    name="linear_step", family="linear", mode="step", config_type=step_plan.StepConfig,
+    config_arg="step_config", problems=step_plan.config_problems,
+    default=step_plan.default_step_config, generate=generate_step,
+    build=step_launch.build_step, launch=step_launch.launch_step, reference=naive_recurrence,
+    nearest=False,
+)
+
 KINDS: dict[str, KernelKind] = {k.name: k for k in (ATTENTION_FWD, ATTENTION_BWD,
-                                                    ATTENTION_DECODE, LINEAR_FWD, LINEAR_BWD)}
+                                                    ATTENTION_DECODE, LINEAR_FWD, LINEAR_BWD,
+                                                    LINEAR_STEP)}
 
 
 def get_kind(name: str) -> KernelKind:

@@ -18,7 +18,7 @@ from engine.kernels.linear_bwd.launch import BackwardKernels, build_backward, la
 from engine.kernels.linear_fwd.launch import ForwardKernels, build_forward, launch_forward
 from engine.kernels.linear_fwd.plan import LinearConfig, LinearShape, config_for_shape
 from engine.kernels.linear_step.launch import StepKernels, build_step, launch_step
-from engine.kernels.linear_step.plan import MAX_STEP_TOKENS, default_step_config
+from engine.kernels.linear_step.plan import MAX_STEP_TOKENS, StepConfig, default_step_config
 
 
 class LinearKernelCache:
@@ -42,17 +42,20 @@ class LinearKernelCache:
             self.kernels[key] = build_backward(shape, cfg)
         return self.kernels[key]
 
-    def step(self, shape: LinearShape) -> StepKernels:
-        key = ("step", shape)
+    def step(self, shape: LinearShape, cfg: StepConfig | None = None) -> StepKernels:
+        cfg = cfg or default_step_config(shape.head_dim, shape.head_dim_v)
+        key = ("step", shape, cfg)
         if key not in self.kernels:
-            self.kernels[key] = build_step(shape, default_step_config(shape.head_dim,
-                                                                      shape.head_dim_v))
+            self.kernels[key] = build_step(shape, cfg)
         return self.kernels[key]
 
 
 def linear_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  cu_seqlens: torch.Tensor | None) -> LinearShape:
     B, HQ, T, D = q.shape
+    if q.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"q: dtype {q.dtype}; the linear kernels take float16 or bfloat16 "
+                         "(backend='reference' runs any float dtype)")
     return LinearShape(batch=B, heads_q=HQ, heads_k=k.shape[1], heads=v.shape[1], seqlen=T,
                        head_dim=D, head_dim_v=v.shape[3], dtype=KERNEL_DTYPES[q.dtype],
                        sequences=0 if cu_seqlens is None else cu_seqlens.numel() - 1)
@@ -97,7 +100,7 @@ class _ChunkedLinear(torch.autograd.Function):
 def run(cache: LinearKernelCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         g: torch.Tensor, initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
         output_final_state: bool, config: LinearConfig | None = None,
-        backward_config: LinearConfig | None = None
+        backward_config: LinearConfig | None = None, step_config: StepConfig | None = None
         ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(o [B, H, T, Dv] in q's dtype, final state [N, H, D, Dv] float32 or None), differentiable
     in q, k, v, g and initial_state (inputs already checked and contiguous). A call of at most
@@ -105,7 +108,7 @@ def run(cache: LinearKernelCache, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     shape = linear_shape(q, k, v, cu_seqlens)
     h0 = None if initial_state is None else initial_state.float().contiguous()
     if is_step(shape, q, k, v, g, h0):
-        o, ht = launch_step(cache.step(shape), q, k, v, g.float().contiguous(), h0)
+        o, ht = launch_step(cache.step(shape, step_config), q, k, v, g.float().contiguous(), h0)
         return o, (ht if output_final_state else None)
     fwd, bwd = configs(shape, config, backward_config)
     o, ht = _ChunkedLinear.apply(cache, fwd, bwd, q, k, v, g.float().contiguous(), h0,

@@ -128,7 +128,10 @@ def default_linear_config(head_dim: int, head_dim_v: int, elem_bytes: int = 2, s
                           ) -> LinearConfig:
     """64-position chunks; state tiles of 128 x 64 where the head dims allow (the state pass
     then reads each value tile once per 128 key columns)."""
-    bk = next(t for t in (128, 64, 32) if head_dim % t == 0)
+    bk = next((t for t in (128, 64, 32) if head_dim % t == 0), None)
+    if bk is None or head_dim_v % 32:
+        raise ConfigError(f"head_dim={head_dim}, head_dim_v={head_dim_v}: the linear kernels "
+                          "take head dims that are multiples of 32")
     bv = 64 if head_dim_v % 64 == 0 else 32
     cfg = LinearConfig(block_K=bk, block_V=bv)
     check_config(cfg, head_dim, head_dim_v, elem_bytes)
