@@ -60,8 +60,10 @@ def _check_custom_io(custom_io: Any) -> CustomIO:
 
 def _head_major(mod: TensorMod, x: torch.Tensor, customs: dict[str, torch.Tensor]
                 ) -> torch.Tensor:
-    """`mod` of x [B, H, T, D] (apply_tensor_mod works on [B, T, H, D]: a transposed view)."""
-    return apply_tensor_mod(mod, x.transpose(1, 2), customs).transpose(1, 2)
+    """`mod` of x [B, H, T, D] (apply_tensor_mod works on [B, T, H, D]: a transposed view),
+    evaluated on x's own dtype: the pre-pass is memory-bound, and the kernels read the result
+    in that dtype anyway."""
+    return apply_tensor_mod(mod, x.transpose(1, 2), customs, upcast=False).transpose(1, 2)
 
 
 def _decay_of(mod: TensorMod, decay: torch.Tensor, customs: dict[str, torch.Tensor]

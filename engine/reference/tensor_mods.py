@@ -25,13 +25,15 @@ def _layout_index(B: int, S: int, H: int, pos: str, device: torch.device
     }
 
 
-def apply_tensor_mod(mod: TensorMod, x: torch.Tensor, customs: dict[str, torch.Tensor]
-                     ) -> torch.Tensor:
+def apply_tensor_mod(mod: TensorMod, x: torch.Tensor, customs: dict[str, torch.Tensor],
+                     upcast: bool = True) -> torch.Tensor:
     """`mod` of `x` [B, S, H, D] (S indexed by mod.pos, H the heads of x), computed in float32
-    (float64 stays float64), in x's dtype and shape; `customs` the CustomIO tensors by name."""
+    (float64 stays float64), in x's dtype and shape; `customs` the CustomIO tensors by name.
+    upcast=False reads x as it is: each torch op still computes in float32 and rounds once,
+    and a mod of one op (a scale) costs one read and one write of x instead of five passes."""
     B, S, H, _ = x.shape
     dtype = torch.promote_types(x.dtype, torch.float32)
-    env = Env(dtype=dtype, device=x.device, leaves={TENSOR_LEAF: x.to(dtype)},
+    env = Env(dtype=dtype, device=x.device, leaves={TENSOR_LEAF: x.to(dtype) if upcast else x},
               index=_layout_index(B, S, H, mod.pos, x.device), customs=customs)
     (y,) = evaluate([mod.expr], env)
     y = y.to(x.dtype)

@@ -139,15 +139,18 @@ def default_linear_config(head_dim: int, head_dim_v: int, elem_bytes: int = 2, s
 
 
 def config_for_shape(shape: LinearShape, sm_count: int = 132) -> LinearConfig:
-    """The default at this shape (measured on an H200, results/NOTES.md): with at least one
-    single-pass block per SM (sequences x heads x value tiles), the single pass (256 threads:
+    """The default at this shape (measured on an H200, results/NOTES.md): at D <= 128 with at
+    least one single-pass block per SM (sequences x heads x value tiles; at D = 256 its
+    [256, 64] state slice leaves one block per SM and it ran 1.3-1.8x slower than the two
+    kernels), the single pass (256 threads:
     its serial chunk loop is the bound, and two warpgroups shorten each step); with fewer, the
     two kernels with 128-position chunks (half the serial steps) where they fit; else
     default_linear_config's."""
     elem = 4 if shape.dtype == "float32" else 2
     cfg = default_linear_config(shape.head_dim, shape.head_dim_v, elem)
     tries = [dataclasses.replace(cfg, chunk=128, threads=256)]
-    if shape.num_seqs * shape.heads * (shape.head_dim_v // cfg.block_V) >= sm_count:
+    if (shape.head_dim <= 128
+            and shape.num_seqs * shape.heads * (shape.head_dim_v // cfg.block_V) >= sm_count):
         tries.insert(0, dataclasses.replace(cfg, single_pass=True, threads=256))
     for c in tries:
         if not config_problems(c, shape.head_dim, shape.head_dim_v, elem):
