@@ -39,7 +39,7 @@ import math
 
 import torch
 
-from engine.problem import attention_flops  # noqa: F401 - the one FLOP count (engine.problem)
+from engine.problem import attention_flops, of_mode  # noqa: F401 - the one FLOP count (engine.problem)
 
 # Dense peaks in TFLOP/s from NVIDIA datasheets (no structured sparsity): {dtype: peak}.
 # Matched against the device name in order, so more specific names come first.
@@ -79,15 +79,8 @@ def linear_flops(batch: int, heads: int, seqlen: int, head_dim: int, head_dim_v:
     """FLOPs of a chunked linear-attention layer by the convention of the module docstring."""
     tokens = 2.0 * batch * heads * seqlen
     d, dv, half = head_dim, head_dim_v, chunk / 2
-    fwd = tokens * (half * (d + dv) + 2 * d * dv)
-    bwd = tokens * (half * (3 * d + 2 * dv) + 5 * d * dv)
-    if mode == "fwd":
-        return fwd
-    if mode == "bwd":
-        return bwd
-    if mode == "fwd+bwd":
-        return fwd + bwd
-    raise ValueError(f"mode must be one of fwd, bwd, fwd+bwd; got {mode!r}")
+    return of_mode(mode, tokens * (half * (d + dv) + 2 * d * dv),
+                   tokens * (half * (3 * d + 2 * dv) + 5 * d * dv))
 
 
 def unmasked_fraction(variant, mask: str, seqlen_q: int, seqlen_kv: int) -> float:

@@ -4,39 +4,14 @@ Each error names the argument and what was expected."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
+from engine.problem import LinearProblem
 from engine.runtime.arg_checks import check_meta_tensors, check_placement, expect_tensor
 
 LAYOUT = "runtime layout [B, H, T, D]"
-
-
-@dataclass(frozen=True)
-class LinearProblem:
-    """The sizes qkv_meta declares: q (B, HQ, T, D), k (B, HK, T, D), v (B, H, T, Dv). B and T
-    are the expected ones; a call may bring others (a one-token generation step)."""
-
-    batch: int
-    heads_q: int
-    heads_k: int
-    heads: int
-    seqlen: int
-    head_dim: int
-    head_dim_v: int
-
-    def sizes(self, batch: int | None = None, seqlen: int | None = None) -> dict[str, int]:
-        """The sizes by name, with a call's batch and length where given."""
-        out = asdict(self)
-        out["batch"] = self.batch if batch is None else batch
-        out["seqlen"] = self.seqlen if seqlen is None else seqlen
-        return out
-
-    def named_sizes(self, batch: int, seqlen: int) -> dict[str, int]:
-        """The sizes a CustomIO dim names, at a call's batch and length ("heads" is H)."""
-        return {"batch": batch, "heads": self.heads, "seq_len": seqlen}
 
 
 def check_linear_meta(qkv_meta: Any) -> tuple[LinearProblem, torch.dtype]:

@@ -15,6 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from engine.plan.config import SMEM_LIMIT_BYTES, ConfigError, config_from_dict
+from engine.problem import LinearProblem
 
 CHUNKS = (64, 128)
 TILES = (32, 64, 128, 256)
@@ -49,17 +50,11 @@ class LinearConfig:
 
 
 @dataclass(frozen=True)
-class LinearShape:
-    """q [B, heads_q, T, D], k [B, heads_k, T, D], v [B, heads, T, Dv] in `dtype`; `sequences`
-    the number of packed sequences (cu_seqlens given, batch 1) or 0 (batch rows of length T)."""
+class LinearShape(LinearProblem):
+    """A call's sizes (q [B, heads_q, T, D], k [B, heads_k, T, D], v [B, heads, T, Dv]) in
+    `dtype`; `sequences` the number of packed sequences (cu_seqlens given, batch 1) or 0
+    (batch rows of length T)."""
 
-    batch: int
-    heads_q: int
-    heads_k: int
-    heads: int
-    seqlen: int
-    head_dim: int
-    head_dim_v: int
     dtype: str
     sequences: int = 0
 
