@@ -218,12 +218,26 @@ def _linear_sources(b: int, hq: int, hk: int, h: int, t: int, d: int, dv: int, c
         final_state=final, cu_seqlens=cu)]
 
 
+def _step_sources() -> list[str]:
+    """The recurrent step, with and without an initial state, at D 128 and at D 256 / Dv 512
+    (four threads per state column), with Mamba2's shared q and k head."""
+    from engine.runtime import linear_backend
+
+    out = []
+    for hq, d, dv in ((4, 128, 128), (1, 256, 512)):
+        meta = [torch.empty(2, n, 1, dim, dtype=torch.bfloat16, device="meta")
+                for n, dim in ((hq, d), (hq, d), (4, dv))]
+        step = linear_backend.LinearKernelCache().step(linear_backend.linear_shape(*meta, None))
+        out += step.sources(True) + step.sources(False)
+    return out
+
+
 def test_linear_kernels_compile_for_sm90a(tmp_path, monkeypatch):
     """The chunked forward (state pass with and without initial and final states, output
     kernel) and backward (reverse state pass with and without dht / dh0, dV, dQ/dK) at the
     default config; a packed batch; one q and k head shared by four (Mamba2's); D 256 with
-    Dv 512 (RetNet); 128-position chunks on 256 threads. Distinct sources compile once, in
-    parallel."""
+    Dv 512 (RetNet); 128-position chunks on 256 threads; the single-pass forward; the
+    recurrent step. Distinct sources compile once, in parallel."""
     from engine.kernels.linear_fwd.plan import LinearConfig
     from engine.runtime.precompile import precompile
 
@@ -236,6 +250,9 @@ def test_linear_kernels_compile_for_sm90a(tmp_path, monkeypatch):
         *_linear_sources(1, 2, 2, 2, 200, 256, 512),
         *_linear_sources(2, 2, 2, 2, 200, 64, 64,
                          config=LinearConfig(chunk=128, block_K=64, block_V=64, threads=256)),
+        *_linear_sources(2, 2, 2, 2, 200, 128, 128, flags=every,
+                         config=LinearConfig(block_K=128, single_pass=True, threads=256)),
+        *_step_sources(),
     ]
     errors = precompile(sources)
     assert not errors, "\n".join(e[:500] for e in errors.values())

@@ -136,7 +136,9 @@ def kernel_sources(cache: LinearKernelCache, q: torch.Tensor, k: torch.Tensor,
     and gives the initial state's), packed by `cu_seqlens` or not."""
     shape = linear_shape(q, k, v, cu_seqlens)
     fwd, bwd = configs(shape, config, backward_config)
-    out = cache.forward(shape, fwd).sources(initial_state, final_state)
-    if "bwd" in modes:
-        out += cache.backward(shape, bwd).sources(final_state, initial_state)
-    return out
+    fk = cache.forward(shape, fwd)
+    out = fk.sources(initial_state, final_state)
+    if "bwd" in modes:  # the backward reruns the state pass (no final state), then its own
+        out += [fk.states(initial_state, False).source,
+                *cache.backward(shape, bwd).sources(final_state, initial_state)]
+    return list(dict.fromkeys(out))
