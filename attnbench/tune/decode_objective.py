@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 
 from attnbench.tune.engine_objective import check_close, gpu_name, median_ms
-from attnbench.tune.objective import Measurement, TrialFailed
+from attnbench.tune.objective import Measurement, compile_failures, require_cuda
 from attnbench.tune.problem import Problem
 
 # Per benchmark-worker process, as in engine_objective: inputs and the reference's slice,
@@ -100,11 +100,9 @@ class DecodeObjective:
     def compile(self, cfg) -> None:
         """nvcc-compile the decode kernels of `cfg` (TileLang's disk cache then serves the
         benchmark worker's build)."""
-        try:
+        with compile_failures():
             mod = self._module(cfg)
             mod.decode_kernels(self.problem.page_size, self._pages(), H100_SMS).compile()
-        except Exception as exc:
-            raise TrialFailed(f"compile failed: {type(exc).__name__}: {exc}"[:2000]) from None
 
     def evaluate(self, cfg) -> Measurement:
         import torch
@@ -112,8 +110,7 @@ class DecodeObjective:
         from attnbench.decode import DECODE_TENSORS, decode_customs
         from attnbench.tune.timing import working_set_bytes
 
-        if not torch.cuda.is_available():
-            raise TrialFailed("no CUDA device visible to the benchmark worker")
+        require_cuda()
         mod = self._module(cfg)
         inputs = self._inputs()
         customs = decode_customs(inputs)

@@ -15,7 +15,7 @@ import os
 import subprocess
 from dataclasses import dataclass
 
-from attnbench.tune.objective import Measurement, TrialFailed
+from attnbench.tune.objective import Measurement, TrialFailed, compile_failures, require_cuda
 from attnbench.tune.problem import Problem
 from engine.plan.config import KernelConfig
 
@@ -74,8 +74,7 @@ class EngineObjective:
     def evaluate(self, cfg: KernelConfig) -> Measurement:
         import torch
 
-        if not torch.cuda.is_available():
-            raise TrialFailed("no CUDA device visible to the benchmark worker")
+        require_cuda()
         mod = self._build(self.problem, cfg)
         require_kernel_backward(mod, self.problem.mode)
         rel_err = self._check(mod)
@@ -174,13 +173,9 @@ def compile_kernels(mod, mode: str) -> None:
     """nvcc-compile `mod`'s kernels in this (compile worker) process. TileLang's disk cache
     then makes the benchmark worker's build a cache hit, so compiles run in parallel on the
     CPU cores instead of serially on the GPU's worker. Building a module compiles nothing."""
-    try:
+    with compile_failures():
         require_kernel_backward(mod, mode)
         mod.compile_kernels(("fwd", mode))
-    except TrialFailed:
-        raise
-    except Exception as exc:
-        raise TrialFailed(f"compile failed: {type(exc).__name__}: {exc}"[:2000]) from None
 
 
 def gpu_name(device: int | None) -> str:

@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 
 from attnbench.tune.engine_objective import check_close, gpu_name, median_ms
-from attnbench.tune.objective import Measurement, TrialFailed
+from attnbench.tune.objective import Measurement, compile_failures, require_cuda
 from attnbench.tune.problem import Problem
 
 # Per benchmark-worker process, as in engine_objective: inputs and the reference's row, built
@@ -94,19 +94,16 @@ class LinearObjective:
 
         p = self.problem
         shape = shape_from(p.shape(), self.case.dtype)
-        try:
+        with compile_failures():
             for mode in ("fwd", "bwd") if self.backward else ("fwd",):
                 kind_for(p.family, mode).build(shape, cfg).compile()
-        except Exception as exc:
-            raise TrialFailed(f"compile failed: {type(exc).__name__}: {exc}"[:2000]) from None
 
     def evaluate(self, cfg) -> Measurement:
         import torch
 
         from attnbench.tune.timing import tensor_bytes
 
-        if not torch.cuda.is_available():
-            raise TrialFailed("no CUDA device visible to the benchmark worker")
+        require_cuda()
         mod = self._module(cfg)
         inputs, args, grad_out = self._inputs()
         qkv = [inputs[n] for n in ("q", "k", "v")]

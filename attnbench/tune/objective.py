@@ -18,6 +18,8 @@ import math
 import os
 import random
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -27,6 +29,24 @@ from engine.plan.config import KernelConfig
 
 class TrialFailed(Exception):
     """The config cannot be used: the message is the reason kept in the trial's attributes."""
+
+
+@contextmanager
+def compile_failures() -> Iterator[None]:
+    """Any error inside but a TrialFailed becomes one naming it: the trial's reason."""
+    try:
+        yield
+    except TrialFailed:
+        raise
+    except Exception as exc:
+        raise TrialFailed(f"compile failed: {type(exc).__name__}: {exc}"[:2000]) from None
+
+
+def require_cuda() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise TrialFailed("no CUDA device visible to the benchmark worker")
 
 
 class UnpicklableError(RuntimeError):

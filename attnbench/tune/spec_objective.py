@@ -20,7 +20,7 @@ from attnbench.tune.engine_objective import (
     gpu_name,
     median_ms,
 )
-from attnbench.tune.objective import Measurement, TrialFailed
+from attnbench.tune.objective import Measurement, TrialFailed, require_cuda
 from attnbench.tune.problem import Problem
 from engine.dsl.io import CustomIO
 from engine.ir.spec import TracedSpec
@@ -95,8 +95,7 @@ class SpecObjective:
 
         from engine.reference import executor
 
-        if not torch.cuda.is_available():
-            raise TrialFailed("no CUDA device visible to the benchmark worker")
+        require_cuda()
         data = self._inputs("cuda")
         args = [data["q"], data["k"], data["v"], *(data[n] for n in self.custom_io.names())]
         if self.inputs_path not in _REFERENCE:
