@@ -58,6 +58,7 @@ from attnbench.gpustate import GpuMonitor, monitor_for
 from attnbench.impls import DeviceInfo, Impl, Prepared, Unsupported, registry
 from attnbench.impls.base import PLAIN_SOFTMAX, TORCH_DTYPES
 from attnbench.linear import linear_reference, make_linear_inputs
+from attnbench.results.read import dedupe_latest, read_results
 from attnbench.results.schema import SCHEMA_VERSION
 from attnbench.results.store import append_rows, check_day_file, check_out_dir, result_path
 from attnbench.suites import Case, Suite
@@ -81,6 +82,9 @@ class RunOptions:
     noise_threshold: float | None = None  # None: the suite's, else DEFAULT_NOISE_THRESHOLD
     attempts: int = 3  # timing attempts in all for a noisy row
     retry_pause_s: float | None = None  # before a re-measure; None: 1 s on CUDA, 0 on CPU
+    # skip the cases the day file already holds from a run of this commit and seed (a suite
+    # longer than one sitting finishes over several)
+    resume: bool = False
 
 
 @dataclass
@@ -224,13 +228,37 @@ class Runner:
         return [n for n in self.impls if n in names and "cpu" not in self.impls[n].caps.devices]
 
     def iter_cases(self) -> Iterator[tuple[Case, list[dict]]]:
-        """Run the cases one by one, appending each case's rows before yielding them."""
+        """Run the cases one by one, appending each case's rows before yielding them (with
+        options.resume, a case already in the day file yields its rows from there)."""
         for note in self.prepare():
             self.log(note)
+        done = self._finished() if self.options.resume else {}
         for case in self.suite.cases:
+            if case.name in done:
+                self.log(f"{case.name}: resumed from {self.path}")
+                yield case, done[case.name]
+                continue
             rows = self.run_case(case)
             append_rows(self.path, rows, on_repair=self.log)
             yield case, rows
+
+    def _finished(self) -> dict[str, list[dict]]:
+        """The rows, by case, that the day file holds for every implementation and mode of a
+        case of this suite from this commit and seed (a case's rows are appended together; a
+        working tree with changes, "-dirty", never matches: its code is not named)."""
+        sha = self.env["git_sha"]
+        if not self.path.exists() or not sha or sha.endswith("-dirty"):
+            return {}
+        frame = dedupe_latest(read_results(self.path))
+        frame = frame[(frame["suite"] == self.suite.name) & (frame["git_sha"] == sha)
+                      & (frame["seed"] == self.options.seed)]
+        out = {}
+        for case in self.suite.cases:
+            rows = frame[frame["case"] == case.name]
+            want = {(i, m) for i in case.impls for m in case.modes}
+            if want <= set(zip(rows["impl"], rows["mode"], strict=True)):
+                out[case.name] = rows.to_dict("records")
+        return out
 
     def run(self) -> RunResult:
         result = RunResult(self.path)

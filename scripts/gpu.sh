@@ -21,6 +21,9 @@
 #   user-loop: tune=True on three custom variants, then both modules timed in a user loop
 #     (scripts/tune_user_loop.py; record and tune files to $OUT/tune)
 #   RUN_FILTER=PATTERN: suites run only the cases matching PATTERN (attnbench run --filter)
+#   RUN_RESUME=1: suites start from today's result file in results/runs (committed from an
+#     earlier call cut short) and skip the cases it holds from this commit (attnbench run
+#     --resume): a suite longer than one call finishes over several
 #   TEST_FILTER=EXPR: the tests steps run only the tests pytest -k EXPR selects
 #   host-overhead: the module's per-call host time against its kernel's launch and time
 #     (scripts/host_overhead.py; $OUT/host-overhead.json); host-overhead-decode: its decode part
@@ -108,6 +111,10 @@ for step in "${steps[@]}"; do
     suite=${step%%:*}; args=()
     [ "$suite" != "$step" ] && args+=(--impl "${step#*:}")
     [ -n "${RUN_FILTER:-}" ] && args+=(--filter "$RUN_FILTER")
+    if [ -n "${RUN_RESUME:-}" ]; then
+      mkdir -p "$OUT/runs" && cp results/runs/"$(date -u +%F)"-*-"$suite".csv "$OUT/runs/" 2>/dev/null
+      args+=(--resume)
+    fi
     python scripts/gpu_precompile.py "$suite" 2>&1 | grep -v INFO | tail -5
     python -m attnbench run suite "$suite" "${args[@]}" --out "$OUT/runs" 2>&1 | grep -v INFO \
       > "$OUT/$suite.log"

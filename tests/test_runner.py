@@ -188,3 +188,39 @@ def test_cli_errors(capsys):
 def test_shipped_smoke_loads_with_variants(variants):
     suite = load_suite("smoke", variant_names=variants)
     assert any(c.variant == "softmax_causal" for c in suite.cases)
+
+
+def test_resume_skips_the_cases_the_day_file_holds(variants, tmp_path, monkeypatch, request):
+    """--resume: a case whose rows (every impl x mode) the day file holds from this commit and
+    seed is not measured again; another commit, a changed tree or a missing row re-measures."""
+    from attnbench.envinfo import environment
+
+    def commit(sha: str) -> None:  # the environment (git sha included) is read once a process
+        monkeypatch.setenv("ATTNBENCH_GIT_SHA", sha)
+        environment.cache_clear()
+
+    request.addfinalizer(environment.cache_clear)
+    commit("abc123")
+    impls = {"base": FakeImpl("base"), "other": FakeImpl("other")}
+    suite = small_suite(impls, "base", modes=("fwd",))
+    first = make_runner(suite, impls, variants, tmp_path).run().rows
+    assert impls["base"].calls == 2  # both cases measured
+
+    again = {"base": FakeImpl("base"), "other": FakeImpl("other")}
+    runner = make_runner(suite, again, variants, tmp_path, resume=True)
+    rows = runner.run().rows
+    assert again["base"].calls == again["other"].calls == 0
+    assert sorted((r["case"], r["impl"]) for r in rows) == sorted(
+        (r["case"], r["impl"]) for r in first)
+    assert len(read_results(runner.path)) == len(first)  # nothing appended
+
+    wider = small_suite({**impls, "third": FakeImpl("third")}, "base", modes=("fwd",))
+    more = {"base": FakeImpl("base"), "other": FakeImpl("other"), "third": FakeImpl("third")}
+    make_runner(wider, more, variants, tmp_path, resume=True).run()
+    assert more["third"].calls == 2  # a row missing from each case: both measured again
+
+    for sha in ("def456", "abc123-dirty"):
+        commit(sha)
+        fresh = {"base": FakeImpl("base"), "other": FakeImpl("other")}
+        make_runner(suite, fresh, variants, tmp_path, resume=True).run()
+        assert fresh["base"].calls == 2, sha

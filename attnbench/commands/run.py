@@ -52,6 +52,9 @@ def add_parser(subparsers) -> None:
     s.add_argument("--retry-pause", type=float, default=None, metavar="S",
                    help="seconds to pause before re-measuring a noisy row (default 1 on CUDA, "
                    "0 on a CPU)")
+    s.add_argument("--resume", action="store_true",
+                   help="skip the cases today's result file already holds from a run of this "
+                   "commit and seed (finish a suite over several sittings)")
     s.set_defaults(func=run_suite_command)
 
 
@@ -123,7 +126,7 @@ def run_suite_command(args: argparse.Namespace) -> int:
         runner = Runner(suite, RunOptions(
             device=args.device, repeats=args.repeat, warmup=args.warmup, seed=args.seed,
             sleep_s=args.sleep, out_dir=args.out, noise_threshold=args.noise_threshold,
-            attempts=args.attempts, retry_pause_s=args.retry_pause))
+            attempts=args.attempts, retry_pause_s=args.retry_pause, resume=args.resume))
         if args.dry_run:
             print_cases(suite, console)
             print_skips(runner, console)
