@@ -215,7 +215,7 @@ class LinearAttentionEngine(torch.nn.Module):
         q, k, v, g = (x.contiguous() for x in (q, k, v, g))
         if self.resolved_backend(q.device) == "tilelang":
             fwd, bwd = self._configs(q, k, v, cu_seqlens,
-                                     linear_tuning.needs_grad(q, k, v, g, initial_state))
+                                     linear_backend.needs_grad(q, k, v, g, initial_state))
             o, final = linear_backend.run(self._kernels, q, k, v, g, initial_state, cu_seqlens,
                                           output_final_state, config=fwd, backward_config=bwd,
                                           step_config=self.step_config)

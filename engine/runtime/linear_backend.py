@@ -74,8 +74,7 @@ def configs(shape: LinearShape, config: LinearConfig | None,
 
 class _ChunkedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, cache, fwd_cfg, bwd_cfg, q, k, v, g, h0, cu_seqlens, want_final):
-        shape = linear_shape(q, k, v, cu_seqlens)
+    def forward(ctx, cache, shape, fwd_cfg, bwd_cfg, q, k, v, g, h0, cu_seqlens, want_final):
         fk = cache.forward(shape, fwd_cfg)
         o, state = launch_forward(fk, q, k, v, g, h0, cu_seqlens, want_final)
         ctx.cache, ctx.shape, ctx.bwd_cfg, ctx.fk, ctx.state = cache, shape, bwd_cfg, fk, state
@@ -90,11 +89,11 @@ class _ChunkedLinear(torch.autograd.Function):
             s = ctx.shape
             do = q.new_zeros(s.batch, s.heads, s.seqlen, s.head_dim_v)
         bk = ctx.cache.backward(ctx.shape, ctx.bwd_cfg)
-        initial_grad = h0 is not None and ctx.needs_input_grad[7]
+        initial_grad = h0 is not None and ctx.needs_input_grad[8]
         dq, dk, dv, dg, dh0 = launch_backward(
             ctx.fk, bk, q, k, v, g, ctx.state, h0, do.contiguous(),
             None if dht is None else dht.contiguous(), initial_grad)
-        return None, None, None, dq, dk, dv, dg, dh0, None, None
+        return None, None, None, None, dq, dk, dv, dg, dh0, None, None
 
 
 def run(cache: LinearKernelCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -107,21 +106,24 @@ def run(cache: LinearKernelCache, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     MAX_STEP_TOKENS positions per row that needs no gradient runs the recurrent step."""
     shape = linear_shape(q, k, v, cu_seqlens)
     h0 = None if initial_state is None else initial_state.float().contiguous()
+    g = g.float().contiguous()
     if is_step(shape, q, k, v, g, h0):
-        o, ht = launch_step(cache.step(shape, step_config), q, k, v, g.float().contiguous(), h0)
+        o, ht = launch_step(cache.step(shape, step_config), q, k, v, g, h0)
         return o, (ht if output_final_state else None)
     fwd, bwd = configs(shape, config, backward_config)
-    o, ht = _ChunkedLinear.apply(cache, fwd, bwd, q, k, v, g.float().contiguous(), h0,
-                                 cu_seqlens, output_final_state)
+    o, ht = _ChunkedLinear.apply(cache, shape, fwd, bwd, q, k, v, g, h0, cu_seqlens,
+                                 output_final_state)
     return o, (ht if output_final_state else None)
+
+
+def needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd will differentiate a call on these tensors (a training step)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def is_step(shape: LinearShape, *tensors: torch.Tensor | None) -> bool:
     """Whether a call runs the recurrent step: few positions, equal rows, no gradient."""
-    if shape.sequences or shape.seqlen > MAX_STEP_TOKENS:
-        return False
-    return not (torch.is_grad_enabled()
-                and any(t is not None and t.requires_grad for t in tensors))
+    return not (shape.sequences or shape.seqlen > MAX_STEP_TOKENS or needs_grad(*tensors))
 
 
 def kernel_sources(cache: LinearKernelCache, q: torch.Tensor, k: torch.Tensor,

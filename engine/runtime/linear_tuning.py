@@ -15,8 +15,7 @@ from __future__ import annotations
 import logging
 from typing import NamedTuple
 
-import torch
-
+from engine.dtypes import elem_bytes
 from engine.kernels.linear_fwd.plan import LinearConfig, LinearShape, config_for_shape
 from engine.kernels.linear_fwd.tune_shape import tune_shape
 from engine.kernels.registry import LINEAR_BWD, LINEAR_FWD, KernelKind
@@ -46,8 +45,7 @@ def _exact(kind: KernelKind, shape: LinearShape, path: str | None, gpu: str
     if hit is None or not hit[1].get("exact"):
         return None
     cfg = hit[0]
-    elem = 4 if shape.dtype == "float32" else 2
-    problems = kind.problems(cfg, shape.head_dim, shape.head_dim_v, elem)
+    problems = kind.problems(cfg, shape.head_dim, shape.head_dim_v, elem_bytes(shape.dtype))
     if problems:
         log.info("engine: tuned %s config %s is invalid at %s (%s); not used", kind.name,
                  cfg.key(), shape.key(), "; ".join(problems))
@@ -77,11 +75,6 @@ def pick(shape: LinearShape, config: LinearConfig | None,
     if bwd is None and tuned.training is not None and tuned.training.chunk == fwd.chunk:
         bwd = tuned.training
     return fwd, bwd
-
-
-def needs_grad(*tensors: torch.Tensor | None) -> bool:
-    """Whether autograd will differentiate a call on these tensors (a training step)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 class TuneLookup:

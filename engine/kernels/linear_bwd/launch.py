@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.dtypes import elem_bytes
 from engine.kernels.linear_bwd.codegen import generate_dqk, generate_dstates, generate_dv
 from engine.kernels.linear_fwd.launch import ForwardKernels, ForwardState, run_states
 from engine.kernels.linear_fwd.plan import LinearConfig, LinearShape, check_config
@@ -41,8 +42,7 @@ class BackwardKernels:
 
 def build_backward(shape: LinearShape, cfg: LinearConfig) -> BackwardKernels:
     """The backward kernels at `shape` and `cfg` (checked; its chunk must be the forward's)."""
-    elem = 4 if shape.dtype == "float32" else 2
-    check_config(cfg, shape.head_dim, shape.head_dim_v, elem)
+    check_config(cfg, shape.head_dim, shape.head_dim_v, elem_bytes(shape.dtype))
     return BackwardKernels(shape, cfg, Kernel(generate_dv(shape, cfg)),
                            Kernel(generate_dqk(shape, cfg)))
 

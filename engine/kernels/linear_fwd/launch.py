@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.dtypes import elem_bytes
 from engine.kernels.linear_fwd.codegen import generate_fused, generate_output, generate_states
 from engine.kernels.linear_fwd.plan import LinearConfig, LinearShape, check_config
 from engine.kernels.linear_fwd.tables import ChunkTables, chunk_tables
@@ -38,7 +39,7 @@ class ForwardKernels:
         return self._single[key]
 
     def forward_kernels(self, initial: bool, final: bool) -> list[Kernel]:
-        if single_pass(self, None):
+        if single_pass(self):
             return [self.single(initial, final)]
         return [self.states(initial, final), self.output]
 
@@ -60,8 +61,7 @@ class ForwardKernels:
 
 def build_forward(shape: LinearShape, cfg: LinearConfig) -> ForwardKernels:
     """The forward kernels at `shape` and `cfg` (checked), generated, not compiled."""
-    elem = 4 if shape.dtype == "float32" else 2
-    check_config(cfg, shape.head_dim, shape.head_dim_v, elem)
+    check_config(cfg, shape.head_dim, shape.head_dim_v, elem_bytes(shape.dtype))
     return ForwardKernels(shape, cfg, Kernel(generate_output(shape, cfg)))
 
 
@@ -91,11 +91,12 @@ def run_states(fk: ForwardKernels, k: torch.Tensor, v: torch.Tensor, tables: Chu
     return hs, ht
 
 
-def single_pass(fk: ForwardKernels, cu_seqlens: torch.Tensor | None) -> bool:
-    """Whether a call runs the single pass: its config says so and its rows are longer than
-    one chunk (a single pass whose chunk loop runs once gave wrong outputs at T = 1 on the
-    H200, results/NOTES.md; the two kernels have no such loop to pipeline)."""
-    return fk.config.single_pass and (cu_seqlens is not None or fk.shape.seqlen > fk.config.chunk)
+def single_pass(fk: ForwardKernels) -> bool:
+    """Whether the forward runs the single pass: its config says so and its rows are longer
+    than one chunk, or packed (their lengths are known on the device only). A single pass
+    whose chunk loop ran once gave wrong outputs at T = 1 on the H200 (results/NOTES.md); the
+    two kernels have no such loop to pipeline."""
+    return fk.config.single_pass and (fk.shape.sequences > 0 or fk.shape.seqlen > fk.config.chunk)
 
 
 def launch_forward(fk: ForwardKernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -107,7 +108,7 @@ def launch_forward(fk: ForwardKernels, q: torch.Tensor, k: torch.Tensor, v: torc
     tables = fk.tables(cu_seqlens, q.device)
     o = torch.empty(s.batch, s.heads, s.seqlen, s.head_dim_v, dtype=q.dtype, device=q.device)
     io = {"Q": q, "K": k, "V": v, "G": g, "Seqs": tables.seqs, "Chunks": tables.chunks, "O": o}
-    if not single_pass(fk, cu_seqlens):
+    if not single_pass(fk):
         hs, ht = run_states(fk, k, v, tables, g, initial_state, final)
         fk.output(**io, Hs=hs)
         return o, ForwardState(tables, ht)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from engine.dtypes import elem_bytes
 from engine.plan.config import SMEM_LIMIT_BYTES, ConfigError, config_from_dict
 from engine.problem import LinearProblem
 
@@ -141,7 +142,7 @@ def config_for_shape(shape: LinearShape, sm_count: int = 132) -> LinearConfig:
     its serial chunk loop is the bound, and two warpgroups shorten each step); with fewer, the
     two kernels with 128-position chunks (half the serial steps) where they fit; else
     default_linear_config's."""
-    elem = 4 if shape.dtype == "float32" else 2
+    elem = elem_bytes(shape.dtype)
     cfg = default_linear_config(shape.head_dim, shape.head_dim_v, elem)
     tries = [dataclasses.replace(cfg, chunk=128, threads=256)]
     if (shape.head_dim <= 128
