@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +18,7 @@ from engine.kernels.attention_bwd.launch import BackwardKernels
 from engine.kernels.attention_decode.launch import DecodeKernels, launch_decode
 from engine.kernels.attention_decode.plan import DecodeConfig, DecodeShape
 from engine.kernels.attention_fwd.launch import ForwardKernel
+from engine.logs import log_once
 from engine.plan.config import KernelConfig
 from engine.plan.request import KernelOptions, KernelRequest
 from engine.problem import Problem
@@ -36,16 +36,7 @@ from engine.runtime.device import sm_count as gpu_sm_count
 from engine.runtime.kernel_cache import KernelCache
 from engine.runtime.ops import compiled_forward, register
 
-log = logging.getLogger("engine")
-
 BACKENDS = ("auto", "reference", "tilelang")
-_warned: set[str] = set()
-
-
-def _log_once(msg: str) -> None:
-    if msg not in _warned:
-        _warned.add(msg)
-        log.warning(msg)
 
 
 def _check_meta(qkv_meta: Any) -> tuple[Problem, torch.dtype]:
@@ -308,9 +299,9 @@ class AttentionEngine(torch.nn.Module):
     def resolved_backend(self, device: torch.device) -> str:
         backend, fallback = choose_backend(self.backend_name, device, self.dtype)
         if fallback is not None:
-            _log_once(f"engine: running the reference executor ({fallback})")
+            log_once(f"engine: running the reference executor ({fallback})")
             if self.tune:
-                _log_once("engine: tune=True has nothing to tune on the reference executor")
+                log_once("engine: tune=True has nothing to tune on the reference executor")
         return backend
 
     def forward(
@@ -375,7 +366,7 @@ class AttentionEngine(torch.nn.Module):
         if last is not None and last[0] is req and last[1] == key:
             return last[2]  # the call path's fast lookup (host time per decode step)
         if self.merge is None:
-            _log_once(f"engine: {self.spec.online_name} has no merge rule (combine_online or "
+            log_once(f"engine: {self.spec.online_name} has no merge rule (combine_online or "
                       "combine): decode runs one split per (batch, kv head)")
         shape = DecodeShape(**self.problem.sizes(), dtype=KERNEL_DTYPES[self.dtype],
                             page_size=page_size, num_pages=num_pages)

@@ -4,7 +4,6 @@ linear scripts."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +11,7 @@ import torch
 
 from engine.dsl.io import CustomIO
 from engine.ir.tensor_mods import TensorMod, trace_tensor_mod
+from engine.logs import log_once
 from engine.reference.linear import chunked
 from engine.reference.tensor_mods import apply_tensor_mod
 from engine.runtime import linear_backend, linear_tuning
@@ -24,19 +24,10 @@ from engine.runtime.linear_inputs import (
     check_offset_values,
 )
 
-log = logging.getLogger("engine")
-
 BACKENDS = ("auto", "reference", "tilelang")
 # (the scripts' name, seed 001's name) of each q/k/v mod
 _MOD_NAMES = (("q_mod", "query_mod"), ("k_mod", "key_mod"), ("v_mod", "value_mod"))
 _MOD_FORMS = (1, 2, 5)  # mod(x), mod(x, custom_io), mod(x, custom_io, b, h, pos)
-_warned: set[str] = set()
-
-
-def _log_once(msg: str) -> None:
-    if msg not in _warned:
-        _warned.add(msg)
-        log.warning(msg)
 
 
 def _pick(name: str, alias: str, value: Any, alias_value: Any) -> tuple[str, Any]:
@@ -196,7 +187,7 @@ class LinearAttentionEngine(torch.nn.Module):
     def resolved_backend(self, device: torch.device) -> str:
         backend, fallback = choose_backend(self.backend_name, device, self.dtype)
         if fallback is not None:
-            _log_once(f"engine: linear attention runs the reference executor ({fallback})")
+            log_once(f"engine: linear attention runs the reference executor ({fallback})")
         return backend
 
     # ------------------------------------------------------------------ call
@@ -230,7 +221,7 @@ class LinearAttentionEngine(torch.nn.Module):
         if self.config is not None and (self.backward_config is not None or not training):
             return self.config, self.backward_config
         if self.tune or self.tune_bwd:
-            _log_once("engine: LinearAttentionEngine(tune=True): the linear kernels are tuned by "
+            log_once("engine: LinearAttentionEngine(tune=True): the linear kernels are tuned by "
                       "`attnbench tune --mode linear` (per shape, into results/tune/<gpu>/"
                       "linear_fwd.json and linear_bwd.json), not on the first call; this "
                       "module runs those entries where its shape has one")
