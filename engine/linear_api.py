@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from engine.dsl.io import CustomIO
-from engine.ir.tensor_mods import TensorMod, trace_tensor_mod
+from engine.ir.tensor_mods import TensorMod, constant_scale, trace_tensor_mod
 from engine.logs import log_once
 from engine.reference.linear import chunked
 from engine.reference.tensor_mods import apply_tensor_mod
@@ -88,7 +88,8 @@ class LinearAttentionEngine(torch.nn.Module):
     decay_mod the decay is the log decay g. There is no implicit scale: put it in q_mod.
     CustomIO dims: "batch", "heads" (H; in q_mod and k_mod h is that tensor's own head),
     "seq_len" (T) or integer sizes. The mods run as a pre-pass of torch ops, so autograd gives
-    q, k, v, decay, initial_state and the custom inputs their gradients on every backend.
+    q, k, v, decay, initial_state and the custom inputs their gradients on every backend; a
+    q_mod that is a constant scale (q * c) is instead folded into the kernels' output.
 
     backend: "auto" (the TileLang kernels on a Hopper GPU, else the reference), "reference"
     (engine.reference.linear.chunked) or "tilelang". config, backward_config: the kernels'
@@ -143,6 +144,9 @@ class LinearAttentionEngine(torch.nn.Module):
             for hook, fn in given)
         self.decay_mod = trace_tensor_mod("decay_mod", decay_mod, "q", self.custom_io,
                                           arities=_MOD_FORMS, features=False)
+        # A q mod that is a constant scale is folded into the kernels' outputs (o is linear in
+        # q): no pass over q in the forward, one over the output gradient in the backward.
+        self.q_scale = constant_scale(self.q_mod)
         self.backend_name = backend
         self.config = config
         self.backward_config = backward_config
@@ -176,7 +180,8 @@ class LinearAttentionEngine(torch.nn.Module):
         q, k, v = self._meta
         fwd, bwd = self._configs(q, k, v, None, "bwd" in modes)
         return linear_backend.kernel_sources(self._kernels, q, k, v, config=fwd,
-                                             backward_config=bwd, modes=modes)
+                                             backward_config=bwd, modes=modes,
+                                             q_scale=self.q_scale or 1.0)
 
     def extra_repr(self) -> str:
         p = self.problem
@@ -201,15 +206,19 @@ class LinearAttentionEngine(torch.nn.Module):
             check_offset_values(cu_seqlens, T)
         customs = bind_customs(self.custom_io, custom, named, self.problem.named_sizes(B, T),
                                q.device)
+        kernels = self.resolved_backend(q.device) == "tilelang"
+        fold = kernels and self.q_scale is not None
         q, k, v, g = self._apply_mods(q, k, v, decay,
-                                      dict(zip(self.custom_io.names(), customs, strict=True)))
+                                      dict(zip(self.custom_io.names(), customs, strict=True)),
+                                      fold_q_scale=fold)
         q, k, v, g = (x.contiguous() for x in (q, k, v, g))
-        if self.resolved_backend(q.device) == "tilelang":
+        if kernels:
             fwd, bwd = self._configs(q, k, v, cu_seqlens,
                                      linear_backend.needs_grad(q, k, v, g, initial_state))
             o, final = linear_backend.run(self._kernels, q, k, v, g, initial_state, cu_seqlens,
                                           output_final_state, config=fwd, backward_config=bwd,
-                                          step_config=self.step_config)
+                                          step_config=self.step_config,
+                                          q_scale=self.q_scale if fold else 1.0)
         else:
             o, final = chunked(q, k, v, g, initial_state, cu_seqlens)
         return (o, final) if output_final_state else o
@@ -230,11 +239,13 @@ class LinearAttentionEngine(torch.nn.Module):
         return linear_tuning.pick(shape, self.config, self.backward_config, tuned, training)
 
     def _apply_mods(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    decay: torch.Tensor, customs: dict[str, torch.Tensor]
-                    ) -> tuple[torch.Tensor, ...]:
-        """q, k, v and the log decay g through their mods (a tensor without one as it is)."""
+                    decay: torch.Tensor, customs: dict[str, torch.Tensor],
+                    fold_q_scale: bool = False) -> tuple[torch.Tensor, ...]:
+        """q, k, v and the log decay g through their mods (a tensor without one as it is;
+        q as it is when its mod, a constant scale, is folded into the kernels)."""
+        q_mod = None if fold_q_scale else self.q_mod
         q, k, v = (x if m is None else _head_major(m, x, customs)
-                   for m, x in ((self.q_mod, q), (self.k_mod, k), (self.v_mod, v)))
+                   for m, x in ((q_mod, q), (self.k_mod, k), (self.v_mod, v)))
         g = decay if self.decay_mod is None else _decay_of(self.decay_mod, decay, customs)
         return q, k, v, g
 

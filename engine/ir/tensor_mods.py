@@ -108,3 +108,19 @@ def mod_only_customs(mods: QKVMods, spec: TracedSpec) -> frozenset[str]:
     not asked for a zero gradient (which sends the backward kernels to the reference rules)."""
     attention = custom_names([spec.score_mod]) | spec.online_custom_reads()
     return frozenset(mods.custom_reads() - attention)
+
+
+def constant_scale(mod: TensorMod | None) -> float | None:
+    """c when `mod` is x * c, c * x or x / c with c a constant (a scale a linear kernel can
+    fold into its output: no pass over the tensor), else None."""
+    if mod is None or mod.expr.op not in ("mul", "div"):
+        return None
+    a, b = mod.expr.args
+    if mod.expr.op == "mul" and a.op == "const":
+        a, b = b, a
+    if a.op != TENSOR_LEAF or b.op != "const" or not isinstance(b.attr, int | float):
+        return None
+    c = float(b.attr)
+    if mod.expr.op == "div":
+        return 1.0 / c if c != 0.0 else None
+    return c

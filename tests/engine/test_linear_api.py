@@ -183,7 +183,7 @@ def test_tilelang_path_calls_the_backend_contract(monkeypatch):
     seen = {}
 
     def fake_run(cache, q, k, v, g, initial_state, cu_seqlens, output_final_state,
-                 config=None, backward_config=None, step_config=None):
+                 config=None, backward_config=None, step_config=None, q_scale=1.0):
         seen.update(cache=cache, contiguous=all(x.is_contiguous() for x in (q, k, v, g)),
                     g=g, final=output_final_state, config=config, bwd=backward_config)
         return v.new_zeros(v.shape), None
@@ -201,7 +201,8 @@ def test_tilelang_path_calls_the_backend_contract(monkeypatch):
 def test_tl_code_joins_the_kernel_sources(monkeypatch):
     seen = {}
 
-    def fake_sources(cache, q, k, v, config=None, backward_config=None, modes=("fwd",)):
+    def fake_sources(cache, q, k, v, config=None, backward_config=None, modes=("fwd",),
+                     q_scale=1.0):
         seen.update(cache=cache, shapes=[tuple(t.shape) for t in (q, k, v)], config=config)
         return ["fwd one", "fwd two"]
 
@@ -217,6 +218,75 @@ def test_tl_code_is_the_generated_forward():
                                       for m in META))
     assert mod.tl_code.count("@T.prim_func") == len(mod.kernel_sources()) >= 1
     assert len(mod.kernel_sources(("fwd", "bwd"))) > len(mod.kernel_sources())
+
+
+def _fake_kernels(monkeypatch, seen):
+    """launch_forward / launch_backward as the reference core (float32, CPU), so that the
+    kernel path's wiring (the folded q scale, the autograd function) runs without a GPU."""
+    from engine.kernels.linear_fwd.launch import ForwardState
+    from engine.reference.linear import chunked
+
+    def core(q, k, v, g, h0):
+        hq, hk = v.shape[1] // q.shape[1], v.shape[1] // k.shape[1]
+        return chunked(q.float().repeat_interleave(hq, 1), k.float().repeat_interleave(hk, 1),
+                       v.float(), g, h0)
+
+    def fake_forward(fk, q, k, v, g, h0, cu_seqlens, final):
+        seen.setdefault("q_scale", []).append(fk.q_scale)
+        o, ht = core(q, k, v, g, h0)
+        return (o * fk.q_scale).to(q.dtype), ForwardState(None, ht if final else None, None)
+
+    def fake_backward(fk, bk, q, k, v, g, state, h0, do, dht, initial_grad):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v, g)]
+        with torch.enable_grad():
+            o, _ = core(*leaves, h0)  # unscaled: the autograd function scales do
+            grads = torch.autograd.grad(o, leaves, do.float())
+        return (*(gr.to(t.dtype) for gr, t in zip(grads, (q, k, v, g), strict=True)), None)
+
+    monkeypatch.setattr(linear_backend, "launch_forward", fake_forward)
+    monkeypatch.setattr(linear_backend, "launch_backward", fake_backward)
+
+
+@pytest.mark.parametrize("name", ["simple_gla", "linear_elu"])
+def test_a_constant_q_scale_is_folded_into_the_kernels(monkeypatch, name):
+    """simple GLA's q_mod (q * D^-0.5) reaches the kernels as q_scale with q unmodded, and
+    outputs and gradients match the reference backend's pre-pass; a q mod that is not a
+    constant scale (linear_elu's feature map) still runs as a pre-pass."""
+    seen = {}
+    _fake_kernels(monkeypatch, seen)
+    var = get_linear_variant(name)
+    sz = _sizes(name, seqlen=40, head_dim=32, head_dim_v=32)
+    ref_mod = var.build(sz, torch.bfloat16, backend="reference")
+    mod = var.build(sz, torch.bfloat16, backend="tilelang")
+    monkeypatch.setattr(mod, "resolved_backend", lambda device: "tilelang")
+    want_scale = 32 ** -0.5 if name == "simple_gla" else None
+    assert mod.q_scale == want_scale
+    inp = var.make_inputs(sz, torch.bfloat16, seed=4, requires_grad=True)
+    o, ref = mod(*inp.values()), ref_mod(*inp.values())
+    assert seen["q_scale"] == [want_scale or 1.0]
+    assert _rel(o, ref) < 1e-2
+    names = ["q", "k", "v", *var.learnable]
+    got = torch.autograd.grad(_loss(o), [inp[n] for n in names])
+    want = torch.autograd.grad(_loss(ref), [inp[n] for n in names])
+    for n, a, b in zip(names, got, want, strict=True):
+        assert _rel(a, b) < 2e-2, n
+    if want_scale:
+        assert any(f"q_scale={want_scale!r}" in src for src in
+                   var.build(sz, torch.bfloat16).kernel_sources())
+
+
+def test_constant_scale_reads_only_constant_scales():
+    from engine.ir.tensor_mods import constant_scale
+
+    def scale_of(fn):
+        return constant_scale(LinearAttentionEngine(META, q_mod=fn).q_mod)
+
+    assert scale_of(lambda x: x * 0.5) == 0.5 and scale_of(lambda x: 0.25 * x) == 0.25
+    assert scale_of(lambda x: x / 4.0) == 0.25
+    for fn in (lambda x: x * x, lambda x: x + 1.0, lambda x: (x * 2.0).exp(),
+               lambda x, io, b, h, pos: x * h):
+        assert scale_of(fn) is None
+    assert constant_scale(None) is None
 
 
 # ---------------------------------------------------------------- errors

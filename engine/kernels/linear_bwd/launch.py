@@ -60,7 +60,7 @@ def launch_backward(fk: ForwardKernels, bk: BackwardKernels, q: torch.Tensor, k:
     """(dq, dk, dv, dg [B, H, T] fp32, dh0 or None)."""
     s = bk.shape
     tb, dev = fwd.tables, q.device
-    hs, _ = run_states(fk, k, v, tb, g, initial_state, False)
+    hs, _ = run_states(fk, k, v, tb, fwd.decays, initial_state, False)
     common = {"G": g, "Seqs": tb.seqs, "Chunks": tb.chunks}
     dhs = torch.empty_like(hs)
     args = {"Q": q, "dO": do, **common, "dHs": dhs}

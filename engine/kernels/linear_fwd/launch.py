@@ -8,7 +8,12 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.dtypes import elem_bytes
-from engine.kernels.linear_fwd.codegen import generate_fused, generate_output, generate_states
+from engine.kernels.linear_fwd.codegen import (
+    generate_decays,
+    generate_fused,
+    generate_output,
+    generate_states,
+)
 from engine.kernels.linear_fwd.plan import LinearConfig, LinearShape, check_config
 from engine.kernels.linear_fwd.tables import ChunkTables, chunk_tables
 from engine.runtime.kernel import Kernel
@@ -19,6 +24,8 @@ class ForwardKernels:
     shape: LinearShape
     config: LinearConfig
     output: Kernel
+    decays: Kernel  # each chunk slot's running decay sum, run before the others
+    q_scale: float = 1.0  # a constant q mod folded into the output kernels
     _states: dict[tuple[bool, bool], Kernel] = field(default_factory=dict)
     _single: dict[tuple[bool, bool], Kernel] = field(default_factory=dict)
     _tables: dict[torch.device, ChunkTables] = field(default_factory=dict)
@@ -35,13 +42,14 @@ class ForwardKernels:
         not."""
         key = (initial, final)
         if key not in self._single:
-            self._single[key] = Kernel(generate_fused(self.shape, self.config, *key))
+            self._single[key] = Kernel(generate_fused(self.shape, self.config, *key,
+                                                      q_scale=self.q_scale))
         return self._single[key]
 
     def forward_kernels(self, initial: bool, final: bool) -> list[Kernel]:
         if single_pass(self):
-            return [self.single(initial, final)]
-        return [self.states(initial, final), self.output]
+            return [self.decays, self.single(initial, final)]
+        return [self.decays, self.states(initial, final), self.output]
 
     def sources(self, initial: bool = False, final: bool = False) -> list[str]:
         return [k.source for k in self.forward_kernels(initial, final)]
@@ -59,10 +67,14 @@ class ForwardKernels:
         return self._tables[device]
 
 
-def build_forward(shape: LinearShape, cfg: LinearConfig) -> ForwardKernels:
-    """The forward kernels at `shape` and `cfg` (checked), generated, not compiled."""
+def build_forward(shape: LinearShape, cfg: LinearConfig, q_scale: float = 1.0
+                  ) -> ForwardKernels:
+    """The forward kernels at `shape` and `cfg` (checked), generated, not compiled; their
+    outputs times `q_scale` (o is linear in q: a q mod that is a constant scale costs no
+    pass over q)."""
     check_config(cfg, shape.head_dim, shape.head_dim_v, elem_bytes(shape.dtype))
-    return ForwardKernels(shape, cfg, Kernel(generate_output(shape, cfg)))
+    return ForwardKernels(shape, cfg, Kernel(generate_output(shape, cfg, q_scale)),
+                          Kernel(generate_decays(shape, cfg)), q_scale)
 
 
 @dataclass
@@ -71,16 +83,26 @@ class ForwardState:
 
     tables: ChunkTables
     final: torch.Tensor | None
+    decays: torch.Tensor  # Gc [slots, H, chunk]: the backward's state pass reads it too
+
+
+def run_decays(fk: ForwardKernels, g: torch.Tensor, tables: ChunkTables) -> torch.Tensor:
+    """Gc [slots, H, chunk]: each chunk slot's running sum of its log decays."""
+    s, C = fk.shape, fk.config.chunk
+    gc = torch.empty(s.slots(C), s.heads, C, dtype=torch.float32, device=g.device)
+    fk.decays(G=g, Seqs=tables.seqs, Chunks=tables.chunks, Gc=gc)
+    return gc
 
 
 def run_states(fk: ForwardKernels, k: torch.Tensor, v: torch.Tensor, tables: ChunkTables,
-               g: torch.Tensor, initial_state: torch.Tensor | None, final: bool
+               gc: torch.Tensor, initial_state: torch.Tensor | None, final: bool
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(Hs: the state entering every chunk slot, the final state or None)."""
+    """(Hs: the state entering every chunk slot, the final state or None), from the chunk
+    slots' decay sums gc (run_decays)."""
     s, C = fk.shape, fk.config.chunk
     hs = torch.empty(s.slots(C), s.heads, s.head_dim, s.head_dim_v, dtype=k.dtype,
                      device=k.device)
-    args = {"K": k, "V": v, "G": g, "Seqs": tables.seqs, "Chunks": tables.chunks, "Hs": hs}
+    args = {"K": k, "V": v, "Gc": gc, "Seqs": tables.seqs, "Chunks": tables.chunks, "Hs": hs}
     if initial_state is not None:
         args["H0"] = initial_state
     ht = None
@@ -107,11 +129,12 @@ def launch_forward(fk: ForwardKernels, q: torch.Tensor, k: torch.Tensor, v: torc
     s = fk.shape
     tables = fk.tables(cu_seqlens, q.device)
     o = torch.empty(s.batch, s.heads, s.seqlen, s.head_dim_v, dtype=q.dtype, device=q.device)
-    io = {"Q": q, "K": k, "V": v, "G": g, "Seqs": tables.seqs, "Chunks": tables.chunks, "O": o}
+    gc = run_decays(fk, g, tables)
+    io = {"Q": q, "K": k, "V": v, "Gc": gc, "Seqs": tables.seqs, "Chunks": tables.chunks, "O": o}
     if not single_pass(fk):
-        hs, ht = run_states(fk, k, v, tables, g, initial_state, final)
+        hs, ht = run_states(fk, k, v, tables, gc, initial_state, final)
         fk.output(**io, Hs=hs)
-        return o, ForwardState(tables, ht)
+        return o, ForwardState(tables, ht, gc)
     ht = None
     if initial_state is not None:
         io["H0"] = initial_state
@@ -119,4 +142,4 @@ def launch_forward(fk: ForwardKernels, q: torch.Tensor, k: torch.Tensor, v: torc
         ht = io["Ht"] = torch.empty(s.num_seqs, s.heads, s.head_dim, s.head_dim_v,
                                     dtype=torch.float32, device=q.device)
     fk.single(initial_state is not None, final)(**io)
-    return o, ForwardState(tables, ht)
+    return o, ForwardState(tables, ht, gc)
