@@ -122,6 +122,10 @@ def run(cache: LinearKernelCache, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         o, ht = launch_step(cache.step(shape, step_config), q, k, v, g, h0)
         return o, (ht if output_final_state else None)
     fwd, bwd = configs(shape, config, backward_config)
+    if not needs_grad(q, k, v, g, h0):  # inference: the kernels without the autograd Function
+        o, state = launch_forward(cache.forward(shape, fwd, q_scale), q, k, v, g, h0,
+                                  cu_seqlens, output_final_state)
+        return o, state.final
     o, ht = _ChunkedLinear.apply(cache, shape, fwd, bwd, q_scale, q, k, v, g, h0, cu_seqlens,
                                  output_final_state)
     return o, (ht if output_final_state else None)

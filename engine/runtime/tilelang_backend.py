@@ -127,5 +127,11 @@ class TileLangAttention(torch.autograd.Function):
 
 
 def run(cache: KernelCache, req: KernelRequest, q, k, v, custom: list[torch.Tensor]):
-    o, *finals = TileLangAttention.apply(cache, req, GRAD_ANCHOR, q, k, v, *custom)
+    if not torch.is_grad_enabled():
+        # Inference (no_grad, inference_mode): no graph to record, so the kernel is called
+        # directly; the autograd Function's apply costs about a third of the module's own
+        # host time per call (CPU profile, results/NOTES.md 68).
+        o, finals = forward_kernel_call(cache, req, q, k, v, custom)
+    else:
+        o, *finals = TileLangAttention.apply(cache, req, GRAD_ANCHOR, q, k, v, *custom)
     return o, dict(zip(req.spec.final_names, finals, strict=True))

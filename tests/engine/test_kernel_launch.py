@@ -164,3 +164,22 @@ def test_the_machine_check_runs_once_per_device_and_dtype(monkeypatch):
         assert dev.hopper_problem(torch.device("cpu"), torch.bfloat16).startswith("tensors are on cpu")
     finally:
         dev._cuda_problem.cache_clear()
+
+
+def test_inference_calls_the_forward_kernel_without_the_autograd_function(calls, monkeypatch):
+    """Under no_grad the module's forward launches the kernel directly (no graph to record);
+    in grad mode it goes through the autograd Function, whose output joins the graph even when
+    q, k, v do not require grad (the seeds call backward on such outputs)."""
+    from engine.runtime import tilelang_backend
+
+    applied = []
+    real = tilelang_backend.TileLangAttention.apply
+    monkeypatch.setattr(tilelang_backend.TileLangAttention, "apply",
+                        lambda *a: applied.append(1) or real(*a))
+    mod, inputs, custom = _module("softmax")
+    monkeypatch.setattr(mod, "resolved_backend", lambda device: "tilelang")
+    with torch.no_grad():
+        o = mod(inputs["q"], inputs["k"], inputs["v"], *custom)
+    assert not applied and o.grad_fn is None and len(calls) == 1
+    o = mod(inputs["q"], inputs["k"], inputs["v"], *custom)
+    assert applied == [1] and o.grad_fn is not None and len(calls) == 2

@@ -264,6 +264,8 @@ def test_a_constant_q_scale_is_folded_into_the_kernels(monkeypatch, name):
     inp = var.make_inputs(sz, torch.bfloat16, seed=4, requires_grad=True)
     o, ref = mod(*inp.values()), ref_mod(*inp.values())
     assert seen["q_scale"] == [want_scale or 1.0]
+    with torch.no_grad():  # inference: the same kernels without the autograd Function
+        assert torch.equal(mod(*inp.values()), o.detach())
     assert _rel(o, ref) < 1e-2
     names = ["q", "k", "v", *var.learnable]
     got = torch.autograd.grad(_loss(o), [inp[n] for n in names])
