@@ -173,14 +173,17 @@ class LinearAttentionEngine(torch.nn.Module):
         """The TileLang sources of the forward kernels at qkv_meta's shapes, joined."""
         return "\n\n".join(self.kernel_sources())
 
-    def kernel_sources(self, modes: tuple[str, ...] = ("fwd",)) -> list[str]:
-        """The TileLang sources a call at qkv_meta's shapes runs (no initial or final state),
-        at the configs it runs: the forward's, and with "bwd" in `modes` a training call's
-        forward and backward."""
+    def kernel_sources(self, modes: tuple[str, ...] = ("fwd",), *, initial_state: bool = False,
+                       final_state: bool = False) -> list[str]:
+        """The TileLang sources a call at qkv_meta's shapes runs, at the configs it runs: the
+        forward's, and with "bwd" in `modes` a training call's forward and backward; of a call
+        with an initial state or not, returning the final state or not."""
         q, k, v = self._meta
         fwd, bwd = self._configs(q, k, v, None, "bwd" in modes)
         return linear_backend.kernel_sources(self._kernels, q, k, v, config=fwd,
                                              backward_config=bwd, modes=modes,
+                                             initial_state=initial_state,
+                                             final_state=final_state,
                                              q_scale=self.q_scale or 1.0)
 
     def extra_repr(self) -> str:

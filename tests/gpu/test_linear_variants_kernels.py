@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from engine.reference.executor import rel_err
+from engine.runtime import linear_backend
 from engine.variants.linear import LINEAR_VARIANTS
-from tests.gpu.cases import BF16, FP16
+from tests.gpu.cases import BF16, FP16, selected_params
 
 pytestmark = pytest.mark.gpu
 
@@ -29,6 +30,40 @@ CASES = [(name, dt, d) for name in sorted(LINEAR_VARIANTS) for dt in (BF16, FP16
 def case_id(c: tuple) -> str:
     name, dt, d = c
     return f"{name}-{'bf16' if dt is BF16 else 'fp16'}-D{d}"
+
+
+def _case_sources(case: tuple) -> list[str]:
+    """A training call's kernels at the case's sizes (the module's folds included)."""
+    name, dt, d = case
+    return LINEAR_VARIANTS[name].build(_sizes(name, d), dt, backend="tilelang").kernel_sources(
+        ("fwd", "bwd"))
+
+
+def _generation_sources(name: str) -> list[str]:
+    """The generation test's kernels: a 200-position prefill returning its state, then the
+    one-token recurrent step with a state."""
+    variant, sizes = LINEAR_VARIANTS[name], _sizes(name, 128)
+    prefill = variant.build({**sizes, "seqlen": 200}, BF16, backend="tilelang")
+    step = linear_backend.linear_shape(*(torch.empty(2, n, 1, sizes[dim], dtype=BF16,
+                                                     device="meta")
+                                         for n, dim in ((sizes["heads_q"], "head_dim"),
+                                                        (sizes["heads_k"], "head_dim"),
+                                                        (sizes["heads"], "head_dim_v"))), None)
+    return [*prefill.kernel_sources(final_state=True),
+            *linear_backend.LinearKernelCache().step(step).sources(True)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _precompiled(request):
+    """Every selected test's kernels compiled in parallel first (one by one in the tests,
+    the module took 278 s on the H200)."""
+    from engine.runtime.precompile import precompile
+
+    srcs = [s for c in CASES if c in selected_params(request, "case") for s in _case_sources(c)]
+    srcs += [s for n in sorted(LINEAR_VARIANTS) if n in selected_params(request, "name")
+             for s in _generation_sources(n)]
+    for err in precompile(list(dict.fromkeys(srcs))).values():
+        print("precompile failed:", err[:300])
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
