@@ -31,6 +31,14 @@ def _loss(o, seed=3):
     return (o.float() * torch.randn(o.shape, generator=gen)).sum()
 
 
+def _assert_grads_match(o, ref, inp, names, limit):
+    """The gradients of a random loss of `o` and of `ref` w.r.t. inp[n], n in `names`."""
+    got = torch.autograd.grad(_loss(o), [inp[n] for n in names])
+    want = torch.autograd.grad(_loss(ref), [inp[n] for n in names])
+    for n, a, b in zip(names, got, want, strict=True):
+        assert _rel(a, b) < limit, n
+
+
 @pytest.mark.parametrize("name", sorted(LINEAR_VARIANTS))
 def test_variant_matches_its_torch_formulation(name):
     var = get_linear_variant(name)
@@ -41,11 +49,7 @@ def test_variant_matches_its_torch_formulation(name):
     assert o.shape == (2, 4, 100, 8) and o.dtype == F32
     ref = var.reference_fn(inp)
     assert _rel(o, ref) < 1e-5
-    names = ["q", "k", "v", *var.learnable]
-    got = torch.autograd.grad(_loss(o), [inp[n] for n in names])
-    want = torch.autograd.grad(_loss(ref), [inp[n] for n in names])
-    for n, a, b in zip(names, got, want, strict=True):
-        assert _rel(a, b) < 1e-4, n
+    _assert_grads_match(o, ref, inp, ["q", "k", "v", *var.learnable], 1e-4)
 
 
 def test_mamba2_custom_gradients_flow_through_both_mods():
@@ -202,7 +206,7 @@ def test_tl_code_joins_the_kernel_sources(monkeypatch):
     seen = {}
 
     def fake_sources(cache, q, k, v, config=None, backward_config=None, modes=("fwd",),
-                     q_scale=1.0):
+                     initial_state=False, final_state=False, q_scale=1.0):
         seen.update(cache=cache, shapes=[tuple(t.shape) for t in (q, k, v)], config=config)
         return ["fwd one", "fwd two"]
 
@@ -267,11 +271,7 @@ def test_a_constant_q_scale_is_folded_into_the_kernels(monkeypatch, name):
     with torch.no_grad():  # inference: the same kernels without the autograd Function
         assert torch.equal(mod(*inp.values()), o.detach())
     assert _rel(o, ref) < 1e-2
-    names = ["q", "k", "v", *var.learnable]
-    got = torch.autograd.grad(_loss(o), [inp[n] for n in names])
-    want = torch.autograd.grad(_loss(ref), [inp[n] for n in names])
-    for n, a, b in zip(names, got, want, strict=True):
-        assert _rel(a, b) < 2e-2, n
+    _assert_grads_match(o, ref, inp, ["q", "k", "v", *var.learnable], 2e-2)
     if want_scale:
         assert any(f"q_scale={want_scale!r}" in src for src in
                    var.build(sz, torch.bfloat16).kernel_sources())
