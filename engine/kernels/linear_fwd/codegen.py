@@ -1,4 +1,5 @@
-"""The chunked forward's TileLang sources: the state pass and the output kernel.
+"""The chunked forward's TileLang sources: the decay kernel, the state pass, the output kernel
+and the single pass.
 
 Every decay factor is exp(G_t - G_s) with s <= t, exp(G_end - G_s), exp(G_t) or exp(G_end),
 G the chunk-local running sum of the log decays g (g read as zero past the sequence's end):
