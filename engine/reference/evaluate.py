@@ -137,14 +137,13 @@ def _eval_node(node: Expr, a: list[torch.Tensor], env: Env) -> torch.Tensor:
         return ~a[0]
     if op == "pow":
         return torch.pow(f(a[0]), node.attr)
-    if op == "add":
-        return a[0] + a[1]
-    if op == "sub":
-        return a[0] - a[1]
-    if op == "mul":
-        return a[0] * a[1]
-    if op == "div":
-        return f(a[0]) / a[1]
+    if op in ("add", "sub", "mul", "div"):
+        x, y = _scalar_operands(node, a)
+        if op == "add":
+            return x + y
+        if op == "sub":
+            return x - y
+        return x * y if op == "mul" else (f(x) if isinstance(x, torch.Tensor) else x) / y
     if op == "max":
         x, y = torch.broadcast_tensors(*_promote(a))
         return torch.maximum(x, y)
@@ -174,6 +173,20 @@ def _eval_node(node: Expr, a: list[torch.Tensor], env: Env) -> torch.Tensor:
             return x.sum(dim=-1, keepdim=True)
         return x.abs().sum(dim=-1, keepdim=True)
     raise ValueError(f"evaluate: unknown op {op!r}")  # pragma: no cover
+
+
+def _scalar_operands(node: Expr, a: list[torch.Tensor]) -> list:
+    """The two operands of an arithmetic node, a constant one as a Python number when the other
+    is not a constant. Same values and dtypes (a Python scalar, like a 0-dim tensor, does not
+    promote the other operand), but TensorIterator runs its vectorised kernel for a scalar,
+    while a 0-dim CUDA tensor takes the non-vectorised broadcast path: a bf16 q scale in a mod
+    pre-pass ran at about 1.1 TB/s on the H200 (results/NOTES.md 66)."""
+    const = [n.op == "const" and type(n.attr) in (int, float) for n in node.args]
+    # only beside a float tensor: with an integer one a Python float would give torch's
+    # default dtype where the constant's tensor gives the environment's (float64, say)
+    if const[0] == const[1] or not a[const.index(False)].is_floating_point():
+        return a
+    return [n.attr if c else t for n, c, t in zip(node.args, const, a, strict=True)]
 
 
 def _promote(ts) -> list[torch.Tensor]:

@@ -471,3 +471,25 @@ def test_default_online_func_is_softmax_and_flex_style_score_mod():
     assert mod.spec.online_name == OnlineSoftmax.__name__
     want = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
     torch.testing.assert_close(mod(q, k, v), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_constants_beside_tensors_keep_the_zero_dim_tensor_semantics(dtype):
+    """Arithmetic with a constant takes the constant as a Python number (TensorIterator's
+    vectorised path on CUDA) with exactly the values and dtypes of the 0-dim tensor it was:
+    float tiles of every dtype, and integer indices (where the constant stays a tensor, so
+    their float results keep the environment's dtype)."""
+    x = leaf("tensor", ("m", "n"))
+    q = index_leaf("q")
+    env_dtype = torch.promote_types(dtype, torch.float32)
+    t = torch.randn(2, 3, 5, 7).to(dtype)
+    env = Env(dtype=env_dtype, device=torch.device("cpu"), leaves={"tensor": t},
+              index={"q": torch.arange(5).view(1, 1, -1, 1)})
+    c = lambda v: torch.tensor(v, dtype=env_dtype)  # noqa: E731 - the 0-dim constant
+    positions = torch.arange(5).view(1, 1, -1, 1)
+    cases = [(x * 0.1, t * c(0.1)), (0.3 - x, c(0.3) - t), (x / 3.0 + 1.0, t / c(3.0) + c(1.0)),
+             (2.0 / (x * x + 1.0), c(2.0) / (t * t + c(1.0))), (q * 0.5, positions * c(0.5)),
+             (q / 3.0, positions.to(env_dtype) / c(3.0))]
+    for expr, want in cases:
+        (got,) = evaluate([expr], env)
+        assert got.dtype == want.dtype and torch.equal(got, want), expr
