@@ -118,7 +118,7 @@ def constant_scale(mod: TensorMod | None) -> float | None:
     a, b = mod.expr.args
     if mod.expr.op == "mul" and a.op == "const":
         a, b = b, a
-    if a.op != TENSOR_LEAF or b.op != "const" or not isinstance(b.attr, int | float):
+    if a.op != TENSOR_LEAF or b.op != "const" or type(b.attr) not in (int, float):
         return None
     c = float(b.attr)
     if mod.expr.op == "div":
