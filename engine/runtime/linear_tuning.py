@@ -24,8 +24,8 @@ from engine.tuning import select, tune_file
 log = logging.getLogger("engine")
 
 # What tune files key the linear kinds' entries by in place of a traced spec's hash: the
-# kernels run the core problem (the mods are a torch pre-pass), so one entry serves every
-# variant at its shape.
+# kernels run the core problem (the mods are a torch pre-pass, or a constant q scale that only
+# multiplies the output), so one entry serves every variant at its shape.
 TUNE_SPEC = "linear"
 
 
