@@ -10,7 +10,8 @@ from typing import Any
 import torch
 
 from engine.dsl.io import CustomIO
-from engine.ir.tensor_mods import TensorMod, constant_scale, trace_tensor_mod
+from engine.ir.tensor_mods import TensorMod, constant_scale, position_factor, trace_tensor_mod
+from engine.kernels.linear_fwd.plan import NO_FOLDS, Folds
 from engine.logs import log_once
 from engine.reference.linear import chunked
 from engine.reference.tensor_mods import apply_tensor_mod
@@ -59,7 +60,8 @@ def _head_major(mod: TensorMod, x: torch.Tensor, customs: dict[str, torch.Tensor
 
 def _decay_of(mod: TensorMod, decay: torch.Tensor, customs: dict[str, torch.Tensor]
               ) -> torch.Tensor:
-    """`mod` of decay [B, H, T], as a [B, T, H, 1] view with a unit feature axis."""
+    """`mod` of decay [B, H, T], as a [B, T, H, 1] view with a unit feature axis (also a
+    per-position factor, which reads no tensor: [B, H, T] float32)."""
     y = apply_tensor_mod(mod, decay.transpose(1, 2).unsqueeze(-1), customs)
     return y.squeeze(-1).transpose(1, 2)
 
@@ -88,8 +90,10 @@ class LinearAttentionEngine(torch.nn.Module):
     decay_mod the decay is the log decay g. There is no implicit scale: put it in q_mod.
     CustomIO dims: "batch", "heads" (H; in q_mod and k_mod h is that tensor's own head),
     "seq_len" (T) or integer sizes. The mods run as a pre-pass of torch ops, so autograd gives
-    q, k, v, decay, initial_state and the custom inputs their gradients on every backend; a
-    q_mod that is a constant scale (q * c) is instead folded into the kernels' output.
+    q, k, v, decay, initial_state and the custom inputs their gradients on every backend. On
+    the kernels two common forms cost no pass: a q_mod that is a constant scale (q * c) scales
+    the output, and a v_mod that is v times a per-position factor (Mamba2's v * dt) weights
+    each key position's decay factors; gradients are unchanged.
 
     backend: "auto" (the TileLang kernels on a Hopper GPU, else the reference), "reference"
     (engine.reference.linear.chunked) or "tilelang". config, backward_config: the kernels'
@@ -144,9 +148,12 @@ class LinearAttentionEngine(torch.nn.Module):
             for hook, fn in given)
         self.decay_mod = trace_tensor_mod("decay_mod", decay_mod, "q", self.custom_io,
                                           arities=_MOD_FORMS, features=False)
-        # A q mod that is a constant scale is folded into the kernels' outputs (o is linear in
-        # q): no pass over q in the forward, one over the output gradient in the backward.
+        # Folded into the forward's kernels instead of a pass over the tensor: a q mod that is
+        # a constant scale (o is linear in q: the output is scaled) and a v mod that is v times
+        # a per-position factor (Mamba2's dt: it multiplies each key position's decays).
         self.q_scale = constant_scale(self.q_mod)
+        factor = position_factor(self.v_mod)
+        self.v_weight = None if factor is None else TensorMod("v_weight", factor, "q")
         self.backend_name = backend
         self.config = config
         self.backward_config = backward_config
@@ -184,7 +191,7 @@ class LinearAttentionEngine(torch.nn.Module):
                                              backward_config=bwd, modes=modes,
                                              initial_state=initial_state,
                                              final_state=final_state,
-                                             q_scale=self.q_scale or 1.0)
+                                             folds=self._folds())
 
     def extra_repr(self) -> str:
         p = self.problem
@@ -210,18 +217,18 @@ class LinearAttentionEngine(torch.nn.Module):
         customs = bind_customs(self.custom_io, custom, named, self.problem.named_sizes(B, T),
                                q.device)
         kernels = self.resolved_backend(q.device) == "tilelang"
-        fold = kernels and self.q_scale is not None
-        q, k, v, g = self._apply_mods(q, k, v, decay,
-                                      dict(zip(self.custom_io.names(), customs, strict=True)),
-                                      fold_q_scale=fold)
+        by_name = dict(zip(self.custom_io.names(), customs, strict=True))
+        folds = self._folds() if kernels else NO_FOLDS
+        w = _decay_of(self.v_weight, decay, by_name) if folds.v_weight else None
+        q, k, v, g = self._apply_mods(q, k, v, decay, by_name, folded=kernels)
         q, k, v, g = (x.contiguous() for x in (q, k, v, g))
         if kernels:
             fwd, bwd = self._configs(q, k, v, cu_seqlens,
-                                     linear_backend.needs_grad(q, k, v, g, initial_state))
+                                     linear_backend.needs_grad(q, k, v, g, initial_state, w))
             o, final = linear_backend.run(self._kernels, q, k, v, g, initial_state, cu_seqlens,
                                           output_final_state, config=fwd, backward_config=bwd,
                                           step_config=self.step_config,
-                                          q_scale=self.q_scale if fold else 1.0)
+                                          q_scale=folds.q_scale, v_weight=w)
         else:
             o, final = chunked(q, k, v, g, initial_state, cu_seqlens)
         return (o, final) if output_final_state else o
@@ -241,14 +248,19 @@ class LinearAttentionEngine(torch.nn.Module):
         tuned = self._tuned(shape, self.tune_file)
         return linear_tuning.pick(shape, self.config, self.backward_config, tuned, training)
 
+    def _folds(self) -> Folds:
+        """The mods the kernels apply themselves."""
+        return Folds(q_scale=self.q_scale or 1.0, v_weight=self.v_weight is not None)
+
     def _apply_mods(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     decay: torch.Tensor, customs: dict[str, torch.Tensor],
-                    fold_q_scale: bool = False) -> tuple[torch.Tensor, ...]:
-        """q, k, v and the log decay g through their mods (a tensor without one as it is;
-        q as it is when its mod, a constant scale, is folded into the kernels)."""
-        q_mod = None if fold_q_scale else self.q_mod
+                    folded: bool = False) -> tuple[torch.Tensor, ...]:
+        """q, k, v and the log decay g through their mods (a tensor without one, or with
+        `folded` one the kernels apply themselves (_folds), as it is)."""
+        q_mod = None if folded and self.q_scale is not None else self.q_mod
+        v_mod = None if folded and self.v_weight is not None else self.v_mod
         q, k, v = (x if m is None else _head_major(m, x, customs)
-                   for m, x in ((q_mod, q), (self.k_mod, k), (self.v_mod, v)))
+                   for m, x in ((q_mod, q), (self.k_mod, k), (v_mod, v)))
         g = decay if self.decay_mod is None else _decay_of(self.decay_mod, decay, customs)
         return q, k, v, g
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.dsl.expr import Expr, custom_names, index_leaf, leaf, to_text
+from engine.dsl.expr import Expr, custom_names, index_leaf, leaf, leaves, to_text
 from engine.dsl.io import CustomIO
 from engine.ir.spec import TracedSpec
 from engine.ir.trace import TraceError, as_expr, call_hook, check_result, positional_arity
@@ -124,3 +124,17 @@ def constant_scale(mod: TensorMod | None) -> float | None:
     if mod.expr.op == "div":
         return 1.0 / c if c != 0.0 else None
     return c
+
+
+def position_factor(mod: TensorMod | None) -> Expr | None:
+    """E when `mod` is x * E or E * x with E free of x, else None. A mod sees b, h and the
+    position but no feature index, so E is one factor per (b, h, position): a linear kernel
+    folds it into the position's decay factors instead of a pass over the tensor."""
+    if mod is None or mod.expr.op != "mul":
+        return None
+    a, b = mod.expr.args
+    if b.op == TENSOR_LEAF:
+        a, b = b, a
+    if a.op != TENSOR_LEAF or any(n.op == TENSOR_LEAF for n in leaves([b])):
+        return None
+    return b

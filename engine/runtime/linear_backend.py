@@ -16,7 +16,13 @@ import torch
 from engine.dtypes import KERNEL_DTYPES
 from engine.kernels.linear_bwd.launch import BackwardKernels, build_backward, launch_backward
 from engine.kernels.linear_fwd.launch import ForwardKernels, build_forward, launch_forward
-from engine.kernels.linear_fwd.plan import LinearConfig, LinearShape, config_for_shape
+from engine.kernels.linear_fwd.plan import (
+    NO_FOLDS,
+    Folds,
+    LinearConfig,
+    LinearShape,
+    config_for_shape,
+)
 from engine.kernels.linear_step.launch import StepKernels, build_step, launch_step
 from engine.kernels.linear_step.plan import MAX_STEP_TOKENS, StepConfig, default_step_config
 
@@ -30,11 +36,11 @@ class LinearKernelCache:
     def clear(self) -> None:
         self.kernels.clear()
 
-    def forward(self, shape: LinearShape, cfg: LinearConfig, q_scale: float = 1.0
+    def forward(self, shape: LinearShape, cfg: LinearConfig, folds: Folds = NO_FOLDS
                 ) -> ForwardKernels:
-        key = ("fwd", shape, cfg, q_scale)
+        key = ("fwd", shape, cfg, folds)
         if key not in self.kernels:
-            self.kernels[key] = build_forward(shape, cfg, q_scale)
+            self.kernels[key] = build_forward(shape, cfg, folds)
         return self.kernels[key]
 
     def backward(self, shape: LinearShape, cfg: LinearConfig) -> BackwardKernels:
@@ -74,59 +80,78 @@ def configs(shape: LinearShape, config: LinearConfig | None,
 
 
 class _ChunkedLinear(torch.autograd.Function):
-    """o = q_scale * core(q, k, v, g, h0): the backward is the core's with q_scale * do (o is
-    linear in q; the final state does not depend on q, so its gradient is not scaled)."""
+    """o = core(q_scale * q, k, w * v, g, h0) with the folds (Folds) applied in the forward's
+    kernels. The backward is the core's with q_scale * do (o is linear in q; the final state
+    does not depend on q, so its gradient is not scaled) and w * v materialised for its
+    kernels; dv and dw follow from the core's gradient of w * v."""
 
     @staticmethod
-    def forward(ctx, cache, shape, fwd_cfg, bwd_cfg, q_scale, q, k, v, g, h0, cu_seqlens,
+    def forward(ctx, cache, shape, fwd_cfg, bwd_cfg, folds, q, k, v, g, h0, w, cu_seqlens,
                 want_final):
-        fk = cache.forward(shape, fwd_cfg, q_scale)
-        o, state = launch_forward(fk, q, k, v, g, h0, cu_seqlens, want_final)
+        fk = cache.forward(shape, fwd_cfg, folds)
+        o, state = launch_forward(fk, q, k, v, g, h0, cu_seqlens, want_final, w)
         ctx.cache, ctx.shape, ctx.bwd_cfg, ctx.fk, ctx.state = cache, shape, bwd_cfg, fk, state
-        ctx.q_scale = q_scale
-        ctx.save_for_backward(q, k, v, g, h0)
+        ctx.save_for_backward(q, k, v, g, h0, w)
         ctx.set_materialize_grads(False)  # an unused final state sends no gradient
         return o, state.final
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, h0 = ctx.saved_tensors
+        q, k, v, g, h0, w = ctx.saved_tensors
+        q_scale = ctx.fk.folds.q_scale
         if do is None:  # only the final state is used
             s = ctx.shape
             do = q.new_zeros(s.batch, s.heads, s.seqlen, s.head_dim_v)
-        elif ctx.q_scale != 1.0:
-            do = do * ctx.q_scale
+        elif q_scale != 1.0:
+            do = do * q_scale
         bk = ctx.cache.backward(ctx.shape, ctx.bwd_cfg)
         initial_grad = h0 is not None and ctx.needs_input_grad[9]
+        v_mod = None if w is None else weigh(v, w)
         dq, dk, dv, dg, dh0 = launch_backward(
             ctx.fk, bk, q, k, v, g, ctx.state, h0, do.contiguous(),
-            None if dht is None else dht.contiguous(), initial_grad)
-        return None, None, None, None, None, dq, dk, dv, dg, dh0, None, None
+            None if dht is None else dht.contiguous(), initial_grad, v_mod)
+        dw = None
+        if w is not None:
+            if ctx.needs_input_grad[10]:
+                dw = (dv.float() * v.float()).sum(-1)
+            dv = weigh(dv, w)
+        return None, None, None, None, None, dq, dk, dv, dg, dh0, dw, None, None
+
+
+def weigh(v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """v [B, H, T, Dv] times the value weights w [B, H, T] (float32), in v's dtype."""
+    return (v.float() * w.unsqueeze(-1)).to(v.dtype)
 
 
 def run(cache: LinearKernelCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         g: torch.Tensor, initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
         output_final_state: bool, config: LinearConfig | None = None,
         backward_config: LinearConfig | None = None, step_config: StepConfig | None = None,
-        q_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        q_scale: float = 1.0, v_weight: torch.Tensor | None = None
+        ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(o [B, H, T, Dv] in q's dtype, final state [N, H, D, Dv] float32 or None), differentiable
-    in q, k, v, g and initial_state (inputs already checked and contiguous), of the problem
-    with q_scale * q in place of q (a constant q mod, folded into the kernels). A call of at
-    most MAX_STEP_TOKENS positions per row that needs no gradient runs the recurrent step."""
+    in q, k, v, g, initial_state and v_weight (inputs already checked and contiguous), of the
+    problem with q_scale * q in place of q and v_weight[..., None] * v in place of v
+    (v_weight [B, H, T] float32: a v mod that is a per-position factor), both folded into the
+    forward's kernels. A call of at most MAX_STEP_TOKENS positions per row that needs no
+    gradient runs the recurrent step."""
     shape = linear_shape(q, k, v, cu_seqlens)
     h0 = None if initial_state is None else initial_state.float().contiguous()
     g = g.float().contiguous()
-    if is_step(shape, q, k, v, g, h0):
-        if q_scale != 1.0:  # a few positions: the scale as a pass costs nothing
-            q = q * q_scale
+    w = None if v_weight is None else v_weight.float().contiguous()
+    if is_step(shape, q, k, v, g, h0, w):
+        # a few positions: the folds as passes cost nothing
+        q = q if q_scale == 1.0 else q * q_scale
+        v = v if w is None else weigh(v, w)
         o, ht = launch_step(cache.step(shape, step_config), q, k, v, g, h0)
         return o, (ht if output_final_state else None)
     fwd, bwd = configs(shape, config, backward_config)
-    if not needs_grad(q, k, v, g, h0):  # inference: the kernels without the autograd Function
-        o, state = launch_forward(cache.forward(shape, fwd, q_scale), q, k, v, g, h0,
-                                  cu_seqlens, output_final_state)
+    folds = Folds(q_scale=float(q_scale), v_weight=w is not None)
+    if not needs_grad(q, k, v, g, h0, w):  # inference: the kernels without the autograd Function
+        o, state = launch_forward(cache.forward(shape, fwd, folds), q, k, v, g, h0, cu_seqlens,
+                                  output_final_state, w)
         return o, state.final
-    o, ht = _ChunkedLinear.apply(cache, shape, fwd, bwd, q_scale, q, k, v, g, h0, cu_seqlens,
+    o, ht = _ChunkedLinear.apply(cache, shape, fwd, bwd, folds, q, k, v, g, h0, w, cu_seqlens,
                                  output_final_state)
     return o, (ht if output_final_state else None)
 
@@ -146,14 +171,14 @@ def kernel_sources(cache: LinearKernelCache, q: torch.Tensor, k: torch.Tensor,
                    backward_config: LinearConfig | None = None,
                    modes: tuple[str, ...] = ("fwd",), *, initial_state: bool = False,
                    final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
-                   q_scale: float = 1.0) -> list[str]:
+                   folds: Folds = NO_FOLDS) -> list[str]:
     """The TileLang sources run for tensors shaped as q, k, v (meta tensors will do): the
     forward's, and with "bwd" in `modes` the backward's, of a call with an initial state or
     not and returning the final state or not (the backward then takes that state's gradient
     and gives the initial state's), packed by `cu_seqlens` or not."""
     shape = linear_shape(q, k, v, cu_seqlens)
     fwd, bwd = configs(shape, config, backward_config)
-    fk = cache.forward(shape, fwd, q_scale)
+    fk = cache.forward(shape, fwd, folds)
     out = fk.sources(initial_state, final_state)
     if "bwd" in modes:  # the backward reruns the state pass (no final state), then its own
         out += [fk.states(initial_state, False).source,

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import CustomIO, LinearAttentionEngine, TraceError, meta_tensor
+from engine.kernels.linear_fwd.plan import Folds
 from engine.reference.linear import naive_recurrence
 from engine.runtime import linear_backend
 from engine.variants import LINEAR_VARIANTS, get_linear_variant
@@ -187,7 +188,8 @@ def test_tilelang_path_calls_the_backend_contract(monkeypatch):
     seen = {}
 
     def fake_run(cache, q, k, v, g, initial_state, cu_seqlens, output_final_state,
-                 config=None, backward_config=None, step_config=None, q_scale=1.0):
+                 config=None, backward_config=None, step_config=None, q_scale=1.0,
+                 v_weight=None):
         seen.update(cache=cache, contiguous=all(x.is_contiguous() for x in (q, k, v, g)),
                     g=g, final=output_final_state, config=config, bwd=backward_config)
         return v.new_zeros(v.shape), None
@@ -206,7 +208,7 @@ def test_tl_code_joins_the_kernel_sources(monkeypatch):
     seen = {}
 
     def fake_sources(cache, q, k, v, config=None, backward_config=None, modes=("fwd",),
-                     initial_state=False, final_state=False, q_scale=1.0):
+                     initial_state=False, final_state=False, folds=None):
         seen.update(cache=cache, shapes=[tuple(t.shape) for t in (q, k, v)], config=config)
         return ["fwd one", "fwd two"]
 
@@ -235,12 +237,15 @@ def _fake_kernels(monkeypatch, seen):
         return chunked(q.float().repeat_interleave(hq, 1), k.float().repeat_interleave(hk, 1),
                        v.float(), g, h0)
 
-    def fake_forward(fk, q, k, v, g, h0, cu_seqlens, final):
-        seen.setdefault("q_scale", []).append(fk.q_scale)
-        o, ht = core(q, k, v, g, h0)
-        return (o * fk.q_scale).to(q.dtype), ForwardState(None, ht if final else None, None)
+    def fake_forward(fk, q, k, v, g, h0, cu_seqlens, final, w=None):
+        seen.setdefault("folds", []).append(fk.folds)
+        assert (w is not None) == fk.folds.v_weight
+        o, ht = core(q, k, v if w is None else v.float() * w.unsqueeze(-1), g, h0)
+        o = (o * fk.folds.q_scale).to(q.dtype)
+        return o, ForwardState(None, ht if final else None, {})
 
-    def fake_backward(fk, bk, q, k, v, g, state, h0, do, dht, initial_grad):
+    def fake_backward(fk, bk, q, k, v, g, state, h0, do, dht, initial_grad, v_mod=None):
+        v = v if v_mod is None else v_mod
         leaves = [t.detach().requires_grad_() for t in (q, k, v, g)]
         with torch.enable_grad():
             o, _ = core(*leaves, h0)  # unscaled: the autograd function scales do
@@ -251,11 +256,13 @@ def _fake_kernels(monkeypatch, seen):
     monkeypatch.setattr(linear_backend, "launch_backward", fake_backward)
 
 
-@pytest.mark.parametrize("name", ["simple_gla", "linear_elu"])
-def test_a_constant_q_scale_is_folded_into_the_kernels(monkeypatch, name):
+@pytest.mark.parametrize("name", ["simple_gla", "mamba2", "linear_elu"])
+def test_scale_mods_are_folded_into_the_kernels(monkeypatch, name):
     """simple GLA's q_mod (q * D^-0.5) reaches the kernels as q_scale with q unmodded, and
-    outputs and gradients match the reference backend's pre-pass; a q mod that is not a
-    constant scale (linear_elu's feature map) still runs as a pre-pass."""
+    Mamba2's v_mod (v * dt) as per-position value weights with v unmodded; outputs and the
+    gradients of q, k, v and the learnable inputs (Mamba2's dt and A) match the reference
+    backend's pre-pass. Mods that are not such scales (linear_elu's feature maps) still run as
+    a pre-pass."""
     seen = {}
     _fake_kernels(monkeypatch, seen)
     var = get_linear_variant(name)
@@ -264,10 +271,10 @@ def test_a_constant_q_scale_is_folded_into_the_kernels(monkeypatch, name):
     mod = var.build(sz, torch.bfloat16, backend="tilelang")
     monkeypatch.setattr(mod, "resolved_backend", lambda device: "tilelang")
     want_scale = 32 ** -0.5 if name == "simple_gla" else None
-    assert mod.q_scale == want_scale
+    assert mod.q_scale == want_scale and (mod.v_weight is not None) == (name == "mamba2")
     inp = var.make_inputs(sz, torch.bfloat16, seed=4, requires_grad=True)
     o, ref = mod(*inp.values()), ref_mod(*inp.values())
-    assert seen["q_scale"] == [want_scale or 1.0]
+    assert seen["folds"] == [Folds(want_scale or 1.0, name == "mamba2")]
     with torch.no_grad():  # inference: the same kernels without the autograd Function
         assert torch.equal(mod(*inp.values()), o.detach())
     assert _rel(o, ref) < 1e-2

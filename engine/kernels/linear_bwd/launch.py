@@ -55,12 +55,15 @@ def _group_sum(x: torch.Tensor, heads: int, dtype: torch.dtype) -> torch.Tensor:
 
 def launch_backward(fk: ForwardKernels, bk: BackwardKernels, q: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor, g: torch.Tensor, fwd: ForwardState, initial_state: torch.Tensor | None,
-                    do: torch.Tensor, dht: torch.Tensor | None, initial_grad: bool
-                    ) -> tuple[torch.Tensor, ...]:
-    """(dq, dk, dv, dg [B, H, T] fp32, dh0 or None)."""
+                    do: torch.Tensor, dht: torch.Tensor | None, initial_grad: bool,
+                    v_mod: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """(dq, dk, dv, dg [B, H, T] fp32, dh0 or None); with a value weight folded into fk's
+    kernels, `v_mod` is v times it (the backward's own kernels read it) and dv is its
+    gradient."""
     s = bk.shape
     tb, dev = fwd.tables, q.device
-    hs, _ = run_states(fk, k, v, tb, fwd.decays, initial_state, False)
+    hs, _ = run_states(fk, k, v, tb, fwd.slot_data, initial_state, False)
+    v = v if v_mod is None else v_mod
     common = {"G": g, "Seqs": tb.seqs, "Chunks": tb.chunks}
     dhs = torch.empty_like(hs)
     args = {"Q": q, "dO": do, **common, "dHs": dhs}

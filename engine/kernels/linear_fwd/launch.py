@@ -14,7 +14,7 @@ from engine.kernels.linear_fwd.codegen import (
     generate_output,
     generate_states,
 )
-from engine.kernels.linear_fwd.plan import LinearConfig, LinearShape, check_config
+from engine.kernels.linear_fwd.plan import NO_FOLDS, Folds, LinearConfig, LinearShape, check_config
 from engine.kernels.linear_fwd.tables import ChunkTables, chunk_tables
 from engine.runtime.kernel import Kernel
 
@@ -25,7 +25,7 @@ class ForwardKernels:
     config: LinearConfig
     output: Kernel
     decays: Kernel  # each chunk slot's running decay sum, run before the others
-    q_scale: float = 1.0  # a constant q mod folded into the output kernels
+    folds: Folds = NO_FOLDS  # the mods the kernels apply themselves
     _states: dict[tuple[bool, bool], Kernel] = field(default_factory=dict)
     _single: dict[tuple[bool, bool], Kernel] = field(default_factory=dict)
     _tables: dict[torch.device, ChunkTables] = field(default_factory=dict)
@@ -34,7 +34,8 @@ class ForwardKernels:
         """The state pass reading an initial state or not, writing the final one or not."""
         key = (initial, final)
         if key not in self._states:
-            self._states[key] = Kernel(generate_states(self.shape, self.config, *key))
+            self._states[key] = Kernel(generate_states(self.shape, self.config, *key,
+                                                       folds=self.folds))
         return self._states[key]
 
     def single(self, initial: bool, final: bool) -> Kernel:
@@ -43,7 +44,7 @@ class ForwardKernels:
         key = (initial, final)
         if key not in self._single:
             self._single[key] = Kernel(generate_fused(self.shape, self.config, *key,
-                                                      q_scale=self.q_scale))
+                                                      folds=self.folds))
         return self._single[key]
 
     def forward_kernels(self, initial: bool, final: bool) -> list[Kernel]:
@@ -67,14 +68,13 @@ class ForwardKernels:
         return self._tables[device]
 
 
-def build_forward(shape: LinearShape, cfg: LinearConfig, q_scale: float = 1.0
+def build_forward(shape: LinearShape, cfg: LinearConfig, folds: Folds = NO_FOLDS
                   ) -> ForwardKernels:
-    """The forward kernels at `shape` and `cfg` (checked), generated, not compiled; their
-    outputs times `q_scale` (o is linear in q: a q mod that is a constant scale costs no
-    pass over q)."""
+    """The forward kernels at `shape` and `cfg` (checked), generated, not compiled, applying
+    `folds` themselves (no pass over q or v before them)."""
     check_config(cfg, shape.head_dim, shape.head_dim_v, elem_bytes(shape.dtype))
-    return ForwardKernels(shape, cfg, Kernel(generate_output(shape, cfg, q_scale)),
-                          Kernel(generate_decays(shape, cfg)), q_scale)
+    return ForwardKernels(shape, cfg, Kernel(generate_output(shape, cfg, folds)),
+                          Kernel(generate_decays(shape, cfg, folds.v_weight)), folds)
 
 
 @dataclass
@@ -83,26 +83,31 @@ class ForwardState:
 
     tables: ChunkTables
     final: torch.Tensor | None
-    decays: torch.Tensor  # Gc [slots, H, chunk]: the backward's state pass reads it too
+    slot_data: dict[str, torch.Tensor]  # run_decays': the backward's state pass reads it too
 
 
-def run_decays(fk: ForwardKernels, g: torch.Tensor, tables: ChunkTables) -> torch.Tensor:
-    """Gc [slots, H, chunk]: each chunk slot's running sum of its log decays."""
+def run_decays(fk: ForwardKernels, g: torch.Tensor, tables: ChunkTables,
+               w: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """{"Gc": each chunk slot's running sum of its log decays [slots, H, chunk], and with a
+    folded value weight "Wc": the weights w [B, H, T] by slot}."""
     s, C = fk.shape, fk.config.chunk
-    gc = torch.empty(s.slots(C), s.heads, C, dtype=torch.float32, device=g.device)
-    fk.decays(G=g, Seqs=tables.seqs, Chunks=tables.chunks, Gc=gc)
-    return gc
+    out = {name: torch.empty(s.slots(C), s.heads, C, dtype=torch.float32, device=g.device)
+           for name in ("Gc", *(("Wc",) if fk.folds.v_weight else ()))}
+    weights = {"W": w} if fk.folds.v_weight else {}
+    fk.decays(G=g, **weights, Seqs=tables.seqs, Chunks=tables.chunks, **out)
+    return out
 
 
 def run_states(fk: ForwardKernels, k: torch.Tensor, v: torch.Tensor, tables: ChunkTables,
-               gc: torch.Tensor, initial_state: torch.Tensor | None, final: bool
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+               slot_data: dict[str, torch.Tensor], initial_state: torch.Tensor | None,
+               final: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(Hs: the state entering every chunk slot, the final state or None), from the chunk
-    slots' decay sums gc (run_decays)."""
+    slots' decay sums (and value weights): run_decays' `slot_data`."""
     s, C = fk.shape, fk.config.chunk
     hs = torch.empty(s.slots(C), s.heads, s.head_dim, s.head_dim_v, dtype=k.dtype,
                      device=k.device)
-    args = {"K": k, "V": v, "Gc": gc, "Seqs": tables.seqs, "Chunks": tables.chunks, "Hs": hs}
+    args = {"K": k, "V": v, **slot_data, "Seqs": tables.seqs, "Chunks": tables.chunks,
+            "Hs": hs}
     if initial_state is not None:
         args["H0"] = initial_state
     ht = None
@@ -123,18 +128,20 @@ def single_pass(fk: ForwardKernels) -> bool:
 
 def launch_forward(fk: ForwardKernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    g: torch.Tensor, initial_state: torch.Tensor | None,
-                   cu_seqlens: torch.Tensor | None, final: bool
+                   cu_seqlens: torch.Tensor | None, final: bool, w: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, ForwardState]:
-    """o [B, H, T, Dv] and what the backward reuses (inputs checked and contiguous)."""
+    """o [B, H, T, Dv] and what the backward reuses (inputs checked and contiguous; w
+    [B, H, T] float32: the value weights where fk folds them)."""
     s = fk.shape
     tables = fk.tables(cu_seqlens, q.device)
     o = torch.empty(s.batch, s.heads, s.seqlen, s.head_dim_v, dtype=q.dtype, device=q.device)
-    gc = run_decays(fk, g, tables)
-    io = {"Q": q, "K": k, "V": v, "Gc": gc, "Seqs": tables.seqs, "Chunks": tables.chunks, "O": o}
+    slot_data = run_decays(fk, g, tables, w)
+    io = {"Q": q, "K": k, "V": v, **slot_data, "Seqs": tables.seqs, "Chunks": tables.chunks,
+          "O": o}
     if not single_pass(fk):
-        hs, ht = run_states(fk, k, v, tables, gc, initial_state, final)
+        hs, ht = run_states(fk, k, v, tables, slot_data, initial_state, final)
         fk.output(**io, Hs=hs)
-        return o, ForwardState(tables, ht, gc)
+        return o, ForwardState(tables, ht, slot_data)
     ht = None
     if initial_state is not None:
         io["H0"] = initial_state
@@ -142,4 +149,4 @@ def launch_forward(fk: ForwardKernels, q: torch.Tensor, k: torch.Tensor, v: torc
         ht = io["Ht"] = torch.empty(s.num_seqs, s.heads, s.head_dim, s.head_dim_v,
                                     dtype=torch.float32, device=q.device)
     fk.single(initial_state is not None, final)(**io)
-    return o, ForwardState(tables, ht, gc)
+    return o, ForwardState(tables, ht, slot_data)

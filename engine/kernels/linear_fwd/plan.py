@@ -51,6 +51,25 @@ class LinearConfig:
 
 
 @dataclass(frozen=True)
+class Folds:
+    """Mods the forward kernels apply themselves, so that no pass over q or v runs first:
+    q_scale, a q mod that is a constant (o is linear in q: the output is scaled); v_weight, a
+    v mod that is v times a per-position factor w[b, h, t] (Mamba2's dt), which multiplies
+    each key position's decay factor in the chunk's scores and in the state update."""
+
+    q_scale: float = 1.0
+    v_weight: bool = False
+
+    def note(self) -> str:
+        """The kernel header's mention of the folds (none: the sources are unchanged)."""
+        return ((f" q_scale={self.q_scale!r}" if self.q_scale != 1.0 else "")
+                + (" v_weight" if self.v_weight else ""))
+
+
+NO_FOLDS = Folds()
+
+
+@dataclass(frozen=True)
 class LinearShape(LinearProblem):
     """A call's sizes (q [B, heads_q, T, D], k [B, heads_k, T, D], v [B, heads, T, Dv]) in
     `dtype`; `sequences` the number of packed sequences (cu_seqlens given, batch 1) or 0
