@@ -255,6 +255,8 @@ def test_linear_kernels_compile_for_sm90a(tmp_path, monkeypatch):
                          config=LinearConfig(block_K=128, single_pass=True, threads=256)),
         *_linear_sources(2, 2, 2, 2, 200, 128, 128, q_scale=0.125,
                          config=LinearConfig(block_K=128, single_pass=True, threads=256)),
+        *_linear_sources(2, 2, 2, 2, 200, 128, 128, q_scale=0.125, config=LinearConfig(
+            block_K=128, single_pass=True, threads=256, overlap=True)),
         *_step_sources(),
     ]
     errors = precompile(sources)
