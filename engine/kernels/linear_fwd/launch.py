@@ -34,8 +34,10 @@ class ForwardKernels:
         """The state pass reading an initial state or not, writing the final one or not."""
         key = (initial, final)
         if key not in self._states:
+            # the states do not depend on q: one source with or without a q scale
+            folds = Folds(v_weight=self.folds.v_weight)
             self._states[key] = Kernel(generate_states(self.shape, self.config, *key,
-                                                       folds=self.folds))
+                                                       folds=folds))
         return self._states[key]
 
     def single(self, initial: bool, final: bool) -> Kernel:
