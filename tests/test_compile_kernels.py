@@ -257,8 +257,6 @@ def test_linear_kernels_compile_for_sm90a(tmp_path, monkeypatch):
         *_linear_sources(2, 2, 2, 2, 200, 128, 128, folds=Folds(0.125, True),
                          config=LinearConfig(block_K=128, single_pass=True, threads=256)),
         *_linear_sources(2, 1, 1, 4, 200, 128, 64, folds=Folds(v_weight=True)),
-        *_linear_sources(2, 2, 2, 2, 200, 128, 128, folds=Folds(0.125, True), config=LinearConfig(
-            block_K=128, single_pass=True, threads=256, overlap=True)),
         *_step_sources(),
     ]
     errors = precompile(sources)

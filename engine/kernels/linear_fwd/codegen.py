@@ -233,24 +233,14 @@ def emit_state_update(w: SourceWriter, C: int, rows: int, BV: int, dt: str, stat
                       folds: Folds = NO_FOLDS) -> None:
     """state <- exp(G_end) state + K_s^T (exp(G_end - G) * W * V_s) (W: the value weights,
     if folded), the rows at or past the sequence's end (c * C + r >= seqlen) left out."""
-    emit_decayed_values(w, C, BV, dt, folds)
-    emit_state_decay(w, rows, BV, state, C)
-    w.line(f"T.gemm(K_s, Vd_s, {state}, transpose_A=True)")
-
-
-def emit_decayed_values(w: SourceWriter, C: int, BV: int, dt: str, folds: Folds) -> None:
-    """Vd_s = exp(G_end - G) * W * V_s, zero at or past the sequence's end."""
     with w.block(f"for r, v in T.Parallel({C}, {BV}):"):
         decay = weighted(f"T.exp(G_s[{C - 1}] - G_s[r])", "r", folds)
         w.line(f"Vd_s[r, v] = T.if_then_else(c * {C} + r < seqlen, "
                + cast(dt, f'T.Cast("float32", V_s[r, v]) * {decay}')
                + f", {cast(dt, 0)})")
-
-
-def emit_state_decay(w: SourceWriter, rows: int, BV: int, state: str, C: int) -> None:
-    """state <- exp(G_end) state."""
     with w.block(f"for d, v in T.Parallel({rows}, {BV}):"):
         w.line(f"{state}[d, v] = {state}[d, v] * T.exp(G_s[{C - 1}])")
+    w.line(f"T.gemm(K_s, Vd_s, {state}, transpose_A=True)")
 
 
 def scaled(factor: str, folds: Folds) -> str:
@@ -269,11 +259,6 @@ def emit_intra(w: SourceWriter, C: int, dt: str, folds: Folds = NO_FOLDS) -> Non
     chunk's own decayed scores."""
     w.line("T.clear(A)")
     w.line("T.gemm(Q_s, K_s, A, transpose_B=True)")
-    emit_masked_scores(w, C, dt, folds)
-
-
-def emit_masked_scores(w: SourceWriter, C: int, dt: str, folds: Folds) -> None:
-    """A_s from the scores A: decayed, folded and masked to s <= t."""
     factor = scaled(weighted("T.exp(G_s[t] - G_s[u])", "u", folds), folds)
     with w.block(f"for t, u in T.Parallel({C}, {C}):"):
         w.line("A_s[t, u] = T.if_then_else(u <= t, " + cast(dt, f"A[t, u] * {factor}")
@@ -286,16 +271,11 @@ def emit_output_tile(w: SourceWriter, C: int, BV: int, target: str, folds: Folds
     already scaled), stored to `target` (row t, column v) for its valid rows."""
     w.line("T.clear(acc)")
     w.line("T.gemm(Q_s, S_s, acc)")
-    emit_state_term_decay(w, C, BV, folds)
+    with w.block(f"for t, v in T.Parallel({C}, {BV}):"):
+        w.line(f"acc[t, v] = acc[t, v] * {scaled('T.exp(G_s[t])', folds)}")
     w.line("T.gemm(A_s, V_s, acc)")
     w.line("T.copy(acc, O_s)")
     emit_rows(w, target, "O_s[t, v]", C, BV)
-
-
-def emit_state_term_decay(w: SourceWriter, C: int, BV: int, folds: Folds) -> None:
-    """acc = Q_s S_s times exp(G_t) and the folded q scale."""
-    with w.block(f"for t, v in T.Parallel({C}, {BV}):"):
-        w.line(f"acc[t, v] = acc[t, v] * {scaled('T.exp(G_s[t])', folds)}")
 
 
 def generate_fused(s: LinearShape, cfg: LinearConfig, initial: bool, final: bool,
@@ -328,8 +308,6 @@ def generate_fused(s: LinearShape, cfg: LinearConfig, initial: bool, final: bool
                  f'A = T.alloc_fragment(({C}, {C}), "float32")',
                  f'acc = T.alloc_fragment(({C}, {BV}), "float32")',
                  f'state = T.alloc_fragment(({D}, {BV}), "float32")'])
-        if cfg.overlap:
-            w.line(f'stage_hold = T.alloc_local((1,), "{dt}")')
         w.line(f"T.copy(H0[n, h, :, {cols}], state)" if initial else "T.clear(state)")
         rows = f"bos + c * {C}:bos + (c + 1) * {C}"
         with w.block(f"for c in T.Pipelined(T.ceildiv(seqlen, {C}), "
@@ -341,45 +319,12 @@ def generate_fused(s: LinearShape, cfg: LinearConfig, initial: bool, final: bool
             w.line("T.copy(state, S_s)")
             w.lines(["row0: T.int32 = bos + c * " + str(C),
                      f"nrows: T.int32 = T.min(seqlen - c * {C}, {C})"])
-            if cfg.overlap:
-                emit_overlapped_chunk(w, C, BV, D, dt, cfg.threads, folds)
-            else:
-                emit_intra(w, C, dt, folds)
-                emit_output_tile(w, C, BV, f"O[b, h, row0 + t, iv * {BV} + v]", folds)
-                emit_state_update(w, C, D, BV, dt, "state", folds)
+            emit_intra(w, C, dt, folds)
+            emit_output_tile(w, C, BV, f"O[b, h, row0 + t, iv * {BV} + v]", folds)
+            emit_state_update(w, C, D, BV, dt, "state", folds)
         if final:
             w.line(f"T.copy(state, Ht[n, h, :, {cols}])")
     return GeneratedKernel(w.text(), tuple(params))
-
-
-def emit_overlapped_chunk(w: SourceWriter, C: int, BV: int, D: int, dt: str, threads: int,
-                          folds: Folds) -> None:
-    """The single pass's chunk with its independent gemms in pairs: Q K^T and Q S (both read
-    only the chunk's q, k and the state entering it) issued together and waited for once;
-    then the decays applied; then A V into the output and K^T (decayed V) into the state
-    together. The same arithmetic as emit_intra, emit_output_tile and emit_state_update."""
-    regs = lambda rows, cols: rows * cols // threads  # noqa: E731 - fp32 per thread
-    emit_decayed_values(w, C, BV, dt, folds)
-    # TileLang's pipeline frees a stage after the last statement that reads it, which for an
-    # asynchronous wgmma is before the wait: a read of the stage after each wait holds it
-    # (the attention backward's dO_hold).
-    w.lines(["T.wgmma_gemm(Q_s, K_s, A, transpose_B=True, clear_accum=True)",
-             "T.wgmma_gemm(Q_s, S_s, acc, clear_accum=True)",
-             "T.wait_wgmma(0)",
-             "stage_hold[0] = Q_s[0, 0]",
-             f"T.warpgroup_fence_operand(A, num_regs={regs(C, C)})",
-             f"T.warpgroup_fence_operand(acc, num_regs={regs(C, BV)})"])
-    emit_masked_scores(w, C, dt, folds)
-    emit_state_term_decay(w, C, BV, folds)
-    emit_state_decay(w, D, BV, "state", C)
-    w.lines(["T.wgmma_gemm(A_s, V_s, acc)",
-             "T.wgmma_gemm(K_s, Vd_s, state, transpose_A=True)",
-             "T.wait_wgmma(0)",
-             "stage_hold[0] = K_s[0, 0] + V_s[0, 0]",
-             f"T.warpgroup_fence_operand(acc, num_regs={regs(C, BV)})",
-             f"T.warpgroup_fence_operand(state, num_regs={regs(D, BV)})",
-             "T.copy(acc, O_s)"])
-    emit_rows(w, f"O[b, h, row0 + t, iv * {BV} + v]", "O_s[t, v]", C, BV)
 
 
 def emit_rows(w: SourceWriter, target: str, value: str, rows: int, cols: int) -> None:

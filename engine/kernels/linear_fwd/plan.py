@@ -37,9 +37,6 @@ class LinearConfig:
     num_stages: int = 2
     threads: int = 128
     single_pass: bool = False
-    # single pass: each chunk's independent gemms issued in pairs and waited for once
-    # (Q K^T with Q S, then A V with the state update) instead of one by one
-    overlap: bool = False
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -50,8 +47,7 @@ class LinearConfig:
 
     def key(self) -> str:
         return (f"C{self.chunk}_K{self.block_K}_V{self.block_V}_s{self.num_stages}_"
-                f"t{self.threads}" + ("_1p" if self.single_pass else "")
-                + ("_ov" if self.overlap else ""))
+                f"t{self.threads}" + ("_1p" if self.single_pass else ""))
 
 
 @dataclass(frozen=True)
@@ -129,8 +125,6 @@ def config_problems(cfg: LinearConfig, head_dim: int, head_dim_v: int, elem_byte
     if cfg.single_pass and head_dim * cfg.block_V > STATE_REGS * cfg.threads:
         out.append(f"single_pass: a [{head_dim}, {cfg.block_V}] fp32 state over {cfg.threads} "
                    f"threads is over {STATE_REGS} registers each")
-    if cfg.overlap and not cfg.single_pass:
-        out.append("overlap: a schedule of the single pass (single_pass=True)")
     smem = _smem_bytes(cfg, head_dim, elem_bytes)
     if smem > SMEM_LIMIT_BYTES:
         out.append(f"shared memory {smem} B > {SMEM_LIMIT_BYTES} B")
