@@ -115,7 +115,8 @@ for step in "${steps[@]}"; do
       mkdir -p "$OUT/runs" && cp results/runs/"$(date -u +%F)"-*-"$suite".csv "$OUT/runs/" 2>/dev/null
       args+=(--resume)
     fi
-    python scripts/gpu_precompile.py "$suite" 2>&1 | grep -v INFO | tail -5
+    pre=(); [ -n "${RUN_FILTER:-}" ] && pre=(--filter "$RUN_FILTER")
+    python scripts/gpu_precompile.py "$suite" "${pre[@]}" 2>&1 | grep -v INFO | tail -5
     python -m attnbench run suite "$suite" "${args[@]}" --out "$OUT/runs" 2>&1 | grep -v INFO \
       > "$OUT/$suite.log"
     tail -4 "$OUT/$suite.log"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 
@@ -33,11 +34,11 @@ def _linear_sources(impl, case) -> list[str]:
     return mod.kernel_sources(("fwd", "bwd") if set(case.modes) - {"fwd"} else ("fwd",))
 
 
-def main(names: list[str]) -> int:
+def main(names: list[str], patterns: list[str]) -> int:
     impls = registry()
     srcs = []
     for name in names:
-        for c in load_suite(name).cases:
+        for c in load_suite(name).filtered(patterns).cases:
             engines = [impls[i] for i in ENGINE_IMPLS if i in c.impls]
             if not engines or c.kind not in ("attention", "decode", "linear"):
                 continue
@@ -66,4 +67,9 @@ def main(names: list[str]) -> int:
 
 if __name__ == "__main__":
     torch.set_grad_enabled(False)
-    sys.exit(main(sys.argv[1:]))
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("suites", nargs="+")
+    parser.add_argument("--filter", action="append", default=[],
+                        help="only the cases attnbench run --filter selects (repeatable)")
+    args = parser.parse_args()
+    sys.exit(main(args.suites, args.filter))

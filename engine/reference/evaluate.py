@@ -31,6 +31,9 @@ class Env:
     # Where custom reads index a dim other than at the position (decode: the q position is
     # absolute in the cache, a "seq_len" custom holds one entry per new token).
     custom_at: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Index leaves that are whole aranges from 0 along one axis of the layout, by that axis: a
+    # custom read at them is a strided view of the tensor (custom_view), not a gather.
+    ranges: dict[str, int] = field(default_factory=dict)
 
 
 def index_tensors(
@@ -53,7 +56,36 @@ def custom_index(index: tuple, env: Env, device: torch.device) -> list[torch.Ten
 
 def custom_value(t: torch.Tensor, index: tuple, env: Env) -> torch.Tensor:
     """Read custom tensor `t` at the symbolic `index` (entries "b", "h", "q", "kv" or 0)."""
+    view = custom_view(t, index, env)
+    if view is not None:
+        return view
     return _as_tile(t[tuple(custom_index(index, env, t.device))])
+
+
+def custom_view(t: torch.Tensor, index: tuple, env: Env) -> torch.Tensor | None:
+    """The read of custom_value as a view of `t` where every named entry is a whole arange
+    (Env.ranges), each at most once and within t's extent; else None. The same values as the
+    gather, without one: no index kernel, and its gradient is a sum rather than a scatter
+    (a 0-dim index tensor also costs CUDA indexing a host synchronisation)."""
+    names = [i for i in index if isinstance(i, str)]
+    if (len(set(names)) < len(names) or len(index) != t.dim()
+            or any(n not in env.ranges or n in env.custom_at for n in names)):
+        return None
+    y = t
+    for dim in reversed(range(len(index))):  # entries 0 select the first element
+        if not isinstance(index[dim], str):
+            y = y.select(dim, 0)
+    axes = [env.ranges[n] for n in names]
+    lengths = [env.index[n].shape[a] for n, a in zip(names, axes, strict=True)]
+    if any(y.shape[d] < n for d, n in enumerate(lengths)):
+        return None  # the gather raises its IndexError
+    for d, n in enumerate(lengths):
+        y = y.narrow(d, 0, n)
+    order = sorted(range(len(names)), key=lambda d: axes[d])
+    shape = [1] * max(i.dim() for i in env.index.values())
+    for d in order:
+        shape[axes[d]] = lengths[d]
+    return y.permute(order).reshape(shape)
 
 
 def _as_tile(val: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,8 @@ def apply_tensor_mod(mod: TensorMod, x: torch.Tensor, customs: dict[str, torch.T
     B, S, H, _ = x.shape
     dtype = torch.promote_types(x.dtype, torch.float32)
     env = Env(dtype=dtype, device=x.device, leaves={TENSOR_LEAF: x.to(dtype) if upcast else x},
-              index=_layout_index(B, S, H, mod.pos, x.device), customs=customs)
+              index=_layout_index(B, S, H, mod.pos, x.device), customs=customs,
+              ranges={"b": 0, mod.pos: 1, "h": 2})
     (y,) = evaluate([mod.expr], env)
     y = y.to(x.dtype)
     # a result constant along some dims (e.g. a mod that ignores x) is broadcast; the kernels

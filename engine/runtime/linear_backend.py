@@ -43,10 +43,11 @@ class LinearKernelCache:
             self.kernels[key] = build_forward(shape, cfg, folds)
         return self.kernels[key]
 
-    def backward(self, shape: LinearShape, cfg: LinearConfig) -> BackwardKernels:
-        key = ("bwd", shape, cfg)
+    def backward(self, shape: LinearShape, cfg: LinearConfig, v_weight: bool = False
+                 ) -> BackwardKernels:
+        key = ("bwd", shape, cfg, v_weight)
         if key not in self.kernels:
-            self.kernels[key] = build_backward(shape, cfg)
+            self.kernels[key] = build_backward(shape, cfg, v_weight)
         return self.kernels[key]
 
     def step(self, shape: LinearShape, cfg: StepConfig | None = None) -> StepKernels:
@@ -80,10 +81,10 @@ def configs(shape: LinearShape, config: LinearConfig | None,
 
 
 class _ChunkedLinear(torch.autograd.Function):
-    """o = core(q_scale * q, k, w * v, g, h0) with the folds (Folds) applied in the forward's
-    kernels. The backward is the core's with q_scale * do (o is linear in q; the final state
-    does not depend on q, so its gradient is not scaled) and w * v materialised for its
-    kernels; dv and dw follow from the core's gradient of w * v."""
+    """o = core(q_scale * q, k, w * v, g, h0) with the folds (Folds) applied in the kernels.
+    The backward is the core's with q_scale * do (o is linear in q; the final state does not
+    depend on q, so its gradient is not scaled); its kernels fold w as the forward's do and
+    give dv and dw."""
 
     @staticmethod
     def forward(ctx, cache, shape, fwd_cfg, bwd_cfg, folds, q, k, v, g, h0, w, cu_seqlens,
@@ -104,17 +105,12 @@ class _ChunkedLinear(torch.autograd.Function):
             do = q.new_zeros(s.batch, s.heads, s.seqlen, s.head_dim_v)
         elif q_scale != 1.0:
             do = do * q_scale
-        bk = ctx.cache.backward(ctx.shape, ctx.bwd_cfg)
+        bk = ctx.cache.backward(ctx.shape, ctx.bwd_cfg, w is not None)
         initial_grad = h0 is not None and ctx.needs_input_grad[9]
-        v_mod = None if w is None else weigh(v, w)
-        dq, dk, dv, dg, dh0 = launch_backward(
+        dq, dk, dv, dg, dh0, dw = launch_backward(
             ctx.fk, bk, q, k, v, g, ctx.state, h0, do.contiguous(),
-            None if dht is None else dht.contiguous(), initial_grad, v_mod)
-        dw = None
-        if w is not None:
-            if ctx.needs_input_grad[10]:
-                dw = (dv.float() * v.float()).sum(-1)
-            dv = weigh(dv, w)
+            None if dht is None else dht.contiguous(), initial_grad, w)
+        dw = dw if ctx.needs_input_grad[10] else None
         return None, None, None, None, None, dq, dk, dv, dg, dh0, dw, None, None
 
 
@@ -182,5 +178,5 @@ def kernel_sources(cache: LinearKernelCache, q: torch.Tensor, k: torch.Tensor,
     out = fk.sources(initial_state, final_state)
     if "bwd" in modes:  # the backward reruns the state pass (no final state), then its own
         out += [fk.states(initial_state, False).source,
-                *cache.backward(shape, bwd).sources(final_state, initial_state)]
+                *cache.backward(shape, bwd, folds.v_weight).sources(final_state, initial_state)]
     return list(dict.fromkeys(out))

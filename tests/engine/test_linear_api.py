@@ -244,13 +244,16 @@ def _fake_kernels(monkeypatch, seen):
         o = (o * fk.folds.q_scale).to(q.dtype)
         return o, ForwardState(None, ht if final else None, {})
 
-    def fake_backward(fk, bk, q, k, v, g, state, h0, do, dht, initial_grad, v_mod=None):
-        v = v if v_mod is None else v_mod
-        leaves = [t.detach().requires_grad_() for t in (q, k, v, g)]
+    def fake_backward(fk, bk, q, k, v, g, state, h0, do, dht, initial_grad, w=None):
+        assert bk.v_weight == (w is not None) == fk.folds.v_weight
+        names = ["q", "k", "v", "g", *(["w"] if w is not None else [])]
+        leaves = [t.detach().requires_grad_() for t in (q, k, v, g, w)[:len(names)]]
         with torch.enable_grad():
-            o, _ = core(*leaves, h0)  # unscaled: the autograd function scales do
+            vw = leaves[2] if w is None else leaves[2].float() * leaves[4].unsqueeze(-1)
+            o, _ = core(*leaves[:2], vw, leaves[3], h0)  # unscaled: the function scales do
             grads = torch.autograd.grad(o, leaves, do.float())
-        return (*(gr.to(t.dtype) for gr, t in zip(grads, (q, k, v, g), strict=True)), None)
+        out = [gr.to(t.dtype) for gr, t in zip(grads, leaves, strict=True)]
+        return (*out[:4], None, out[4] if w is not None else None)
 
     monkeypatch.setattr(linear_backend, "launch_forward", fake_forward)
     monkeypatch.setattr(linear_backend, "launch_backward", fake_backward)

@@ -270,3 +270,33 @@ def test_malformed_mods_raise_a_trace_error_naming_them(mods, match):
     io = CustomIO({**IO.decls, "qpos": ("batch", "seq_len")})
     with pytest.raises(TraceError, match=match):
         _module(io=io, **mods)
+
+
+@pytest.mark.parametrize("index, shape", [
+    (("b", "h", "q"), (2, 3, 5)),      # [batch, heads, seq_len]: the axes permuted
+    ((0, "h"), (1, 3)),                # [1, heads]: a unit dim read at 0
+    (("q",), (7,)),                    # longer than the sequence: narrowed
+    (("h", "b"), (3, 2)),              # dims in another order than the layout's
+    (("b", 0, "q"), (2, 4, 5)),        # a dim read at 0 that is not of size 1
+])
+def test_custom_reads_at_whole_ranges_are_views_equal_to_the_gather(index, shape):
+    """A custom read at the layout's aranges (every tensor mod's) is a strided view: the same
+    values as the indexed gather, and the same gradient (as a sum instead of a scatter)."""
+    from engine.reference.evaluate import Env, _as_tile, custom_index, custom_view
+    from engine.reference.tensor_mods import _layout_index
+
+    B, S, H = 2, 5, 3
+    env = Env(dtype=torch.float32, device=torch.device("cpu"),
+              index=_layout_index(B, S, H, "q", torch.device("cpu")),
+              ranges={"b": 0, "q": 1, "h": 2})
+    t = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    view = custom_view(t, index, env)
+    gather = _as_tile(t[tuple(custom_index(index, env, t.device))])
+    assert view is not None and view.shape == gather.shape and torch.equal(view, gather)
+    w = torch.randn(B, S, H, 4, dtype=torch.float64)
+    grads = [torch.autograd.grad((y * w).sum(), t)[0] for y in (view, gather)]
+    torch.testing.assert_close(grads[0], grads[1])
+    # outside the ranges (decode's absolute positions) or a name read twice: the gather
+    assert custom_view(t, index, Env(dtype=torch.float32, device=torch.device("cpu"),
+                                     index=env.index)) is None
+    assert custom_view(torch.zeros(3, 3), ("h", "h"), env) is None

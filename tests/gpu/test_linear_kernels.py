@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels.linear_fwd.plan import LinearConfig
+from engine.kernels.linear_fwd.plan import NO_FOLDS, Folds, LinearConfig
 from engine.reference.executor import rel_err
 from engine.reference.linear import chunked, naive_recurrence
 from engine.runtime import linear_backend
@@ -25,7 +25,8 @@ PACKED = (0, 37, 150, 300)
 # The decays' gradient is q.dq - k.dk summed over the rest of the sequence: a difference of
 # two terms each as accurate as dq and dk (2-3e-3 in half precision), which loses digits
 # where they nearly cancel; measured up to 2.2e-2 (results/NOTES.md). Everything else: 2e-2.
-LIMITS = {"dg": 3e-2}
+# The value weights' gradient sums dv' * v over a row, which cancels the same way.
+LIMITS = {"dg": 3e-2, "dw": 3e-2}
 C128 = LinearConfig(chunk=128, block_K=128, block_V=64, threads=256)
 ONE = LinearConfig(block_K=64, single_pass=True, threads=256)  # the single-pass forward
 # (dtype, (HQ, HK, H), (D, Dv), B, T, states, packed, config or None: the default)
@@ -44,6 +45,14 @@ CASES = ([(dt, h, d, 2, 200, True, False, None) for dt in (BF16, FP16) for h in 
             (BF16, (1, 1, 4), (128, 128), 1, PACKED[-1], True, True, ONE),
             (BF16, (4, 4, 4), (64, 64), 2, 1, True, False, ONE)])
 
+# Folds (a q scale and value weights) over both forward designs, packing, sharing, fp16, D 256
+FOLD_CASES = [(BF16, (1, 1, 4), (128, 64), 2, 200, True, False, None),
+              (FP16, (1, 1, 4), (64, 64), 2, 200, True, False, None),
+              (BF16, (4, 4, 4), (128, 128), 2, 200, True, False, ONE),
+              (BF16, (1, 1, 4), (128, 128), 1, PACKED[-1], True, True, None),
+              (BF16, (2, 1, 4), (128, 64), 2, 300, True, False, C128),
+              (BF16, (4, 4, 4), (256, 256), 2, 200, False, False, None)]
+FOLDS = Folds(q_scale=0.37, v_weight=True)
 
 def case_id(c: tuple) -> str:
     dt, (hq, hk, h), (d, dv), b, t, states, packed, cfg = c
@@ -69,7 +78,7 @@ def _inputs(case: tuple, device: str = "cuda") -> dict:
     return out
 
 
-def _sources(case: tuple) -> list[str]:
+def _sources(case: tuple, folds: Folds = NO_FOLDS) -> list[str]:
     dt, (hq, hk, h), (d, dv), b, t, states, packed, cfg = case
     q = torch.empty(b, hq, t, d, dtype=dt, device="meta")
     k = torch.empty(b, hk, t, d, dtype=dt, device="meta")
@@ -77,7 +86,7 @@ def _sources(case: tuple) -> list[str]:
     cache = linear_backend.LinearKernelCache()
     shape = linear_backend.linear_shape(q, k, v, torch.empty(len(PACKED)) if packed else None)
     fwd, bwd = linear_backend.configs(shape, cfg, None)
-    fk, bk = cache.forward(shape, fwd), cache.backward(shape, bwd)
+    fk, bk = cache.forward(shape, fwd, folds), cache.backward(shape, bwd, folds.v_weight)
     # the forward's kernels, the backward's, and the state pass the backward reruns
     return [*fk.sources(states, states), fk.states(states, False).source,
             *bk.sources(states, states)]
@@ -97,6 +106,7 @@ def _precompiled(request):
 
     chosen = selected_params(request, "case")
     srcs = [s for c in CASES if c in chosen for s in _sources(c)]
+    srcs += [s for c in FOLD_CASES if c in chosen for s in _sources(c, FOLDS)]
     srcs += [s for c in STEP_CASES if c in selected_params(request, "case") for s in
              _step_sources(c)]
     for err in precompile(list(dict.fromkeys(srcs))).values():
@@ -105,14 +115,31 @@ def _precompiled(request):
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_linear_kernels_match_reference(case):
+    _compare(case)
+
+
+@pytest.mark.parametrize("case", FOLD_CASES, ids=case_id)
+def test_folded_kernels_match_reference(case):
+    """A q scale and per-position value weights folded into the kernels (Folds: simple GLA's
+    q * D^-0.5, Mamba2's v * dt) against the reference of q_scale * q and w * v, with the
+    weights' gradient."""
+    _compare(case, q_scale=FOLDS.q_scale, weighted=True)
+
+
+def _compare(case: tuple, q_scale: float = 1.0, weighted: bool = False) -> None:
     x = _inputs(case)
     states = x["h0"] is not None
-    leaves = [x["q"], x["k"], x["v"], x["g"]] + ([x["h0"]] if states else [])
-    leaves = [t.requires_grad_(True) for t in leaves]
-    ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
-    o, ht = linear_backend.run(linear_backend.LinearKernelCache(), *leaves[:4],
-                               leaves[4] if states else None, x["cu"], states, config=case[-1])
-    ro, rht = chunked(*ref_leaves[:4], ref_leaves[4] if states else None, x["cu"])
+    names = ["q", "k", "v", "g", *(["w"] if weighted else []), *(["h0"] if states else [])]
+    if weighted:  # Mamba2's dt: positive, about 0.001 to 0.5
+        x["w"] = torch.nn.functional.softplus(torch.randn_like(x["g"]) - 2.0)
+    leaves = [x[n].requires_grad_(True) for n in names]
+    ref = {n: t.detach().double().requires_grad_(True) for n, t in zip(names, leaves, strict=True)}
+    got = dict(zip(names, leaves, strict=True))
+    o, ht = linear_backend.run(linear_backend.LinearKernelCache(), got["q"], got["k"], got["v"],
+                               got["g"], got.get("h0"), x["cu"], states, config=case[-1],
+                               q_scale=q_scale, v_weight=got.get("w"))
+    rv = ref["v"] * ref["w"].unsqueeze(-1) if weighted else ref["v"]
+    ro, rht = chunked(ref["q"] * q_scale, ref["k"], rv, ref["g"], ref.get("h0"), x["cu"])
     assert o.dtype == x["q"].dtype and o.shape == ro.shape
     errs = {"o": rel_err(o, ro)}
     do = torch.randn_like(o)
@@ -122,13 +149,11 @@ def test_linear_kernels_match_reference(case):
         dht = torch.randn_like(ht)
         loss, ref_loss = loss + (ht * dht).sum(), ref_loss + (rht * dht.double()).sum()
     grads = torch.autograd.grad(loss, leaves)
-    want = torch.autograd.grad(ref_loss, ref_leaves)
-    for name, a, w, leaf in zip(("dq", "dk", "dv", "dg", "dh0"), grads, want, leaves,
-                                strict=False):
+    want = torch.autograd.grad(ref_loss, list(ref.values()))
+    for name, a, w, leaf in zip(names, grads, want, leaves, strict=True):
         assert a.shape == leaf.shape and a.dtype == leaf.dtype, name
-        errs[name] = rel_err(a, w)
-    nan = [n for n, t in zip(("o", *("dq", "dk", "dv", "dg", "dh0")), (o, *grads),
-                             strict=False) if torch.isnan(t).any()]
+        errs["d" + name] = rel_err(a, w)
+    nan = [n for n, t in zip(("o", *names), (o, *grads), strict=True) if torch.isnan(t).any()]
     assert not nan, f"NaN in {nan}"
     bad = {n: f"{e:.2e}" for n, e in errs.items() if not e < LIMITS.get(n, 2e-2)}
     assert not bad, f"relative errors over {LIMITS}: {bad} (all: " + \

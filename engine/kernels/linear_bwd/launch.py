@@ -23,6 +23,7 @@ class BackwardKernels:
     config: LinearConfig
     dv: Kernel
     dqk: Kernel
+    v_weight: bool = False  # the kernels take the value weights W (and dv writes dW)
     _dstates: dict[tuple[bool, bool], Kernel] = field(default_factory=dict)
 
     def dstates(self, final_grad: bool, initial_grad: bool) -> Kernel:
@@ -40,11 +41,13 @@ class BackwardKernels:
         self.dqk.compiled()
 
 
-def build_backward(shape: LinearShape, cfg: LinearConfig) -> BackwardKernels:
-    """The backward kernels at `shape` and `cfg` (checked; its chunk must be the forward's)."""
+def build_backward(shape: LinearShape, cfg: LinearConfig, v_weight: bool = False
+                   ) -> BackwardKernels:
+    """The backward kernels at `shape` and `cfg` (checked; its chunk must be the forward's),
+    with `v_weight` for a forward that folds value weights (they read v and the weights)."""
     check_config(cfg, shape.head_dim, shape.head_dim_v, elem_bytes(shape.dtype))
-    return BackwardKernels(shape, cfg, Kernel(generate_dv(shape, cfg)),
-                           Kernel(generate_dqk(shape, cfg)))
+    return BackwardKernels(shape, cfg, Kernel(generate_dv(shape, cfg, v_weight)),
+                           Kernel(generate_dqk(shape, cfg, v_weight)), v_weight)
 
 
 def _group_sum(x: torch.Tensor, heads: int, dtype: torch.dtype) -> torch.Tensor:
@@ -56,15 +59,18 @@ def _group_sum(x: torch.Tensor, heads: int, dtype: torch.dtype) -> torch.Tensor:
 def launch_backward(fk: ForwardKernels, bk: BackwardKernels, q: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor, g: torch.Tensor, fwd: ForwardState, initial_state: torch.Tensor | None,
                     do: torch.Tensor, dht: torch.Tensor | None, initial_grad: bool,
-                    v_mod: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-    """(dq, dk, dv, dg [B, H, T] fp32, dh0 or None); with a value weight folded into fk's
-    kernels, `v_mod` is v times it (the backward's own kernels read it) and dv is its
-    gradient."""
+                    w: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """(dq, dk, dv, dg [B, H, T] fp32, dh0 or None, dw or None); with value weights w
+    [B, H, T] float32 (folded into fk's and bk's kernels), the gradients of the problem with
+    w * v in place of v, and dw [B, H, T] float32."""
     s = bk.shape
     tb, dev = fwd.tables, q.device
     hs, _ = run_states(fk, k, v, tb, fwd.slot_data, initial_state, False)
-    v = v if v_mod is None else v_mod
     common = {"G": g, "Seqs": tb.seqs, "Chunks": tb.chunks}
+    weights, dw = {}, None
+    if bk.v_weight:
+        dw = torch.empty(s.batch, s.heads, s.seqlen, dtype=torch.float32, device=dev)
+        weights = {"W": w}
     dhs = torch.empty_like(hs)
     args = {"Q": q, "dO": do, **common, "dHs": dhs}
     if dht is not None:
@@ -75,11 +81,12 @@ def launch_backward(fk: ForwardKernels, bk: BackwardKernels, q: torch.Tensor, k:
                                         dtype=torch.float32, device=dev)
     bk.dstates(dht is not None, initial_grad)(**args)
     dv = torch.empty_like(v)
-    bk.dv(Q=q, K=k, dO=do, **common, dHs=dhs, dV=dv)
+    bk.dv(Q=q, K=k, dO=do, **common, dHs=dhs, dV=dv,
+          **({"V": v, **weights, "dW": dw} if bk.v_weight else {}))
     dq, dk = _outputs(s, q, k)
     nk = s.head_dim // bk.config.block_K
     dgp = torch.empty(nk, s.batch, s.heads, s.seqlen, dtype=torch.float32, device=dev)
-    bk.dqk(Q=q, K=k, V=v, dO=do, **common, Hs=hs, dHs=dhs, dG=dgp,
+    bk.dqk(Q=q, K=k, V=v, dO=do, **common, Hs=hs, dHs=dhs, dG=dgp, **weights,
            **{("dQ" if s.heads_q == s.heads else "dQh"): dq,
               ("dK" if s.heads_k == s.heads else "dKh"): dk})
     if s.heads_q != s.heads:
@@ -89,7 +96,7 @@ def launch_backward(fk: ForwardKernels, bk: BackwardKernels, q: torch.Tensor, k:
     dg = sequence_reverse_cumsum(dgp.sum(0) if nk > 1 else dgp[0], tb)
     if dht is not None:  # the final state's decay exp(G_T) reaches every position's g
         dg = dg + per_sequence((dht * fwd.final).sum((-2, -1)), tb, s)
-    return dq, dk, dv, dg, dh0
+    return dq, dk, dv, dg, dh0, dw
 
 
 def _outputs(s: LinearShape, q: torch.Tensor, k: torch.Tensor

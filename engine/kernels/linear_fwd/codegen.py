@@ -234,7 +234,7 @@ def emit_state_update(w: SourceWriter, C: int, rows: int, BV: int, dt: str, stat
     """state <- exp(G_end) state + K_s^T (exp(G_end - G) * W * V_s) (W: the value weights,
     if folded), the rows at or past the sequence's end (c * C + r >= seqlen) left out."""
     with w.block(f"for r, v in T.Parallel({C}, {BV}):"):
-        decay = weighted(f"T.exp(G_s[{C - 1}] - G_s[r])", "r", folds)
+        decay = weighted(f"T.exp(G_s[{C - 1}] - G_s[r])", "r", folds.v_weight)
         w.line(f"Vd_s[r, v] = T.if_then_else(c * {C} + r < seqlen, "
                + cast(dt, f'T.Cast("float32", V_s[r, v]) * {decay}')
                + f", {cast(dt, 0)})")
@@ -249,9 +249,9 @@ def scaled(factor: str, folds: Folds) -> str:
     return factor if q == 1.0 else f"({factor} * T.float32({q!r}))"
 
 
-def weighted(factor: str, pos: str, folds: Folds) -> str:
-    """`factor` times key position `pos`'s folded value weight (itself without one)."""
-    return f"({factor} * W_s[{pos}])" if folds.v_weight else factor
+def weighted(factor: str, pos: str, v_weight: bool) -> str:
+    """`factor` times key position `pos`'s folded value weight W_s (itself without one)."""
+    return f"({factor} * W_s[{pos}])" if v_weight else factor
 
 
 def emit_intra(w: SourceWriter, C: int, dt: str, folds: Folds = NO_FOLDS) -> None:
@@ -259,7 +259,7 @@ def emit_intra(w: SourceWriter, C: int, dt: str, folds: Folds = NO_FOLDS) -> Non
     chunk's own decayed scores."""
     w.line("T.clear(A)")
     w.line("T.gemm(Q_s, K_s, A, transpose_B=True)")
-    factor = scaled(weighted("T.exp(G_s[t] - G_s[u])", "u", folds), folds)
+    factor = scaled(weighted("T.exp(G_s[t] - G_s[u])", "u", folds.v_weight), folds)
     with w.block(f"for t, u in T.Parallel({C}, {C}):"):
         w.line("A_s[t, u] = T.if_then_else(u <= t, " + cast(dt, f"A[t, u] * {factor}")
                + f", {cast(dt, 0)})")
