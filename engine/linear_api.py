@@ -93,7 +93,7 @@ class LinearAttentionEngine(torch.nn.Module):
     q, k, v, decay, initial_state and the custom inputs their gradients on every backend. On
     the kernels two common forms cost no pass: a q_mod that is a constant scale (q * c) scales
     the output, and a v_mod that is v times a per-position factor (Mamba2's v * dt) weights
-    each key position's decay factors; gradients are unchanged.
+    each key position's decay factors (in the backward's kernels too); gradients are unchanged.
 
     backend: "auto" (the TileLang kernels on a Hopper GPU, else the reference), "reference"
     (engine.reference.linear.chunked) or "tilelang". config, backward_config: the kernels'

@@ -24,8 +24,9 @@ from engine.tuning import select, tune_file
 log = logging.getLogger("engine")
 
 # What tune files key the linear kinds' entries by in place of a traced spec's hash: the
-# kernels run the core problem (the mods are a torch pre-pass, or a constant q scale that only
-# multiplies the output), so one entry serves every variant at its shape.
+# kernels run the core problem (the mods are a torch pre-pass, or folds: a constant q scale
+# and per-position value weights, which multiply the decay factors and leave the tiles' work as
+# it is), so one entry serves every variant at its shape.
 TUNE_SPEC = "linear"
 
 
