@@ -300,3 +300,21 @@ def test_under_torch_compile_a_tensor_out_of_reach_is_named():
                              fullgraph=True, backend="aot_eager")
     with pytest.raises(Exception, match="closures or module globals"):
         compiled(*_qkv())
+
+
+def test_a_captured_tables_gradient_row_is_summed_per_thread_block():
+    """T5's table captured by the front door has integer dims (heads, 32), read at [h, bucket]:
+    its gradient is summed in a shared row per thread block (one global atomic per entry)
+    as for a CustomIO table with a "heads" dim, not one global atomic per score element."""
+    table = T5_TABLE.clone().requires_grad_()
+
+    def learned_t5(score, b, h, q_idx, kv_idx):
+        return score + table[h, T5_BUCKETS[q_idx, kv_idx]]
+
+    _MODULES.clear()
+    engine.flex_attention(*(t.bfloat16().requires_grad_() for t in _qkv()), score_mod=learned_t5)
+    (mod,) = _MODULES.values()
+    (name,) = [n for n, dims in mod.spec.customs if tuple(dims) == (HQ, 32)]
+    main = mod.backward_kernels(custom_grads=(name,)).main.source
+    assert '= T.alloc_shared((32,), "float32")' in main
+    assert main.count(f"T.atomic_add(dC_{name}[") == 1 and f"dC_{name}[T.max(T.min(by" in main

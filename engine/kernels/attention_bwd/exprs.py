@@ -4,7 +4,6 @@ over the raw score (leaf `rawscore`); and what the kernels cannot do (a refusal,
 
 from __future__ import annotations
 
-from engine.codegen.emit import reads_own_dim
 from engine.dsl.expr import Expr, leaf, leaves, topo
 from engine.ir.diff import diff, score_mod_derivatives
 from engine.ir.rewrite import substitute
@@ -57,11 +56,18 @@ def custom_grad_problem(spec: TracedSpec, name: str, deterministic: bool = False
 HIST_MAX = 1024
 
 
+def per_block(arg: Expr) -> bool:
+    """Whether a lookup's index is the thread block's own batch or head (b or h)."""
+    return arg.op == "idx" and arg.attr in ("b", "h")
+
+
 def hist_dim(read: Expr) -> int | None:
     """The one dim of table lookup `read` that varies within a thread block, when every other
-    dim is read at the block's own batch or head and that dim has at most HIST_MAX entries."""
-    rest = [i for i, (dim, arg) in enumerate(zip(read.attr[1], read.args, strict=True))
-            if not reads_own_dim(dim, arg)]
+    dim is read at the block's own batch or head and that dim has at most HIST_MAX entries.
+    A dim read at b or h is one value per thread block whether it is named "batch"/"heads"
+    or an integer size (engine.flex_attention's captured tables: `bias[h, bucket]`), the
+    latter's index clamped as every lookup's is."""
+    rest = [i for i, arg in enumerate(read.args) if not per_block(arg)]
     if len(rest) != 1 or not isinstance(read.attr[1][rest[0]], int):
         return None
     return rest[0] if read.attr[1][rest[0]] <= HIST_MAX else None
