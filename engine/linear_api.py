@@ -61,7 +61,12 @@ def _head_major(mod: TensorMod, x: torch.Tensor, customs: dict[str, torch.Tensor
 def _decay_of(mod: TensorMod, decay: torch.Tensor, customs: dict[str, torch.Tensor]
               ) -> torch.Tensor:
     """`mod` of decay [B, H, T], as a [B, T, H, 1] view with a unit feature axis (also a
-    per-position factor, which reads no tensor: [B, H, T] float32)."""
+    per-position factor, which reads no tensor: [B, H, T] float32). A mod that only reads a
+    [B, H, T] custom input (Mamba2's dt as the value weights) is that tensor, in float32."""
+    e = mod.expr
+    if (e.op == "custom" and e.attr[2] == ("b", "h", mod.pos)
+            and customs[e.attr[0]].shape == decay.shape):
+        return customs[e.attr[0]].to(torch.float32)
     y = apply_tensor_mod(mod, decay.transpose(1, 2).unsqueeze(-1), customs)
     return y.squeeze(-1).transpose(1, 2)
 

@@ -112,3 +112,26 @@ def test_module_forward_backward_host_path(benchmark, stubbed_module):
 
     benchmark(step)
     assert qkv[0].grad is not None
+
+
+def test_linear_module_forward_host_path(benchmark, monkeypatch):
+    """LinearAttentionEngine's own host work per inference call (kernels stubbed, CPU tensors)
+    for Mamba2: its decay mod (decay * A) evaluated, dt taken as the folded value weights,
+    the config picked, the decay and single-pass kernels bound."""
+    from engine import linear_api
+    from engine.runtime import kernel
+    from engine.variants.linear import LINEAR_VARIANTS
+
+    monkeypatch.setattr(kernel.Kernel, "compiled", lambda self: (lambda *args: None))
+    monkeypatch.setattr(linear_api.LinearAttentionEngine, "resolved_backend",
+                        lambda self, device: "tilelang")
+    sizes = dict(batch=1, heads_q=1, heads_k=1, heads=8, seqlen=128, head_dim=64, head_dim_v=64)
+    variant = LINEAR_VARIANTS["mamba2"]
+    mod = variant.build(sizes, torch.bfloat16, backend="tilelang")
+    args = list(variant.make_inputs(sizes, torch.bfloat16, "cpu", seed=0).values())
+
+    def call():
+        with torch.no_grad():
+            return mod(*args)
+
+    assert benchmark(call).shape == (1, 8, 128, 64)

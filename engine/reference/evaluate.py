@@ -31,9 +31,11 @@ class Env:
     # Where custom reads index a dim other than at the position (decode: the q position is
     # absolute in the cache, a "seq_len" custom holds one entry per new token).
     custom_at: dict[str, torch.Tensor] = field(default_factory=dict)
-    # Index leaves that are whole aranges from 0 along one axis of the layout, by that axis: a
-    # custom read at them is a strided view of the tensor (custom_view), not a gather.
-    ranges: dict[str, int] = field(default_factory=dict)
+    # Index leaves that are whole aranges from 0 along one axis of the layout: (that axis, its
+    # length), and the layout's rank. A custom read at them is a strided view of the tensor
+    # (custom_view), not a gather.
+    ranges: dict[str, tuple[int, int]] = field(default_factory=dict)
+    rank: int = 4
 
 
 def index_tensors(
@@ -75,17 +77,20 @@ def custom_view(t: torch.Tensor, index: tuple, env: Env) -> torch.Tensor | None:
     for dim in reversed(range(len(index))):  # entries 0 select the first element
         if not isinstance(index[dim], str):
             y = y.select(dim, 0)
-    axes = [env.ranges[n] for n in names]
-    lengths = [env.index[n].shape[a] for n, a in zip(names, axes, strict=True)]
+    axes = [env.ranges[n][0] for n in names]
+    lengths = [env.ranges[n][1] for n in names]
     if any(y.shape[d] < n for d, n in enumerate(lengths)):
         return None  # the gather raises its IndexError
     for d, n in enumerate(lengths):
-        y = y.narrow(d, 0, n)
+        if y.shape[d] > n:
+            y = y.narrow(d, 0, n)
     order = sorted(range(len(names)), key=lambda d: axes[d])
-    shape = [1] * max(i.dim() for i in env.index.values())
+    shape = [1] * env.rank
     for d in order:
         shape[axes[d]] = lengths[d]
-    return y.permute(order).reshape(shape)
+    if order != list(range(len(order))):
+        y = y.permute(order)
+    return y.reshape(shape)
 
 
 def _as_tile(val: torch.Tensor) -> torch.Tensor:
@@ -117,9 +122,24 @@ def read_index(node: Expr, env: Env) -> list[torch.Tensor]:
     return custom_index(node.attr[2], env, env.customs[node.attr[0]].device)
 
 
+# Topological orders by the roots' identities (with the roots, so that an id is not reused
+# while its entry lives): a module's mods are evaluated on every call.
+_ORDERS: dict[tuple[int, ...], tuple[list[Expr], list[Expr]]] = {}
+
+
+def _order(roots: list[Expr]) -> list[Expr]:
+    key = tuple(map(id, roots))
+    hit = _ORDERS.get(key)
+    if hit is None or any(a is not b for a, b in zip(hit[0], roots, strict=True)):
+        if len(_ORDERS) >= 4096:
+            _ORDERS.clear()
+        hit = _ORDERS[key] = (list(roots), topo(roots))
+    return hit[1]
+
+
 def evaluate(roots: list[Expr], env: Env) -> list[torch.Tensor]:
     vals: dict[tuple, torch.Tensor] = {}
-    for node in topo(roots):
+    for node in _order(roots):
         vals[node.key] = _eval_node(node, [vals[a.key] for a in node.args], env)
     return [vals[r.key] for r in roots]
 

@@ -14,15 +14,32 @@ from engine.ir.tensor_mods import TENSOR_LEAF, QKVMods, TensorMod
 from engine.reference.evaluate import Env, evaluate
 
 
+class _LayoutIndex(dict):
+    """Index tensors b, the position and h broadcasting over the runtime layout [B, S, H, D],
+    each built when first read (most mods read none: their custom reads are views)."""
+
+    def __init__(self, ranges: dict[str, tuple[int, int]], device: torch.device) -> None:
+        super().__init__()
+        self.ranges, self.device = ranges, device
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        axis, n = self.ranges[name]
+        shape = [1, 1, 1, 1]
+        shape[axis] = n
+        t = self[name] = torch.arange(n, device=self.device).view(shape)
+        return t
+
+
+def _layout_ranges(B: int, S: int, H: int, pos: str) -> dict[str, tuple[int, int]]:
+    """Each index of the layout [B, S, H, D]: (its axis, its length)."""
+    return {"b": (0, B), pos: (1, S), "h": (2, H)}
+
+
 def _layout_index(B: int, S: int, H: int, pos: str, device: torch.device
                  ) -> dict[str, torch.Tensor]:
     """Index tensors b, `pos`, h broadcasting over the runtime layout [B, S, H, D]. Custom
     reads index with these as they are, so they broadcast over the same layout."""
-    return {
-        "b": torch.arange(B, device=device).view(B, 1, 1, 1),
-        pos: torch.arange(S, device=device).view(1, S, 1, 1),
-        "h": torch.arange(H, device=device).view(1, 1, H, 1),
-    }
+    return _LayoutIndex(_layout_ranges(B, S, H, pos), device)
 
 
 def apply_tensor_mod(mod: TensorMod, x: torch.Tensor, customs: dict[str, torch.Tensor],
@@ -33,9 +50,9 @@ def apply_tensor_mod(mod: TensorMod, x: torch.Tensor, customs: dict[str, torch.T
     and a mod of one op (a scale) costs one read and one write of x instead of five passes."""
     B, S, H, _ = x.shape
     dtype = torch.promote_types(x.dtype, torch.float32)
+    ranges = _layout_ranges(B, S, H, mod.pos)
     env = Env(dtype=dtype, device=x.device, leaves={TENSOR_LEAF: x.to(dtype) if upcast else x},
-              index=_layout_index(B, S, H, mod.pos, x.device), customs=customs,
-              ranges={"b": 0, mod.pos: 1, "h": 2})
+              index=_LayoutIndex(ranges, x.device), customs=customs, ranges=ranges)
     (y,) = evaluate([mod.expr], env)
     y = y.to(x.dtype)
     # a result constant along some dims (e.g. a mod that ignores x) is broadcast; the kernels

@@ -283,12 +283,12 @@ def test_custom_reads_at_whole_ranges_are_views_equal_to_the_gather(index, shape
     """A custom read at the layout's aranges (every tensor mod's) is a strided view: the same
     values as the indexed gather, and the same gradient (as a sum instead of a scatter)."""
     from engine.reference.evaluate import Env, _as_tile, custom_index, custom_view
-    from engine.reference.tensor_mods import _layout_index
+    from engine.reference.tensor_mods import _layout_index, _layout_ranges
 
     B, S, H = 2, 5, 3
     env = Env(dtype=torch.float32, device=torch.device("cpu"),
               index=_layout_index(B, S, H, "q", torch.device("cpu")),
-              ranges={"b": 0, "q": 1, "h": 2})
+              ranges=_layout_ranges(B, S, H, "q"))
     t = torch.randn(shape, dtype=torch.float64, requires_grad=True)
     view = custom_view(t, index, env)
     gather = _as_tile(t[tuple(custom_index(index, env, t.device))])

@@ -12,6 +12,7 @@ length, so equal-length batches and packed sequences (cu_seqlens) run the same k
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from engine.dtypes import elem_bytes
@@ -153,6 +154,7 @@ def default_linear_config(head_dim: int, head_dim_v: int, elem_bytes: int = 2, s
     return cfg
 
 
+@functools.lru_cache(maxsize=256)  # a pure function of the shape, asked on every call
 def config_for_shape(shape: LinearShape, sm_count: int = 132) -> LinearConfig:
     """The default at this shape (measured on an H200, results/NOTES.md): at D <= 128 with at
     least one single-pass block per SM (sequences x heads x value tiles; at D = 256 its
