@@ -159,6 +159,7 @@ class LinearAttentionEngine(torch.nn.Module):
         self.q_scale = constant_scale(self.q_mod)
         factor = position_factor(self.v_mod)
         self.v_weight = None if factor is None else TensorMod("v_weight", factor, "q")
+        self._kernel_folds = Folds(q_scale=self.q_scale or 1.0, v_weight=factor is not None)
         self.backend_name = backend
         self.config = config
         self.backward_config = backward_config
@@ -196,7 +197,7 @@ class LinearAttentionEngine(torch.nn.Module):
                                              backward_config=bwd, modes=modes,
                                              initial_state=initial_state,
                                              final_state=final_state,
-                                             folds=self._folds())
+                                             folds=self._kernel_folds)
 
     def extra_repr(self) -> str:
         p = self.problem
@@ -223,7 +224,7 @@ class LinearAttentionEngine(torch.nn.Module):
                                q.device)
         kernels = self.resolved_backend(q.device) == "tilelang"
         by_name = dict(zip(self.custom_io.names(), customs, strict=True))
-        folds = self._folds() if kernels else NO_FOLDS
+        folds = self._kernel_folds if kernels else NO_FOLDS
         w = _decay_of(self.v_weight, decay, by_name) if folds.v_weight else None
         q, k, v, g = self._apply_mods(q, k, v, decay, by_name, folded=kernels)
         q, k, v, g = (x.contiguous() for x in (q, k, v, g))
@@ -253,15 +254,11 @@ class LinearAttentionEngine(torch.nn.Module):
         tuned = self._tuned(shape, self.tune_file)
         return linear_tuning.pick(shape, self.config, self.backward_config, tuned, training)
 
-    def _folds(self) -> Folds:
-        """The mods the kernels apply themselves."""
-        return Folds(q_scale=self.q_scale or 1.0, v_weight=self.v_weight is not None)
-
     def _apply_mods(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     decay: torch.Tensor, customs: dict[str, torch.Tensor],
                     folded: bool = False) -> tuple[torch.Tensor, ...]:
         """q, k, v and the log decay g through their mods (a tensor without one, or with
-        `folded` one the kernels apply themselves (_folds), as it is)."""
+        `folded` one the kernels apply themselves (_kernel_folds), as it is)."""
         q_mod = None if folded and self.q_scale is not None else self.q_mod
         v_mod = None if folded and self.v_weight is not None else self.v_mod
         q, k, v = (x if m is None else _head_major(m, x, customs)

@@ -35,8 +35,7 @@ def _layout_ranges(B: int, S: int, H: int, pos: str) -> dict[str, tuple[int, int
     return {"b": (0, B), pos: (1, S), "h": (2, H)}
 
 
-def _layout_index(B: int, S: int, H: int, pos: str, device: torch.device
-                 ) -> dict[str, torch.Tensor]:
+def _layout_index(B: int, S: int, H: int, pos: str, device: torch.device) -> _LayoutIndex:
     """Index tensors b, `pos`, h broadcasting over the runtime layout [B, S, H, D]. Custom
     reads index with these as they are, so they broadcast over the same layout."""
     return _LayoutIndex(_layout_ranges(B, S, H, pos), device)
@@ -50,9 +49,9 @@ def apply_tensor_mod(mod: TensorMod, x: torch.Tensor, customs: dict[str, torch.T
     and a mod of one op (a scale) costs one read and one write of x instead of five passes."""
     B, S, H, _ = x.shape
     dtype = torch.promote_types(x.dtype, torch.float32)
-    ranges = _layout_ranges(B, S, H, mod.pos)
+    index = _layout_index(B, S, H, mod.pos, x.device)
     env = Env(dtype=dtype, device=x.device, leaves={TENSOR_LEAF: x.to(dtype) if upcast else x},
-              index=_LayoutIndex(ranges, x.device), customs=customs, ranges=ranges)
+              index=index, customs=customs, ranges=index.ranges)
     (y,) = evaluate([mod.expr], env)
     y = y.to(x.dtype)
     # a result constant along some dims (e.g. a mod that ignores x) is broadcast; the kernels

@@ -67,10 +67,9 @@ def launch_backward(fk: ForwardKernels, bk: BackwardKernels, q: torch.Tensor, k:
     tb, dev = fwd.tables, q.device
     hs, _ = run_states(fk, k, v, tb, fwd.slot_data, initial_state, False)
     common = {"G": g, "Seqs": tb.seqs, "Chunks": tb.chunks}
-    weights, dw = {}, None
-    if bk.v_weight:
-        dw = torch.empty(s.batch, s.heads, s.seqlen, dtype=torch.float32, device=dev)
-        weights = {"W": w}
+    dw = (torch.empty(s.batch, s.heads, s.seqlen, dtype=torch.float32, device=dev)
+          if bk.v_weight else None)
+    weights = {"W": w} if bk.v_weight else {}  # both kernels read them; dV also v, writes dW
     dhs = torch.empty_like(hs)
     args = {"Q": q, "dO": do, **common, "dHs": dhs}
     if dht is not None:
@@ -81,8 +80,8 @@ def launch_backward(fk: ForwardKernels, bk: BackwardKernels, q: torch.Tensor, k:
                                         dtype=torch.float32, device=dev)
     bk.dstates(dht is not None, initial_grad)(**args)
     dv = torch.empty_like(v)
-    bk.dv(Q=q, K=k, dO=do, **common, dHs=dhs, dV=dv,
-          **({"V": v, **weights, "dW": dw} if bk.v_weight else {}))
+    bk.dv(Q=q, K=k, dO=do, **common, dHs=dhs, dV=dv, **weights,
+          **({"V": v, "dW": dw} if bk.v_weight else {}))
     dq, dk = _outputs(s, q, k)
     nk = s.head_dim // bk.config.block_K
     dgp = torch.empty(nk, s.batch, s.heads, s.seqlen, dtype=torch.float32, device=dev)
