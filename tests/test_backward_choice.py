@@ -33,7 +33,10 @@ def test_reasons_for_the_reference_rules(monkeypatch):
     mod.deterministic = True
     assert mod.backward_problem() is None  # the atomic-free kernels
     assert _mod("alibi").backward_problem(("alibi_slopes",)) is None  # slopes' grad in the kernel
-    assert "registers" in _mod(D=256, Dv=256).backward_problem()
+    # D = 256: the head-split schedule, without custom gradients (yet) and not at Dv = 512
+    assert _mod(D=256, Dv=256).backward_problem() is None
+    assert "head-split" in _mod("alibi", D=256, Dv=256).backward_problem(("alibi_slopes",))
+    assert "registers" in _mod(D=256, Dv=512).backward_problem()
 
 
 def test_engine_impl_declares_backward_modes_only_with_kernels(monkeypatch):

@@ -11,6 +11,7 @@ import torch
 
 from engine.kernels.attention_bwd.launch import transposed_tables
 from engine.kernels.attention_bwd.plan import (
+    PREFERENCE,
     backward_config_problems,
     default_backward_config,
 )
@@ -167,6 +168,15 @@ def test_backward_config_model():
     assert any("registers" in p for p in backward_config_problems(too_big, 128, 128))
     # 64 keys cannot be split over 8 warps along the keys only.
     assert backward_config_problems(KernelConfig(32, 64, 2, 256), 128, 128)
+    # D = 256: no key split fits ((D + Dv) / 2 registers a thread for dK and dV); the
+    # head split does (128 for dK and dV; 192 in all), and shared memory bounds its stages.
+    head_split = KernelConfig(64, 64, 2, 256, "FullCol")
+    assert default_backward_config(256, 256) == head_split
+    assert not backward_config_problems(head_split, 256, 256)
+    assert any("shared memory" in p for p in backward_config_problems(
+        KernelConfig(64, 64, 3, 256, "FullCol"), 256, 256))
+    assert any("registers" in p for p in backward_config_problems(head_split, 256, 512))
+    assert all(backward_config_problems(c, 256, 256) for c in PREFERENCE[:-1])
 
 
 LEARNABLE = {"alibi": "alibi_slopes", "sigmoid": "bias", "retnet": "log_decay"}

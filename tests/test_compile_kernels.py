@@ -131,6 +131,23 @@ def _spill_store_bytes(cuda: str, tmp_path) -> int:
     return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", r.stdout + r.stderr))
 
 
+@pytest.mark.parametrize("name, heads_kv", [("softmax_causal", 2), ("gemma2", 8)])
+def test_d256_backward_is_head_split_and_does_not_spill(name, heads_kv, tmp_path, monkeypatch):
+    """D = 256's backward: the head-split schedule (dK/dV split by head dim over two consumer
+    warpgroups, P^T and dS^T through shared memory, dQ in two column chunks), compiled for
+    sm_90a without spills (ptxas: 168 registers for plain softmax)."""
+    from engine.runtime.compile import compile_source
+
+    monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
+    mod = _module(name, D=256, Dv=256, heads_kv=heads_kv)
+    assert mod.backward_problem() is None
+    bk = mod.backward_kernels()
+    assert bk.plan.head_split and not bk.plan.warp_specialized
+    src = bk.main.source
+    assert "pT_shared" in src and "GemmWarpPolicy.FullCol" in src and "K_shared[:, c * 128" in src
+    assert _spill_store_bytes(compile_source(src).get_kernel_source(), tmp_path) == 0
+
+
 def test_masked_tile_choice_follows_ptxas(tmp_path, monkeypatch):
     """The register model's calibration point: sliding window's partial blocks spill at 192 x
     128 on 384 threads (the tile it skips) and not at the tile it picks; at the variants suite's

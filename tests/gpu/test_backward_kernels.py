@@ -22,12 +22,13 @@ from .cases import BF16, FP16, case_id, cross_product, selected_params
 
 pytestmark = pytest.mark.gpu
 
-# D = 256 has no backward kernel config (its dK and dV accumulators do not fit in registers):
-# the module runs the reference rules there (tests/test_backward_choice.py).
 HEAD_DIMS = [(64, 64), (128, 128), (192, 128), (128, 256)]
 # The grid of every variant x dtype x head dims x GQA ratio (tests/gpu/cases.py), then special
-# shapes as (variant, dtype, B, Hq, Hkv, Sq, Skv, D, Dv).
+# shapes as (variant, dtype, B, Hq, Hkv, Sq, Skv, D, Dv). D = 256 runs the head-split schedule
+# (engine/kernels/attention_bwd/plan.py: head_split), which does not produce custom gradients
+# yet: the variants with learnable inputs keep the reference rules there.
 CASES = cross_product(HEAD_DIMS)
+CASES += [c for c in cross_product([(256, 256)]) if not VARIANTS[c[0]].learnable]
 CASES += [
     ("softmax", BF16, 1, 4, 4, 777, 777, 128, 128),  # MHA, lengths not multiples of blocks
     ("softmax_causal", FP16, 2, 4, 2, 300, 1000, 128, 128),  # Sq < Skv
@@ -38,7 +39,8 @@ CASES += [
 
 # test_deterministic_backward: (variant, kv heads of 8 query heads): GQA 4 sums per-head dK/dV
 # afterwards; MHA stores them once in the input dtype.
-DETERMINISTIC = [("softmax_causal", 2), ("alibi", 2), ("sigmoid", 2), ("softmax_causal", 8)]
+DETERMINISTIC = [("softmax_causal", 2, 128), ("alibi", 2, 128), ("sigmoid", 2, 128),
+                 ("softmax_causal", 8, 128), ("softmax_causal", 2, 256), ("gemma2", 8, 256)]
 
 
 def _build(case, backward_config=None):
@@ -60,8 +62,8 @@ def _precompiled(request):
         learn = tuple(VARIANTS[case[0]].learnable)
         srcs += _build(case)[0].backward_kernels(custom_grads=learn).sources()
     chosen = selected_params(request, "name")
-    for name, hkv in (d for d in DETERMINISTIC if d[0] in chosen):
-        mod = _build((name, BF16, 2, 8, hkv, 1000, 1000, 128, 128))[0]
+    for name, hkv, d in (entry for entry in DETERMINISTIC if entry[0] in chosen):
+        mod = _build((name, BF16, 2, 8, hkv, 1000, 1000, d, d))[0]
         learn = tuple(VARIANTS[name].learnable)
         srcs += mod.backward_kernels(custom_grads=learn, deterministic=True).sources()
     errors = precompile(list(dict.fromkeys(srcs)))
@@ -118,6 +120,18 @@ WS_CONFIGS = [KernelConfig(64, 64, 1, 128, "FullRow", 8), KernelConfig(64, 128, 
 def test_warp_specialised_configs_match_reference(name, cfg):
     assert ws_schedule_fits(cfg, 128, 128) and not backward_config_problems(cfg, 128, 128)
     _check_against_reference((name, BF16, 2, 8, 2, 777, 777, 128, 128), cfg)
+
+
+# The head-split schedule (D = 256's default) at D = 128, where the tuner may pick it too.
+HEAD_SPLIT_CONFIGS = [KernelConfig(64, 64, 2, 256, "FullCol"), KernelConfig(64, 64, 1, 256, "FullCol")]
+
+
+@pytest.mark.parametrize("cfg", HEAD_SPLIT_CONFIGS, ids=lambda c: c.key())
+@pytest.mark.parametrize("name", ["softmax_causal", "softcap", "document"])
+def test_head_split_configs_match_reference(name, cfg):
+    assert not backward_config_problems(cfg, 128, 128)
+    _check_against_reference((name, BF16, 2, 8, 2, 777, 777, 128, 128), cfg,
+                             check=lambda bk: bk.plan.head_split)
 
 
 # One thread block per kv head walking its GQA group's query heads: the default from 264
@@ -208,13 +222,13 @@ def test_engine_autograd_runs_the_kernels(name, monkeypatch):
         assert rel_err(b, a) < 1e-2, f"{what}: retain_graph run differs"
 
 
-@pytest.mark.parametrize("name, heads_kv", DETERMINISTIC)
-def test_deterministic_backward(name, heads_kv):
+@pytest.mark.parametrize("name, heads_kv, d", DETERMINISTIC)
+def test_deterministic_backward(name, heads_kv, d):
     """deterministic=True: the atomic-free kernels (per-head dK/dV, per-row custom gradients,
     a separate dQ kernel) match the reference and give bitwise identical gradients twice."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    x = _inputs((name, BF16, 2, 8, heads_kv, 1000, 1000, 128, 128), seed=21)
+    x = _inputs((name, BF16, 2, 8, heads_kv, 1000, 1000, d, d), seed=21)
     x["mod"].deterministic = True
     first, again, want = _kernel(x), _kernel(x), _reference(x)
     for what, a, b, w in zip(["dq", "dk", "dv", *x["learn"]], first, again, want, strict=True):

@@ -24,11 +24,14 @@ from engine.plan.shape import KernelShape
 # fragment), block_M = queries per inner step. The kernel holds dK and dV [block_N x D]
 # accumulators for the whole loop, so block_M stays small: at D = 128 and 256 threads,
 # 64 x 128 fits the 240 registers of a consumer (ptxas: no spills), 128 x 128 spills.
+# Last, the head-split schedule (gemm_policy FullCol: head_split_problems) for the head dims
+# whose dK/dV do not fit a key split (D = Dv = 256: (D + Dv) / 2 registers a thread).
 PREFERENCE: tuple[KernelConfig, ...] = (
     KernelConfig(block_M=64, block_N=128, num_stages=2, threads=256),
     KernelConfig(block_M=32, block_N=128, num_stages=2, threads=256),
     KernelConfig(block_M=32, block_N=64, num_stages=2, threads=128),
     KernelConfig(block_M=16, block_N=64, num_stages=1, threads=128),
+    KernelConfig(block_M=64, block_N=64, num_stages=2, threads=256, gemm_policy="FullCol"),
 )
 
 
@@ -131,6 +134,8 @@ def backward_config_problems(
         out.append(f"num_stages={cfg.num_stages}: expected 1..4")
     if head_dim % 16 or head_dim_v % 16:
         out.append(f"head dims {head_dim}/{head_dim_v}: expected multiples of 16")
+    if head_split(cfg):
+        return out + head_split_problems(cfg, head_dim, head_dim_v, elem_bytes, n_rows)
     warps = cfg.threads // 32
     # P^T and dS^T stay in registers as the A operand of the dV / dK gemms: every warp must own
     # whole rows (keys) of S^T, dV and dK, i.e. the warps split block_N only.
@@ -157,6 +162,54 @@ def backward_config_problems(
             f"accumulators need about {res['regs_per_thread']} registers per thread > {cap} "
             f"(dK/dV [{cfg.block_N}x{head_dim}/{head_dim_v}], tiles [{cfg.block_N}x{cfg.block_M}])"
         )
+    return out
+
+
+def head_split(cfg: KernelConfig) -> bool:
+    """Whether `cfg` runs the head-split schedule: the warps split the gemms' columns
+    (FullCol), so dK and dV [block_N x D] are spread over every thread by head dim; P^T and
+    dS^T, whose rows a warp then does not own whole, reach the dV and dK gemms through shared
+    memory; dQ is computed and added (fp32 atomics) in column chunks of at most 128."""
+    return cfg.gemm_policy == "FullCol"
+
+
+def dq_chunks(head_dim: int) -> int:
+    """Column chunks of the head-split schedule's dQ (each at most 128 wide)."""
+    return -(-head_dim // 128)
+
+
+def head_split_problems(cfg: KernelConfig, head_dim: int, head_dim_v: int, elem_bytes: int = 2,
+                        n_rows: int = 2) -> list[str]:
+    """Every reason `cfg` is invalid for the head-split schedule (head_split). Registers per
+    thread: dK and dV, plus the larger of the elementwise phase (S^T, dP^T and P^T in fp32,
+    P^T and dS^T in 16 bits) and a dQ chunk. The probe of this design at D = 256 (64 x 64,
+    256 threads, results/NOTES.md 70) compiled to 168 registers, no spills; this model says
+    192. Shared memory: K, V, the Q/dO stages, P^T and dS^T, the per-query vectors."""
+    out: list[str] = []
+    warps = cfg.threads // 32
+    chunk = head_dim // dq_chunks(head_dim)
+    if head_dim % dq_chunks(head_dim):
+        out.append(f"head_dim={head_dim}: dQ's {dq_chunks(head_dim)} column chunks must be equal")
+    for what, m, n in (("S^T = K Q^T", cfg.block_N, cfg.block_M),
+                       ("dV += P^T dO", cfg.block_N, head_dim_v),
+                       ("dK += dS^T Q", cfg.block_N, head_dim),
+                       ("dQ = dS K", cfg.block_M, chunk)):
+        if warp_partition(m, n, warps, "FullCol", True) is None:
+            out.append(f"{what} [{m}x{n}]: no FullCol warp partition for {warps} warps")
+    per = lambda n: -(-n // cfg.threads)  # noqa: E731 - ceil division
+    tile = per(cfg.block_N * cfg.block_M)
+    regs = per(cfg.block_N * (head_dim + head_dim_v)) + max(4 * tile,
+                                                            per(cfg.block_M * chunk) + tile // 2)
+    cap = consumer_register_cap(cfg.threads)
+    if regs > cap:
+        out.append(f"accumulators need about {regs} registers per thread > {cap} (dK/dV "
+                   f"[{cfg.block_N}x{head_dim}/{head_dim_v}], dQ chunk [{cfg.block_M}x{chunk}])")
+    smem = (elem_bytes * (cfg.block_N * (head_dim + head_dim_v)
+                          + cfg.num_stages * cfg.block_M * (head_dim + head_dim_v)
+                          + 2 * cfg.block_N * cfg.block_M)
+            + 4 * cfg.block_M * n_rows)
+    if smem > SMEM_LIMIT_BYTES:
+        out.append(f"shared memory {smem // 1024} KiB > {SMEM_LIMIT_BYTES // 1024} KiB")
     return out
 
 
@@ -248,6 +301,9 @@ class BackwardPlan:
     # The step: P while dP^T is in flight and dS while dV is (split), or P and dS in one loop
     # after both gemms (fused).
     split: bool
+    # dK/dV split by head dim over the warps, P^T and dS^T through shared memory, dQ in
+    # column chunks added by atomics (head_split; the automatic pipeline, fused step).
+    head_split: bool
     # One thread block per kv head walks the query heads of its GQA group.
     heads_loop: bool
     # Groups per panel of the launch order (1: the plain grid).
@@ -346,10 +402,18 @@ def plan_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
     head, custom gradients per (b, h, key) row, dQ from the dQ kernel; every output element
     has one writer, so runs are bitwise identical."""
     ex = BackwardExprs(spec, custom_grads, deterministic)
+    split_heads = head_split(cfg)
+    if split_heads and (ex.dc_reads or ex.dc_gathers):
+        # their per-key sums reduce a row of S^T that the warps split by columns
+        raise NotImplementedError("custom gradients with the head-split backward (gemm_policy "
+                                  "FullCol, the D = 256 schedule): not built")
     if warp_specialized is None:
-        warp_specialized = warp_specialized_default(spec, shape, cfg, deterministic)
-    elif warp_specialized and deterministic:
-        raise ValueError("warp_specialized: the deterministic backward has no dQ to hand over")
+        warp_specialized = (not split_heads
+                            and warp_specialized_default(spec, shape, cfg, deterministic))
+    elif warp_specialized and (deterministic or split_heads):
+        raise ValueError("warp_specialized: the deterministic backward has no dQ to hand over"
+                         if deterministic else "warp_specialized: not with the head-split "
+                         "schedule (gemm_policy FullCol)")
     if heads_loop is None:
         heads_loop = heads_loop_default(shape, cfg, warp_specialized, custom_grads)
     elif heads_loop and not heads_loop_possible(shape, warp_specialized):
@@ -362,15 +426,15 @@ def plan_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
     # 30% slower; a document id per query: 184 bytes, and fused ran 4% faster on the H100).
     n_vectors = (len(spec.final_names) + int(spec.uses_doosum)
                  + sum(h.axis == "q" for h in hoisted))
-    split = split_schedule_fits(cfg, shape.head_dim, shape.head_dim_v, n_vectors,
-                                ex.ds_reads_score)
+    split = not split_heads and split_schedule_fits(cfg, shape.head_dim, shape.head_dim_v,
+                                                    n_vectors, ex.ds_reads_score)
     once = shape.heads_q == shape.heads_kv or heads_loop
     return BackwardPlan(
         config=cfg, deterministic=deterministic, warp_specialized=warp_specialized,
-        split=split, heads_loop=heads_loop, panel=panel,
+        split=split, head_split=split_heads, heads_loop=heads_loop, panel=panel,
         kv_store="once" if once else "per_query_head" if deterministic else "atomic",
         dq_layout="none" if deterministic else "fragment" if warp_specialized else "rows",
-        dq_async=not deterministic and cfg.block_M % 64 == 0,
+        dq_async=not deterministic and not split_heads and cfg.block_M % 64 == 0,
         custom_grads=tuple(custom_grads),
         custom_reads=tuple((name, index) for name, index, _ in ex.dc_reads),
         hoisted=hoisted, preprocess=spec.uses_doosum,

@@ -29,6 +29,7 @@ from engine.kernels.attention_bwd.plan import (
     WS_CONSUMER_REGS,
     WS_PRODUCER_THREADS,
     BackwardPlan,
+    dq_chunks,
 )
 from engine.plan.shape import KernelShape
 
@@ -121,7 +122,10 @@ def _emit_buffers(w: SourceWriter, f: Frame) -> None:
     else:
         w.line(f'Q_shared = T.alloc_shared(({bM}, {d.D}), "{dt}")')
         w.line(f'dO_shared = T.alloc_shared(({bM}, {d.Dv}), "{dt}")')
-        if plan.dq_layout != "none":
+        if plan.head_split:  # P^T and dS^T as the dV and dK gemms' shared A operands
+            w.line(f'pT_shared = T.alloc_shared(({bN}, {bM}), "{dt}")')
+            w.line(f'dsT_shared = T.alloc_shared(({bN}, {bM}), "{dt}")')
+        elif plan.dq_layout != "none":
             w.line(f'dsT_shared = T.alloc_shared(({bN}, {bM}), "{dt}")')
             w.line(f'dq_shared = T.alloc_shared(({bM}, {d.D}), "float32")')
     w.lines(f.finals.allocs() + f.delta.allocs() + f.finals.ring_allocs() + f.delta.ring_allocs()
@@ -134,7 +138,8 @@ def _emit_buffers(w: SourceWriter, f: Frame) -> None:
     w.line(f'dv = T.alloc_fragment(({bN}, {d.Dv}), "float32")')
     w.line(f'dk = T.alloc_fragment(({bN}, {d.D}), "float32")')
     if plan.dq_layout != "none":
-        w.line(f'dq = T.alloc_fragment(({bM}, {d.D}), "float32")')
+        dq_cols = d.D // dq_chunks(d.D) if plan.head_split else d.D
+        w.line(f'dq = T.alloc_fragment(({bM}, {dq_cols}), "float32")')
     if f.ex.dc_reads:
         w.line(f'cg_tile = T.alloc_fragment(({bN}, {bM}), "float32")')
         w.line(f'cg_row = T.alloc_fragment(({bN},), "float32")')

@@ -20,7 +20,7 @@ from engine.kernels.attention_bwd.codegen.tiles import (
     emit_p_ds_loop,
     emit_p_loop,
 )
-from engine.kernels.attention_bwd.plan import DQ_ROW, WS_CONSUMER_BARRIER
+from engine.kernels.attention_bwd.plan import DQ_ROW, WS_CONSUMER_BARRIER, dq_chunks
 
 
 def emit_step(w: SourceWriter, f: Frame) -> None:
@@ -30,6 +30,9 @@ def emit_step(w: SourceWriter, f: Frame) -> None:
     else:
         _emit_fused_tiles(w, f)
     _emit_custom_grad_sums(w, f)
+    if f.plan.head_split:
+        _emit_head_split_end(w, f)
+        return
     if f.plan.dq_layout != "none":
         _emit_dq_product(w, f)
     if f.plan.warp_specialized:
@@ -91,7 +94,8 @@ def _emit_fused_tiles(w: SourceWriter, f: Frame) -> None:
     w.line(f"T.warpgroup_fence_operand(dpT, num_regs={f.tile_regs})")
     emit_by_class(w, "qcls", lambda m: emit_p_ds_loop(w, f.ex, f.bind, tile, m, "pT", "dsT_cast",
                                                       p_cast="pT_cast"), f.mask)
-    w.line(f"T.gemm(pT_cast, {f.do_sh}, dv, policy={f.policy})")
+    if not f.plan.head_split:  # (there, from shared memory: _emit_head_split_end)
+        w.line(f"T.gemm(pT_cast, {f.do_sh}, dv, policy={f.policy})")
 
 
 def _emit_custom_grad_sums(w: SourceWriter, f: Frame) -> None:
@@ -128,6 +132,28 @@ def _emit_dq_product(w: SourceWriter, f: Frame) -> None:
         w.line(f"T.sync_threads({WS_CONSUMER_BARRIER}, {f.plan.config.threads})")
     gemm = "T.wgmma_gemm" if f.plan.dq_async else "T.gemm"
     w.line(f"{gemm}({f.ds_sh}, K_shared, dq, transpose_A=True, clear_accum=True)")
+
+
+def _emit_head_split_end(w: SourceWriter, f: Frame) -> None:
+    """The head-split schedule's step end (plan.head_split): P^T and dS^T to shared memory
+    (the warps split their columns, so none holds whole rows for a register A operand), dV
+    and dK from there, then dQ = dS K in column chunks (a chunk's registers, not all of dQ's,
+    beside dK and dV), each added to dQ by fp32 atomics, the rows past Sq left out."""
+    d = f.d
+    w.line("T.copy(pT_cast, pT_shared)")
+    w.line(f"T.copy(dsT_cast, {f.ds_sh})")
+    w.line(f"T.gemm(pT_shared, {f.do_sh}, dv, policy={f.policy})")
+    w.line(f"T.gemm({f.ds_sh}, {f.q_sh}, dk, policy={f.policy})")
+    if f.plan.dq_layout == "none":
+        return
+    n = dq_chunks(d.D)
+    cols = d.D // n
+    with w.block(f"for c in T.serial({n}):"):
+        w.line(f"T.gemm({f.ds_sh}, K_shared[:, c * {cols}:(c + 1) * {cols}], dq, "
+               f"transpose_A=True, policy={f.policy}, clear_accum=True)")
+        with w.block(f"for i, j in T.Parallel({d.bM}, {cols}):"), \
+                w.block(f"if qb * {d.bM} + i < {d.Sq}:"):
+            w.line(f"T.atomic_add(dQ[bz, {f.head}, qb * {d.bM} + i, c * {cols} + j], dq[i, j])")
 
 
 def _emit_ws_step_end(w: SourceWriter, f: Frame) -> None:
