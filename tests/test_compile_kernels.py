@@ -131,17 +131,18 @@ def _spill_store_bytes(cuda: str, tmp_path) -> int:
     return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", r.stdout + r.stderr))
 
 
-@pytest.mark.parametrize("name, heads_kv", [("softmax_causal", 2), ("gemma2", 8)])
+@pytest.mark.parametrize("name, heads_kv", [("softmax_causal", 2), ("gemma2", 8), ("alibi", 2)])
 def test_d256_backward_is_head_split_and_does_not_spill(name, heads_kv, tmp_path, monkeypatch):
     """D = 256's backward: the head-split schedule (dK/dV split by head dim over two consumer
     warpgroups, P^T and dS^T through shared memory, dQ in two column chunks), compiled for
-    sm_90a without spills (ptxas: 168 registers for plain softmax)."""
+    sm_90a without spills (ptxas: 168 registers for plain softmax), ALiBi's slope gradient
+    included (its per-key sums add the two warpgroups' halves through shared memory)."""
     from engine.runtime.compile import compile_source
 
     monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
     mod = _module(name, D=256, Dv=256, heads_kv=heads_kv)
     assert mod.backward_problem() is None
-    bk = mod.backward_kernels()
+    bk = mod.backward_kernels(custom_grads=tuple(VARIANTS[name].learnable))
     assert bk.plan.head_split and not bk.plan.warp_specialized
     src = bk.main.source
     assert "pT_shared" in src and "GemmWarpPolicy.FullCol" in src and "K_shared[:, c * 128" in src

@@ -25,10 +25,8 @@ pytestmark = pytest.mark.gpu
 HEAD_DIMS = [(64, 64), (128, 128), (192, 128), (128, 256)]
 # The grid of every variant x dtype x head dims x GQA ratio (tests/gpu/cases.py), then special
 # shapes as (variant, dtype, B, Hq, Hkv, Sq, Skv, D, Dv). D = 256 runs the head-split schedule
-# (engine/kernels/attention_bwd/plan.py: head_split), which does not produce custom gradients
-# yet: the variants with learnable inputs keep the reference rules there.
-CASES = cross_product(HEAD_DIMS)
-CASES += [c for c in cross_product([(256, 256)]) if not VARIANTS[c[0]].learnable]
+# (engine/kernels/attention_bwd/plan.py: head_split).
+CASES = cross_product([*HEAD_DIMS, (256, 256)])
 CASES += [
     ("softmax", BF16, 1, 4, 4, 777, 777, 128, 128),  # MHA, lengths not multiples of blocks
     ("softmax_causal", FP16, 2, 4, 2, 300, 1000, 128, 128),  # Sq < Skv
@@ -40,7 +38,8 @@ CASES += [
 # test_deterministic_backward: (variant, kv heads of 8 query heads): GQA 4 sums per-head dK/dV
 # afterwards; MHA stores them once in the input dtype.
 DETERMINISTIC = [("softmax_causal", 2, 128), ("alibi", 2, 128), ("sigmoid", 2, 128),
-                 ("softmax_causal", 8, 128), ("softmax_causal", 2, 256), ("gemma2", 8, 256)]
+                 ("softmax_causal", 8, 128), ("softmax_causal", 2, 256), ("gemma2", 8, 256),
+                 ("alibi", 2, 256)]
 
 
 def _build(case, backward_config=None):

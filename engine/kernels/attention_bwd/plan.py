@@ -403,10 +403,6 @@ def plan_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
     has one writer, so runs are bitwise identical."""
     ex = BackwardExprs(spec, custom_grads, deterministic)
     split_heads = head_split(cfg)
-    if split_heads and (ex.dc_reads or ex.dc_gathers):
-        # their per-key sums reduce a row of S^T that the warps split by columns
-        raise NotImplementedError("custom gradients with the head-split backward (gemm_policy "
-                                  "FullCol, the D = 256 schedule): not built")
     if warp_specialized is None:
         warp_specialized = (not split_heads
                             and warp_specialized_default(spec, shape, cfg, deterministic))
