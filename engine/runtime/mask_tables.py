@@ -5,6 +5,7 @@ tensor identity and version for masks that read tensors (an in-place change of t
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -16,6 +17,25 @@ from engine.plan.shape import KernelShape
 
 # Bounded: a stream of fresh id tensors must not grow memory.
 MAX_DATA_ENTRIES = 8
+
+# The tables outlive the call that builds them. torch.compile(mode="reduce-overhead") runs its
+# warm-up with the calling thread's CUDA allocations routed into its graph pool, and then refuses
+# a pool tensor that is not one of the graph's outputs ("tensor(s) in the cudagraph pool not
+# tracked as outputs"). Built on a thread of their own, they come from the ordinary allocator.
+_BUILDER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-mask-tables")
+
+
+def _outside_graph_pools(build: Callable[[], tuple[torch.Tensor, ...]], device: torch.device
+                         ) -> tuple[torch.Tensor, ...]:
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return build()  # a capture's own allocations belong to its graph
+    stream = torch.cuda.current_stream(device)  # ordered after the caller's work, as inline
+
+    def on_stream():
+        with torch.cuda.stream(stream):
+            return build()
+
+    return _BUILDER.submit(on_stream).result()
 
 
 @dataclass
@@ -44,15 +64,20 @@ class MaskTables:
                                   for n, t in sorted(customs.items()))
         if key in self._cache:
             return self._cache[key]
-        s = self.shape
-        bc = classify(self.mask, s.batch, s.heads_q, s.seqlen_q, s.seqlen_kv, self.block_M,
-                      self.block_N, customs if self.data_dependent else None)
-        out = tuple(t.expand(s.mask_batch, s.mask_heads, *t.shape[2:]).contiguous().to(device)
-                    for t in self.layout(bc))
+        out = _outside_graph_pools(lambda: self._build(customs, device), torch.device(device))
         if self.data_dependent and len(self._cache) >= MAX_DATA_ENTRIES:
             self._cache.clear()
         self._cache[key] = out
         return out
+
+    def _build(self, customs: dict[str, torch.Tensor], device: torch.device
+               ) -> tuple[torch.Tensor, ...]:
+        s = self.shape
+        bc = classify(self.mask, s.batch, s.heads_q, s.seqlen_q, s.seqlen_kv, self.block_M,
+                      self.block_N, customs if self.data_dependent else None)
+        # a blocking copy: the tables are on the device before the caller's kernels read them
+        return tuple(t.expand(s.mask_batch, s.mask_heads, *t.shape[2:]).contiguous().to(device)
+                     for t in self.layout(bc))
 
     def named(self, customs: dict[str, torch.Tensor], device: torch.device
               ) -> dict[str, torch.Tensor]:
