@@ -30,7 +30,9 @@ the chunked algorithm's FLOPs (`metrics.linear_flops`). Their common layout is t
 Accuracy: rel_err is the max over the output (and dq, dk, dv for bwd modes) of
 ||x - ref|| / ||ref||; a NaN/inf anywhere, or rel_err above `metrics.REL_TOL[dtype]`, fails
 the row. For plain softmax variants too large to materialise at once, the reference runs per
-(batch, group of query heads) slice, which is exact because those slices are independent.
+(batch, group of query heads) slice, which is exact because those slices are independent; for
+other variants that large, the engine's reference executor runs a block of query rows at a
+time.
 
 Peak memory: the CUDA allocator's peak during the implementation's preparation and
 measurement, above what was allocated before it started (so the shared case inputs and the
@@ -470,10 +472,11 @@ class _CaseContext:
             self._ref[with_grads] = linear_reference(c, self.variant, self.inputs, self.grad_out,
                                                      dt, with_grads)
             return self._ref[with_grads]
-        chunked = n > REF_CHUNK_ELEMS and c.variant in PLAIN_SOFTMAX and set(self.inputs) == {
-            "q", "k", "v"}
-        res = (_reference_chunked if chunked else _reference_whole)(
-            self.variant, self.inputs, self.grad_out, dt, with_grads, c)
+        how = _reference_whole
+        if n > REF_CHUNK_ELEMS:
+            plain = c.variant in PLAIN_SOFTMAX and set(self.inputs) == {"q", "k", "v"}
+            how = _reference_chunked if plain else _reference_by_rows
+        res = how(self.variant, self.inputs, self.grad_out, dt, with_grads, c)
         self._ref[with_grads] = res
         return res
 
@@ -535,6 +538,27 @@ def _reference_chunked(variant, inputs, grad_out, dt, with_grads, case):
                     dk[b:b + 1, :, j:j + 1] += res[2]
                     dv[b:b + 1, :, j:j + 1] += res[3]
     return (out, dq, dk, dv) if with_grads else (out,)
+
+
+def _reference_by_rows(variant, inputs, grad_out, dt, with_grads, case):
+    """Any other variant too large to materialise: the engine's reference executor (the
+    variant's spec in plain torch, checked against its torch reference by the engine's tests),
+    a block of query rows at a time: each row's normalisation is its own."""
+    from engine.reference import executor
+
+    mod = variant.build(batch=case.batch, heads_q=case.heads_q, heads_kv=case.heads_kv,
+                        seqlen_q=case.seqlen_q, seqlen_kv=case.seqlen_kv,
+                        head_dim=case.head_dim, head_dim_v=case.head_dim_v,
+                        dtype=TORCH_DTYPES[case.dtype], backend="reference")
+    q, k, v = (inputs[n].detach() for n in ("q", "k", "v"))
+    customs = {n: inputs[n].detach() for n in mod.custom_io.names()}
+    with torch.no_grad():
+        out, finals = executor.forward(mod.spec, q, k, v, customs, dtype=dt)
+        if not with_grads:
+            return (out,)
+        dq, dk, dv, _ = executor.backward(mod.spec, q, k, v, customs, out, finals, grad_out,
+                                          dtype=dt)
+    return out, dq, dk, dv
 
 
 def _accuracy(outs, refs) -> tuple[float, float]:
