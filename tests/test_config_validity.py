@@ -99,3 +99,17 @@ def test_masked_blocks_pick_tiles_with_register_headroom():
         assert default_forward_config(128, 128, spec=spec) == cfg, name
     # Without a spec (or where no config has headroom) the preference order alone decides.
     assert default_forward_config(128, 128) == big
+
+
+def test_short_rows_take_the_least_padded_tile():
+    """ViT's 197 rows: 192-row tiles compute 384, 128-row ones 256. A 64-row tile only where one
+    holds every row; long rows keep the preference order."""
+    from engine.kernels.attention_fwd.plan import default_forward_config
+
+    big, mid = KernelConfig(192, 128, 2, 384), KernelConfig(128, 128, 2, 256, "FullRow", 8)
+    assert default_forward_config(64, 64, seqlen_q=197) == mid
+    assert default_forward_config(128, 128, seqlen_q=512) == mid
+    assert default_forward_config(128, 128, seqlen_q=700) == big  # 768 rows either way
+    assert default_forward_config(128, 128, seqlen_q=4096) == big
+    assert default_forward_config(128, 128, seqlen_q=48).block_M == 64
+    assert default_forward_config(128, 128, seqlen_q=None) == big

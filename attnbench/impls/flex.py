@@ -10,7 +10,9 @@ run under `torch.compiler.set_stance("fail_on_recompile")` (any recompile or fal
 and a large problem (>= 1e11 FLOPs) measured below 20 TFLOP/s on a GPU is rejected.
 
 The block mask is built with `create_block_mask` (not timed) for the full B x Hq grid, so
-masks that depend on the batch (document ids) or head stay exact.
+masks that depend on the batch (document ids) or head stay exact; past 2^32 mask elements it is
+built compiled (`_compile=True`), as FlexAttention advises for long sequences: eagerly it
+materialises the whole mask (256 GiB at 32 x 32k x 32k).
 
 Decode cases (contiguous caches; FlexAttention's paged attention is experimental and not run):
 the same compiled `flex_attention`, which takes its decoding kernel for short queries, on the
@@ -79,6 +81,14 @@ def decode_functions(case: Case, variant, customs: dict, cache_seqlens) -> tuple
     return (score_mod if score_fn is not None else None), mask_mod
 
 
+LARGE_MASK_ELEMS = 2**32
+
+
+def _large(case: Case) -> bool:
+    """Whether the eager block-mask build would materialise too much (see the docstring)."""
+    return case.batch * case.heads_q * case.seqlen_q * case.seqlen_kv > LARGE_MASK_ELEMS
+
+
 class FlexImpl(Impl):
     name = "flex"
     description = "torch.compile(flex_attention) with its block mask, compiled per case"
@@ -105,7 +115,8 @@ class FlexImpl(Impl):
         block_mask = None
         if mask_mod is not None:
             block_mask = create_block_mask(mask_mod, case.batch, case.heads_q, case.seqlen_q,
-                                           case.seqlen_kv, device=inputs["q"].device)
+                                           case.seqlen_kv, device=inputs["q"].device,
+                                           _compile=_large(case))
         kw = variant.sdpa_kwargs(inputs) or {}
         scale = kw.get("scale")  # None: flex's default 1/sqrt(D)
 

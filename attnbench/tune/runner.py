@@ -131,8 +131,10 @@ def default_config(problem, space: SearchSpace, spec=None) -> KernelConfig | Non
         if kind.at_shape is not None:
             cfg = kind.at_shape(problem.shape(), problem.dtype)
         else:
+            # the forward's default also looks at the row count (short rows: least padding)
+            rows = {"seqlen_q": problem.seqlen_q} if problem.template == "attention_fwd" else {}
             cfg = kind.default(problem.head_dim, problem.head_dim_v, problem.elem_bytes,
-                               spec=spec, **problem.validity_args())
+                               spec=spec, **problem.validity_args(), **rows)
     except ValueError:
         return None
     if not space.contains(cfg):

@@ -30,7 +30,7 @@ def forward_config(req: KernelRequest) -> KernelConfig:
     if req.options.config is not None:
         return check_config(req.options.config, p.head_dim, p.head_dim_v)
     return tuned_config(req, ATTENTION_FWD) or ATTENTION_FWD.default(
-        p.head_dim, p.head_dim_v, spec=req.spec)
+        p.head_dim, p.head_dim_v, spec=req.spec, seqlen_q=p.seqlen_q)
 
 
 def backward_config(req: KernelRequest, config: KernelConfig | None = None) -> KernelConfig:
