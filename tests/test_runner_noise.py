@@ -202,23 +202,27 @@ def test_check_modes_plans_per_mode_and_dry_run_summary(variants, tmp_path):
     assert rows[("half", "bwd")]["reason"] == "no backward here"
 
 
-def test_engine_refuses_its_missing_backward_per_mode(variants):
-    """The engine's own prepare at D = 256: the refusal names the backward modes only."""
+def test_engine_refuses_its_missing_backward_per_mode(variants, monkeypatch):
+    """The engine's own prepare where the module has no backward kernel (every head dim has
+    one now, so the module says so here): the refusal names the backward modes only."""
     import torch
 
     from attnbench.impls import get_impl
+    from engine.api import AttentionEngine
     from tests.test_impls import case
 
     if "softmax" not in variants or not hasattr(variants["softmax"], "spec_parts"):
         pytest.skip("needs the engine's variants")
-    c = case(dtype="bfloat16", head_dim=256, head_dim_v=256, heads_q=2, heads_kv=2,
+    c = case(dtype="bfloat16", head_dim=128, head_dim_v=128, heads_q=2, heads_kv=2,
              modes=("fwd", "bwd"))
     v = variants["softmax"]
     inputs = v.make_inputs(batch=1, heads_q=2, heads_kv=2, seqlen_q=128, seqlen_kv=128,
-                           head_dim=256, head_dim_v=256, dtype=torch.bfloat16)
+                           head_dim=128, head_dim_v=128, dtype=torch.bfloat16)
     engine = get_impl("engine")
     if "bwd" not in engine.caps.modes:
         pytest.skip("kernel backward switched off (ATTNBENCH_KERNEL_BACKWARD=0)")
+    monkeypatch.setattr(AttentionEngine, "backward_problem",
+                        lambda self, custom_grads=(): "no valid backward kernel config")
     with pytest.raises(Unsupported, match="backward kernel config") as err:
         engine.prepare(c, v, inputs, needs_grad=True)
     assert err.value.modes == GRAD_MODES and not err.value.rules_out("fwd")

@@ -62,7 +62,8 @@ def frame(spec: TracedSpec, shape: KernelShape, plan: BackwardPlan) -> Frame:
     q_idx, kv_idx = f"(qb * {d.bM} + j)", f"(bx * {d.bN} + i)"
     st = cfg.num_stages
     ring = (f"k % {st}", st) if plan.warp_specialized else None
-    hoisted, by_kv, by_q = hoisted_vectors(plan.hoisted, shape, d.bN, f"qb * {d.bM}", head)
+    hoisted, by_kv, by_q = hoisted_vectors(plan.hoisted, shape, d.bN, f"qb * {d.bM}", head,
+                                           ring[0] if ring else None)
     finals, delta = row_vectors(spec, shape, f"qb * {d.bM}", head)
     bind, index_text = binder(shape, q_idx, kv_idx, {"rawscore": "sT", "dp": "dpT", "p": "pT"},
                               "j", hoisted, head)
@@ -78,6 +79,7 @@ def frame(spec: TracedSpec, shape: KernelShape, plan: BackwardPlan) -> Frame:
         dk_regs=d.bN * d.D // cfg.threads, q_idx=q_idx, kv_idx=kv_idx, bind=bind,
         index_text=index_text, mask=mask_text(spec, bind, q_idx, kv_idx, shape),
         finals=VectorGroup(tuple(finals), d.bM, ring), delta=VectorGroup(tuple(delta), d.bM, ring),
-        by_kv=VectorGroup(tuple(by_kv), d.bN), by_q=VectorGroup(tuple(by_q), d.bM, ring),
+        by_kv=VectorGroup(tuple(by_kv), d.bN),
+        by_q=VectorGroup(tuple(by_q), d.bM, ring, in_registers=ring is None),
         q_sh=q_sh, do_sh=do_sh, ds_sh=ds_sh,
     )
