@@ -63,7 +63,7 @@ def frame(spec: TracedSpec, shape: KernelShape, plan: BackwardPlan) -> Frame:
     st = cfg.num_stages
     ring = (f"k % {st}", st) if plan.warp_specialized else None
     hoisted, by_kv, by_q = hoisted_vectors(plan.hoisted, shape, d.bN, f"qb * {d.bM}", head,
-                                           ring[0] if ring else None)
+                                           ring[0] if plan.q_reads_in_ring else None)
     finals, delta = row_vectors(spec, shape, f"qb * {d.bM}", head)
     bind, index_text = binder(shape, q_idx, kv_idx, {"rawscore": "sT", "dp": "dpT", "p": "pT"},
                               "j", hoisted, head)
@@ -80,6 +80,6 @@ def frame(spec: TracedSpec, shape: KernelShape, plan: BackwardPlan) -> Frame:
         index_text=index_text, mask=mask_text(spec, bind, q_idx, kv_idx, shape),
         finals=VectorGroup(tuple(finals), d.bM, ring), delta=VectorGroup(tuple(delta), d.bM, ring),
         by_kv=VectorGroup(tuple(by_kv), d.bN),
-        by_q=VectorGroup(tuple(by_q), d.bM, ring, in_registers=ring is None),
+        by_q=VectorGroup(tuple(by_q), d.bM, ring, in_registers=not plan.q_reads_in_ring),
         q_sh=q_sh, do_sh=do_sh, ds_sh=ds_sh,
     )
