@@ -29,8 +29,10 @@ def forward_config(req: KernelRequest) -> KernelConfig:
     p = req.problem
     if req.options.config is not None:
         return check_config(req.options.config, p.head_dim, p.head_dim_v)
+    # dynamic shapes: one kernel for every length, so the length cannot pick the tile
+    rows = None if req.options.dynamic_shapes else p.seqlen_q
     return tuned_config(req, ATTENTION_FWD) or ATTENTION_FWD.default(
-        p.head_dim, p.head_dim_v, spec=req.spec, seqlen_q=p.seqlen_q)
+        p.head_dim, p.head_dim_v, spec=req.spec, seqlen_q=rows)
 
 
 def backward_config(req: KernelRequest, config: KernelConfig | None = None) -> KernelConfig:
