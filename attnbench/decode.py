@@ -173,7 +173,8 @@ def decode_customs(inputs: dict) -> dict[str, torch.Tensor]:
 
 
 def build_module(case: Case, variant, backend: str):
-    """The variant's AttentionEngine for a decode case: q of Sq tokens, K/V of the capacity."""
+    """The variant's AttentionEngine at an attention or decode case's sizes (decode: q of Sq
+    tokens, K/V of the capacity)."""
     return variant.build(
         batch=case.batch, heads_q=case.heads_q, heads_kv=case.heads_kv,
         seqlen_q=case.seqlen_q, seqlen_kv=case.seqlen_kv, head_dim=case.head_dim,

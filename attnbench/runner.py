@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 
 from attnbench import metrics, timing
-from attnbench.decode import case_traffic, decode_reference, make_decode_inputs
+from attnbench.decode import build_module, case_traffic, decode_reference, make_decode_inputs
 from attnbench.envinfo import environment
 from attnbench.gpustate import GpuMonitor, monitor_for
 from attnbench.impls import DeviceInfo, Impl, Prepared, Unsupported, registry
@@ -546,10 +546,7 @@ def _reference_by_rows(variant, inputs, grad_out, dt, with_grads, case):
     a block of query rows at a time: each row's normalisation is its own."""
     from engine.reference import executor
 
-    mod = variant.build(batch=case.batch, heads_q=case.heads_q, heads_kv=case.heads_kv,
-                        seqlen_q=case.seqlen_q, seqlen_kv=case.seqlen_kv,
-                        head_dim=case.head_dim, head_dim_v=case.head_dim_v,
-                        dtype=TORCH_DTYPES[case.dtype], backend="reference")
+    mod = build_module(case, variant, "reference")
     q, k, v = (inputs[n].detach() for n in ("q", "k", "v"))
     customs = {n: inputs[n].detach() for n in mod.custom_io.names()}
     with torch.no_grad():

@@ -122,7 +122,7 @@ def default_config(problem, space: SearchSpace, spec=None) -> KernelConfig | Non
     """The engine's default config for this problem (and `spec`, its TracedSpec, when known;
     at its shape where the kind's default depends on it) if the space can express it, else
     None."""
-    from engine.kernels.registry import ATTENTION_FWD, KINDS
+    from engine.kernels.registry import KINDS
 
     if problem.template not in KINDS:
         return None
@@ -131,8 +131,7 @@ def default_config(problem, space: SearchSpace, spec=None) -> KernelConfig | Non
         if kind.at_shape is not None:
             cfg = kind.at_shape(problem.shape(), problem.dtype)
         else:
-            # the forward's default also looks at the row count (short rows: least padding)
-            rows = {"seqlen_q": problem.seqlen_q} if kind is ATTENTION_FWD else {}
+            rows = {"seqlen_q": problem.seqlen_q} if kind.default_rows else {}
             cfg = kind.default(problem.head_dim, problem.head_dim_v, problem.elem_bytes,
                                spec=spec, **problem.validity_args(), **rows)
     except ValueError:

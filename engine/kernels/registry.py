@@ -66,6 +66,9 @@ class KernelKind:
     # Whether the engine runs a tune-file entry of the nearest tuned shape when the exact one
     # is missing (the linear kinds: exact shapes only, engine.runtime.linear_tuning).
     nearest: bool = True
+    # Whether `default` also takes the query rows (seqlen_q=...): the forward's short rows
+    # take the least padded tile.
+    default_rows: bool = False
 
     @property
     def search_space(self) -> Path:
@@ -76,7 +79,7 @@ ATTENTION_FWD = KernelKind(
     name="attention_fwd", family="attention", mode="fwd", config_type=KernelConfig, config_arg="config",
     problems=fwd_plan.config_problems, default=fwd_plan.default_forward_config,
     generate=generate_forward, build=fwd_launch.build_forward, launch=fwd_launch.launch_forward,
-    reference=executor.forward,
+    reference=executor.forward, default_rows=True,
 )
 ATTENTION_BWD = KernelKind(
     name="attention_bwd", family="attention", mode="bwd", config_type=KernelConfig,

@@ -5,7 +5,6 @@ tensor identity and version for masks that read tensors (an in-place change of t
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -14,28 +13,10 @@ import torch
 from engine.dsl.expr import Expr
 from engine.mask.analysis import BlockClasses, classify, reads_data
 from engine.plan.shape import KernelShape
+from engine.runtime.persistent import kept
 
 # Bounded: a stream of fresh id tensors must not grow memory.
 MAX_DATA_ENTRIES = 8
-
-# The tables outlive the call that builds them. torch.compile(mode="reduce-overhead") runs its
-# warm-up with the calling thread's CUDA allocations routed into its graph pool, and then refuses
-# a pool tensor that is not one of the graph's outputs ("tensor(s) in the cudagraph pool not
-# tracked as outputs"). Built on a thread of their own, they come from the ordinary allocator.
-_BUILDER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-mask-tables")
-
-
-def _outside_graph_pools(build: Callable[[], tuple[torch.Tensor, ...]], device: torch.device
-                         ) -> tuple[torch.Tensor, ...]:
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return build()  # a capture's own allocations belong to its graph
-    stream = torch.cuda.current_stream(device)  # ordered after the caller's work, as inline
-
-    def on_stream():
-        with torch.cuda.stream(stream):
-            return build()
-
-    return _BUILDER.submit(on_stream).result()
 
 
 @dataclass
@@ -64,7 +45,7 @@ class MaskTables:
                                   for n, t in sorted(customs.items()))
         if key in self._cache:
             return self._cache[key]
-        out = _outside_graph_pools(lambda: self._build(customs, device), torch.device(device))
+        out = kept(lambda: self._build(customs, device), device)
         if self.data_dependent and len(self._cache) >= MAX_DATA_ENTRIES:
             self._cache.clear()
         self._cache[key] = out

@@ -423,15 +423,15 @@ def plan_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
     hoisted = hoisted_reads(ex.tile_roots(spec))
     # Split spills where S^T stays live beside the per-query vectors (soft-capping: 588 bytes,
     # 30% slower; a document id per query: 184 bytes, and fused ran 4% faster on the H100).
-    n_vectors = (len(spec.final_names) + int(spec.uses_doosum)
-                 + sum(h.axis == "q" for h in hoisted))
+    n_q_reads = sum(h.axis == "q" for h in hoisted)
+    n_vectors = len(spec.final_names) + int(spec.uses_doosum) + n_q_reads
     split = not split_heads and split_schedule_fits(cfg, shape.head_dim, shape.head_dim_v,
                                                     n_vectors, ex.ds_reads_score)
     once = shape.heads_q == shape.heads_kv or heads_loop
     # In registers, two per-query vectors (a document id and a prefix end) made ptxas spill
     # 316 bytes and each block step take 6.9 us against causal's 2.5 (4.5 from the ring); one
     # (a document id) ran 7% faster in registers (4.18 against 4.49 ms, H100, S 16k).
-    q_in_ring = warp_specialized and sum(h.axis == "q" for h in hoisted) >= 2
+    q_in_ring = warp_specialized and n_q_reads >= 2
     return BackwardPlan(
         config=cfg, deterministic=deterministic, warp_specialized=warp_specialized,
         split=split, head_split=split_heads, heads_loop=heads_loop, panel=panel,

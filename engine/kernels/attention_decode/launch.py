@@ -22,6 +22,7 @@ from engine.kernels.attention_decode.plan import (
     plan_decode,
 )
 from engine.runtime.kernel import Kernel
+from engine.runtime.persistent import kept
 
 
 @dataclass
@@ -47,13 +48,16 @@ class DecodeKernels:
         if self.merge is None:
             return {}
         if device not in self.workspace:
-            s, n = self.shape, self.plan.splits
-            lead = (n, s.batch, s.heads_kv, s.rows)
-            ws = {"Wo": torch.empty(*lead, s.head_dim_v, dtype=torch.float32, device=device)}
-            ws.update({f"W_{name}": torch.empty(lead, dtype=torch.float32, device=device)
-                       for name in self.online_names})
-            self.workspace[device] = ws
+            self.workspace[device] = kept(lambda: self._allocate(device), device)
         return self.workspace[device]
+
+    def _allocate(self, device: torch.device) -> dict[str, torch.Tensor]:
+        s, n = self.shape, self.plan.splits
+        lead = (n, s.batch, s.heads_kv, s.rows)
+        ws = {"Wo": torch.empty(*lead, s.head_dim_v, dtype=torch.float32, device=device)}
+        ws.update({f"W_{name}": torch.empty(lead, dtype=torch.float32, device=device)
+                   for name in self.online_names})
+        return ws
 
 
 def build_decode(spec: TracedSpec, shape: DecodeShape, cfg: DecodeConfig,

@@ -17,6 +17,7 @@ from engine.kernels.linear_fwd.codegen import (
 from engine.kernels.linear_fwd.plan import NO_FOLDS, Folds, LinearConfig, LinearShape, check_config
 from engine.kernels.linear_fwd.tables import ChunkTables, chunk_tables
 from engine.runtime.kernel import Kernel
+from engine.runtime.persistent import kept
 
 
 @dataclass
@@ -66,7 +67,8 @@ class ForwardKernels:
         if cu_seqlens is not None:
             return chunk_tables(self.shape, self.config.chunk, cu_seqlens, device)
         if device not in self._tables:
-            self._tables[device] = chunk_tables(self.shape, self.config.chunk, None, device)
+            self._tables[device] = kept(
+                lambda: chunk_tables(self.shape, self.config.chunk, None, device), device)
         return self._tables[device]
 
 
