@@ -13,12 +13,24 @@ import dataclasses
 from dataclasses import dataclass
 
 GEMM_POLICIES = ("FullRow", "FullCol", "Square")
+# The forward's schedules: TileLang's automatic pipeline, or the explicit warp-specialised one
+# (engine/kernels/attention_fwd/ws.py) whose warpgroups run one key block's softmax while the
+# tensor cores run the next block's Q K^T and this block's P V ("overlap"), and with
+# "pingpong" also take turns issuing their gemms (FlashAttention-3's two overlaps).
+SCHEDULES = ("auto", "overlap", "pingpong")
 
 # H100 SXM: 227 KiB of shared memory per block (opt-in), 64 Ki 32-bit registers per SM,
 # 255 registers per thread at most.
 SMEM_LIMIT_BYTES = 227 * 1024
 MAX_REGS_PER_THREAD = 255
 REGS_PER_SM = 64 * 1024
+
+
+# Warp-specialised kernels written out explicitly (the backward's and the forward's
+# schedules): a producer warpgroup that keeps few registers beside the consumers.
+WS_PRODUCER_THREADS = 128
+WS_PRODUCER_REGS = 24
+WS_CONSUMER_REGS = 240
 
 
 def consumer_register_cap(threads: int) -> int:
@@ -82,7 +94,8 @@ class KernelConfig:
     block_M: query rows per thread block; block_N: keys per inner-loop step; num_stages:
     depth of the K/V shared-memory pipeline; threads: consumer threads per block (a producer
     warpgroup is added by TileLang's warp specialisation); gemm_policy: how warps split the
-    score tile; swizzle_panel: rasterisation panel width in blocks (0 disables rasterisation).
+    score tile; swizzle_panel: rasterisation panel width in blocks (0 disables rasterisation);
+    schedule: the forward's pipeline (SCHEDULES; the other kinds take "auto").
     """
 
     block_M: int = 128
@@ -91,6 +104,7 @@ class KernelConfig:
     threads: int = 256
     gemm_policy: str = "FullRow"
     swizzle_panel: int = 0
+    schedule: str = "auto"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -103,4 +117,5 @@ class KernelConfig:
         return (
             f"M{self.block_M}_N{self.block_N}_s{self.num_stages}_t{self.threads}"
             f"_{self.gemm_policy}_sw{self.swizzle_panel}"
+            + ("" if self.schedule == "auto" else f"_{self.schedule}")
         )

@@ -50,7 +50,8 @@ PROBLEMS = [("mha-1000", "bf16", False), ("gqa-1000", "bf16", True), ("gqa-4096"
             ("d64-cross", "bf16", False), ("d256", "bf16", False), ("dv64", "bf16", False),
             ("gqa-1000", "fp16", False)]
 
-# KernelConfig fields: block_M, block_N, num_stages, threads, gemm_policy, swizzle_panel.
+# KernelConfig fields: block_M, block_N, num_stages, threads, gemm_policy, swizzle_panel,
+# schedule.
 FWD_CONFIGS = [
     None,  # the engine's default
     (128, 128, 2, 256, "FullRow", 0),
@@ -59,6 +60,8 @@ FWD_CONFIGS = [
     (192, 128, 2, 384, "FullRow", 0),
     (128, 128, 3, 256, "Square", 8),
     (64, 32, 1, 128, "FullRow", 0),
+    (128, 128, 2, 256, "FullRow", 0, "pingpong"),
+    (128, 176, 3, 256, "FullRow", 0, "overlap"),
 ]
 BWD_CONFIGS = [
     None,

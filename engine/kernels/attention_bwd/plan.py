@@ -64,10 +64,8 @@ def backward_resources(
 
 
 # The warp-specialised schedule of the fast backward (codegen.py beside this): a producer
-# warpgroup (warp 0 loads Q and dO, warp 1 adds dQ to global memory) beside the consumers.
-WS_PRODUCER_THREADS = 128
-WS_PRODUCER_REGS = 24
-WS_CONSUMER_REGS = 240
+# warpgroup (warp 0 loads Q and dO, warp 1 adds dQ to global memory) beside the consumers
+# (their sizes: WS_* in engine.plan.config).
 WS_CONSUMER_BARRIER = 1  # named barrier id of the consumers' one meeting per step
 # Row length (fp32 values) of the schedule's flat dQ tile: its TMA box is DQ_ROW x
 # (block_M * head_dim / DQ_ROW), both within TMA's 256 per dimension.
@@ -122,6 +120,9 @@ def backward_config_problems(
 ) -> list[str]:
     """Every reason `cfg` is invalid for the main backward kernel (empty list: valid)."""
     out: list[str] = []
+    if cfg.schedule != "auto":
+        out.append(f"schedule={cfg.schedule!r}: the backward's schedules come from its plan "
+                   "(expected 'auto')")
     if cfg.threads not in (128, 256, 384):
         out.append(f"threads={cfg.threads}: expected 128, 256 or 384 (whole warpgroups)")
         return out

@@ -59,14 +59,18 @@ def _uses(expr: Expr, target: Expr, stop: Expr) -> bool:
 class OnlineBody:
     """The statements of one online step (`source`). `mask`: the partial blocks' condition
     (None: full blocks); `mask_once_dtype`: evaluate it once into acc_s_cast (of that dtype)
-    and read it back. `temps`: the row fragments the statements need (the caller allocates)."""
+    and read it back. `p_in_acc`: P stays in acc_s (float32) for the caller to cast, as the
+    overlapped schedule needs while the previous P is still an operand (not with the mask
+    evaluated once, which uses acc_s_cast). `temps`: the row fragments the statements need
+    (the caller allocates)."""
 
     def __init__(self, online: tuple[Expr, list[tuple[str, Expr]], Expr],
                  base_bind: Callable[[Expr], str | None], mask: str | None, bM: int, bN: int,
-                 mask_once_dtype: str | None = None):
+                 mask_once_dtype: str | None = None, p_in_acc: bool = False):
         self.p, self.updates, self.o_scale = online
         self.base_bind, self.mask, self.bM, self.bN = base_bind, mask, bM, bN
         self.mask_once_dtype = mask_once_dtype
+        self.p_in_acc = p_in_acc and not (mask is not None and mask_once_dtype is not None)
         self.w = SourceWriter()
         self.temps: set[str] = set()
         raw = leaf("rawscore", ("m", "n"))
@@ -167,11 +171,14 @@ class OnlineBody:
                     self.bound[n.key] = f"{name}[i]"
 
     def _emit_p(self) -> None:
-        """P into the half-precision tile for the PV gemm."""
+        """P into the half-precision tile for the PV gemm (or, p_in_acc, into acc_s)."""
         text = Emitter(self.bind).float_(self.p)
         if self.mask is not None:
             text = f"T.if_then_else({self.mask}, {text}, T.float32(0.0))"
-        self._tile(f"acc_s_cast[i, j] = {text}")
+        if not self.p_in_acc:
+            self._tile(f"acc_s_cast[i, j] = {text}")
+        elif text != ACC_S:
+            self._tile(f"{ACC_S} = {text}")
 
     def _emit_row_scales(self) -> None:
         """o_scale and the new row scales (old values are read above; commit last)."""

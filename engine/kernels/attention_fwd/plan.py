@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from engine.plan.config import (
     GEMM_POLICIES,
+    SCHEDULES,
     SMEM_LIMIT_BYTES,
     ConfigError,
     KernelConfig,
@@ -29,10 +30,13 @@ def estimate_resources(
     """Shared memory (bytes) and accumulator registers per consumer thread of the forward
     template. `extra_tiles` counts additional float32 [block_M, block_N] fragments a spec
     needs (e.g. a second live score tile)."""
+    # The warp-specialised schedule stages O in Q's tile where they have one shape (every
+    # Q K^T has finished by then).
+    o_in_q = cfg.schedule != "auto" and head_dim == head_dim_v
     smem = elem_bytes * (
         cfg.block_M * head_dim  # Q tile
         + cfg.num_stages * cfg.block_N * (head_dim + head_dim_v)  # K and V ring buffers
-        + cfg.block_M * head_dim_v  # O staging for the TMA store
+        + (0 if o_in_q else cfg.block_M * head_dim_v)  # O staging for the TMA store
     )
     per_thread = lambda n: -(-n // cfg.threads)  # noqa: E731 - ceil division
     regs = (
@@ -84,6 +88,7 @@ def config_problems(
                 break
     if head_dim % 16 or head_dim_v % 16:
         out.append(f"head dims {head_dim}/{head_dim_v}: expected multiples of 16")
+    out += _schedule_problems(cfg)
     res = estimate_resources(cfg, head_dim, head_dim_v, elem_bytes, extra_tiles)
     if res["smem_bytes"] > SMEM_LIMIT_BYTES:
         out.append(
@@ -100,6 +105,20 @@ def config_problems(
             f"output)"
         )
     return out
+
+
+def _schedule_problems(cfg: KernelConfig) -> list[str]:
+    """The warp-specialised schedules' shape: two consumer warpgroups of 64 query rows each
+    (the ping-pong pairs them; one warpgroup's rows keep its softmax to itself)."""
+    if cfg.schedule not in SCHEDULES:
+        return [f"schedule={cfg.schedule!r}: expected one of {SCHEDULES}"]
+    if cfg.schedule == "auto":
+        return []
+    if (cfg.block_M, cfg.threads, cfg.gemm_policy) != (128, 256, "FullRow"):
+        return [f"schedule={cfg.schedule!r}: expected block_M=128, threads=256 and FullRow "
+                f"(two consumer warpgroups of 64 rows), not block_M={cfg.block_M}, "
+                f"threads={cfg.threads}, {cfg.gemm_policy}"]
+    return []
 
 
 # The masked-block register model. In a partial block the consumer evaluates the mask and the
@@ -141,6 +160,10 @@ DYNAMIC_SHAPES = os.environ.get("ATTNBENCH_DYNAMIC_SHAPES", "0") == "1"
 # partial blocks do more than the register model allows beside the accumulators skips the
 # tiles that would spill (masked_body_fits).
 PREFERENCE: tuple[KernelConfig, ...] = (
+    # The warp-specialised overlap (FlashAttention-3's intra-warpgroup schedule): at D = 128
+    # on the H100, 668 against 651 TFLOP/s (4k), causal 571 against 515 (results/NOTES.md).
+    KernelConfig(128, 128, 2, 256, schedule="overlap"),
+    KernelConfig(128, 64, 2, 256, schedule="overlap"),
     KernelConfig(192, 128, 2, 384),  # 3 consumer warpgroups: 648-656 TFLOP/s at D=128 (H100)
     # Rasterised in panels of 8 blocks: on the H100 at D = 128, 4k, masked variants ran
     # 3-6% faster than unrasterised (sliding window and document within 2%).

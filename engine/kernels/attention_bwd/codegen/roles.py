@@ -7,15 +7,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from engine.codegen.rings import parity
 from engine.codegen.source import SourceWriter
 from engine.kernels.attention_bwd.codegen.vectors import VectorGroup
-from engine.kernels.attention_bwd.plan import DQ_ROW, WS_PRODUCER_REGS, WS_PRODUCER_THREADS
-from engine.plan.config import KernelConfig
-
-
-def parity(depth: int) -> str:
-    """mbarrier phase parity of step k in a ring `depth` deep (its round, mod 2)."""
-    return f"((k // {depth}) % 2)"
+from engine.kernels.attention_bwd.plan import DQ_ROW
+from engine.plan.config import WS_PRODUCER_REGS, WS_PRODUCER_THREADS, KernelConfig
 
 
 def ws_buffers(cfg: KernelConfig, D: int, Dv: int, dt: str) -> list[str]:

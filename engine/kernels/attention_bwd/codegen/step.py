@@ -10,10 +10,10 @@ masked entries give P = 0 and dS = 0."""
 from __future__ import annotations
 
 from engine.codegen.emit import Emitter, gather_parts, gather_text
+from engine.codegen.rings import parity
 from engine.codegen.source import SourceWriter
 from engine.kernels.attention_bwd.codegen.fragments import dq_fragment_index
 from engine.kernels.attention_bwd.codegen.frame import Frame
-from engine.kernels.attention_bwd.codegen.roles import parity
 from engine.kernels.attention_bwd.codegen.tiles import (
     emit_by_class,
     emit_ds_loop,

@@ -1,0 +1,176 @@
+"""The forward's warp-specialised schedules (KernelConfig.schedule "overlap" and "pingpong"),
+written out explicitly because TileLang 0.1.15's automatic pipeline waits for every wgmma at
+once (results/NOTES.md, 83).
+
+A producer warp loads Q once, then K and V into rings `num_stages` deep. Two consumer
+warpgroups (64 query rows each) walk the key blocks: block k's Q K^T is issued with block
+k-1's P V behind it; the softmax of block k runs as soon as its scores are in, while P V
+still runs on the tensor cores; then O is rescaled and P cast for the next step (P stays an
+fp32 tile until then, since the previous P is the running gemm's operand). With "pingpong"
+the two warpgroups also take turns issuing their gemms (named barriers 2 and 3), so that one's
+exponentials run beside the other's gemms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from engine.codegen.rings import parity, ring
+from engine.codegen.source import SourceWriter
+from engine.kernels.attention_fwd.online import OnlineBody, rescales
+from engine.plan.config import WS_PRODUCER_REGS, WS_PRODUCER_THREADS
+
+# Named barriers: 1 for the consumers' meeting before the O store, 2 and 3 for the turns.
+EPILOGUE_BARRIER = 1
+TURN_BARRIERS = (2, 3)
+
+
+def ws_buffers(bM: int, bN: int, D: int, Dv: int, stages: int, dt: str, consumers: int
+               ) -> list[str]:
+    """Q (also O's staging where Dv == D), the K and V rings and their mbarriers: full ones
+    count the producer warp's 32 arrivals, empty ones every consumer thread's."""
+    lines = [f'Q_shared = T.alloc_shared(({bM}, {D}), "{dt}")',
+             f'K_shared = T.alloc_shared(({stages}, {bN}, {D}), "{dt}")',
+             f'V_shared = T.alloc_shared(({stages}, {bN}, {Dv}), "{dt}")']
+    if Dv != D:
+        lines.append(f'O_shared = T.alloc_shared(({bM}, {Dv}), "{dt}")')
+    return lines + ["q_full = T.alloc_barrier([32])",
+                    f"k_full = {ring(32, stages)}", f"v_full = {ring(32, stages)}",
+                    f"k_empty = {ring(consumers, stages)}", f"v_empty = {ring(consumers, stages)}"]
+
+
+def o_stage(D: int, Dv: int) -> str:
+    return "Q_shared" if D == Dv else "O_shared"
+
+
+def emit_producer(w: SourceWriter, q_src: str, k_src: str, v_src: str, stages: int) -> None:
+    """Warp 0 of the producer warpgroup: Q, then per step the K and V stages, each once the
+    consumers have freed it. `k_src`/`v_src` are slices at key block `kb`."""
+    with w.block(f"if tx < {WS_PRODUCER_THREADS}:"):
+        w.line(f"T.set_max_nreg({WS_PRODUCER_REGS}, 0)")
+        with w.block("if tx < 32:"):
+            w.line(f"T.tma_copy({q_src}, Q_shared, barrier=q_full[0])")
+            w.line("T.mbarrier_arrive(q_full[0])")
+            with w.block("for k in T.serial(n):"):
+                w.line("kb: T.int32 = lo + k")
+                for name, src in (("k", k_src), ("v", v_src)):
+                    w.line(f"T.mbarrier_wait_parity({name}_empty[k % {stages}], "
+                           f"{parity(stages)} ^ 1)")
+                    w.line(f"T.tma_copy({src}, {name.upper()}_shared[k % {stages}, :, :], "
+                           f"barrier={name}_full[k % {stages}])")
+                    w.line(f"T.mbarrier_arrive({name}_full[k % {stages}])")
+
+
+class ConsumerLoop:
+    """The consumers' walk over the key blocks [lo, lo + n). `cls_text`: the block class of
+    key block kb (None: every block takes the full body); `tile_regs`/`o_regs`: the score
+    tile's and O's registers per thread (for the operand fences)."""
+
+    def __init__(self, w: SourceWriter, full: OnlineBody, partial: OnlineBody | None,
+                 cls_text: str | None, stages: int, pingpong: bool, tile_regs: int,
+                 o_regs: int, consumers: int, head_dim_v: int, bM: int):
+        self.w, self.full, self.partial, self.cls_text = w, full, partial, cls_text
+        self.st, self.pingpong, self.consumers = stages, pingpong, consumers
+        self.tile_regs, self.o_regs, self.Dv, self.bM = tile_regs, o_regs, head_dim_v, bM
+
+    def emit(self, qk: Callable[[str], str], pv: Callable[[str], str]) -> None:
+        """`qk(stage)`/`pv(stage)`: the gemm statements reading that ring stage."""
+        w, st = self.w, self.st
+        if self.pingpong:  # the first warpgroup takes the first turn
+            with w.block(f"if tx < {WS_PRODUCER_THREADS + 128}:"):
+                w.line(f"T.named_barrier_arrive({TURN_BARRIERS[0]}, {self.consumers})")
+        w.line("T.mbarrier_wait_parity(q_full[0], 0)")
+        with w.block("if n > 0:"):
+            w.line("kb: T.int32 = lo")
+            self._class()
+            w.line("T.mbarrier_wait_parity(k_full[0], 0)")
+            with self._turn():
+                w.line(qk("0"))
+            self._wait_scores(0, "0")
+            self._bodies(first=True)
+            with w.block("for kk in T.serial(n - 1):"):
+                w.lines(["k: T.int32 = kk + 1", "kb: T.int32 = lo + k"])
+                self._class()
+                w.line(f"T.mbarrier_wait_parity(k_full[k % {st}], {parity(st)})")
+                w.line(f"T.mbarrier_wait_parity(v_full[kk % {st}], {parity(st, 'kk')})")
+                with self._turn():
+                    w.line(qk(f"k % {st}"))
+                    w.line(pv(f"kk % {st}"))
+                self._wait_scores(1, f"k % {st}")
+                self._bodies(first=False)
+            w.line(f"T.mbarrier_wait_parity(v_full[(n - 1) % {st}], {parity(st, '(n - 1)')})")
+            with self._turn():
+                w.line(pv(f"(n - 1) % {st}"))
+            self._wait_output()
+
+    def _class(self) -> None:
+        # Read ahead of the gemms: a global load at the branch would wait behind them.
+        if self.cls_text is not None:
+            self.w.line(f'kcls: T.int32 = T.Cast("int32", {self.cls_text})')
+
+    def _turn(self):
+        return _Turn(self.w, self.consumers) if self.pingpong else _NoTurn()
+
+    def _wait_scores(self, pending: int, stage: str) -> None:
+        """This block's scores are in (the P V behind them may still run): K's stage is free."""
+        self.w.line(f"T.wait_wgmma({pending})")
+        self.w.line(f"T.warpgroup_fence_operand(acc_s, num_regs={self.tile_regs})")
+        self.w.line(f"T.mbarrier_arrive(k_empty[{stage}])")
+
+    def _wait_output(self) -> None:
+        self.w.line("T.wait_wgmma(0)")
+        self.w.line(f"T.warpgroup_fence_operand(acc_o, num_regs={self.o_regs})")
+
+    def _bodies(self, first: bool) -> None:
+        """The online step of the block (full or partial by its class), then, once the
+        previous P V is done, V's stage freed, O rescaled and P cast for the next gemm."""
+        if self.partial is None:
+            self._body(self.full, first)
+            return
+        with self.w.block("if kcls == 2:"):
+            self._body(self.full, first)
+        with self.w.block("else:"):
+            self._body(self.partial, first)
+
+    def _body(self, body: OnlineBody, first: bool) -> None:
+        w = self.w
+        serial = not body.p_in_acc  # P written straight into acc_s_cast: the P V must be done
+        if serial and not first:
+            self._wait_output()
+        w.line(body.source)
+        if not first:
+            if not serial:
+                self._wait_output()
+            w.line(f"T.mbarrier_arrive(v_empty[kk % {self.st}])")
+            if rescales(body.o_scale):
+                with w.block(f"for i, j in T.Parallel({self.bM}, {self.Dv}):"):
+                    w.line("acc_o[i, j] *= o_scale_f[i]")
+        if not serial:
+            w.line("T.copy(acc_s, acc_s_cast)")
+
+
+class _Turn:
+    """One warpgroup's turn at the tensor cores: wait for it, issue, hand it over."""
+
+    def __init__(self, w: SourceWriter, consumers: int):
+        self.w, self.n = w, consumers
+
+    def _each(self, call: str, first: int, second: int) -> None:
+        with self.w.block(f"if tx < {WS_PRODUCER_THREADS + 128}:"):
+            self.w.line(f"{call}({first}, {self.n})")
+        with self.w.block("else:"):
+            self.w.line(f"{call}({second}, {self.n})")
+
+    def __enter__(self) -> None:
+        self._each("T.sync_threads", *TURN_BARRIERS)
+
+    def __exit__(self, *exc) -> None:
+        self._each("T.named_barrier_arrive", *reversed(TURN_BARRIERS))
+
+
+class _NoTurn:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> None:
+        return None
