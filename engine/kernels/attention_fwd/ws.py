@@ -87,17 +87,14 @@ class ConsumerLoop:
             with self._turn():
                 w.line(qk("0"))
             self._wait_scores(0, "0")
-            self._bodies(first=True)
+            self._by_class(lambda body: self._body(body, first=True))
             with w.block("for kk in T.serial(n - 1):"):
                 w.lines(["k: T.int32 = kk + 1", "kb: T.int32 = lo + k"])
                 self._class()
                 w.line(f"T.mbarrier_wait_parity(k_full[k % {st}], {parity(st)})")
                 w.line(f"T.mbarrier_wait_parity(v_full[kk % {st}], {parity(st, 'kk')})")
-                with self._turn():
-                    w.line(qk(f"k % {st}"))
-                    w.line(pv(f"kk % {st}"))
-                self._wait_scores(1, f"k % {st}")
-                self._bodies(first=False)
+                step = lambda body: self._step(body, qk, pv)  # noqa: E731
+                self._by_class(step)
             w.line(f"T.mbarrier_wait_parity(v_full[(n - 1) % {st}], {parity(st, '(n - 1)')})")
             with self._turn():
                 w.line(pv(f"(n - 1) % {st}"))
@@ -121,18 +118,30 @@ class ConsumerLoop:
         self.w.line("T.wait_wgmma(0)")
         self.w.line(f"T.warpgroup_fence_operand(acc_o, num_regs={self.o_regs})")
 
-    def _bodies(self, first: bool) -> None:
-        """The online step of the block (full or partial by its class), then, once the
-        previous P V is done, V's stage freed, O rescaled and P cast for the next gemm."""
+    def _by_class(self, emit: Callable[[OnlineBody], None]) -> None:
+        """`emit` with the full body, or by the block's class with either. Every branch holds
+        a whole pipeline step: a branch taken while a wgmma is in flight makes ptxas wait for
+        it at the branch (seen in the SASS: no overlap in either body)."""
         if self.partial is None:
-            self._body(self.full, first)
+            emit(self.full)
             return
         with self.w.block("if kcls == 2:"):
-            self._body(self.full, first)
+            emit(self.full)
         with self.w.block("else:"):
-            self._body(self.partial, first)
+            emit(self.partial)
+
+    def _step(self, body: OnlineBody, qk: Callable[[str], str], pv: Callable[[str], str]
+              ) -> None:
+        """Block k's Q K^T and block k-1's P V issued, block k's online step."""
+        with self._turn():
+            self.w.line(qk(f"k % {self.st}"))
+            self.w.line(pv(f"kk % {self.st}"))
+        self._wait_scores(1, f"k % {self.st}")
+        self._body(body, first=False)
 
     def _body(self, body: OnlineBody, first: bool) -> None:
+        """The online step, then, once the previous P V is done, V's stage freed, O rescaled
+        and P cast for the next gemm."""
         w = self.w
         serial = not body.p_in_acc  # P written straight into acc_s_cast: the P V must be done
         if serial and not first:
