@@ -30,9 +30,10 @@ def forward_config(req: KernelRequest) -> KernelConfig:
     if req.options.config is not None:
         return check_config(req.options.config, p.head_dim, p.head_dim_v)
     # dynamic shapes: one kernel for every length, so the length cannot pick the tile
-    rows = None if req.options.dynamic_shapes else p.seqlen_q
+    dynamic = bool(req.options.dynamic_shapes)
     return tuned_config(req, ATTENTION_FWD) or ATTENTION_FWD.default(
-        p.head_dim, p.head_dim_v, spec=req.spec, seqlen_q=rows)
+        p.head_dim, p.head_dim_v, spec=req.spec, seqlen_q=None if dynamic else p.seqlen_q,
+        dynamic=dynamic)
 
 
 def backward_config(req: KernelRequest, config: KernelConfig | None = None) -> KernelConfig:
