@@ -279,3 +279,18 @@ def test_linear_kernels_compile_for_sm90a(tmp_path, monkeypatch):
     ]
     errors = precompile(sources)
     assert not errors, "\n".join(e[:500] for e in errors.values())
+
+
+@pytest.mark.parametrize("name,config", [
+    ("softmax_causal", KernelConfig(128, 176, 2, 256, schedule="pingpong")),
+    ("document", KernelConfig(128, 128, 2, 256, schedule="overlap")),  # the mask once
+])
+def test_warp_specialised_forward_compiles(name, config, tmp_path, monkeypatch):
+    """The schedules the default does not take here (ping-pong, a data-dependent mask) lower
+    and compile too: explicit setmaxnreg, TMA rings, the scores waited for apart from P V."""
+    from engine.runtime.compile import compile_source
+
+    monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
+    cuda = compile_source(_module(name, config=config).kernel_source).get_kernel_source()
+    assert "warpgroup_reg_alloc<240>" in cuda and "tma_load" in cuda
+    assert "wait_wgmma<1>" in cuda and "wait_wgmma<0>" in cuda

@@ -74,7 +74,7 @@ def test_space_keeps_enough_valid_configs():
 
     space = load_space("attention_fwd")
     counts = {d: len(space.valid_configs(d, d)) for d in (64, 128, 256)}
-    assert counts == {64: 198, 128: 130, 256: 36}  # the numbers quoted in the space file
+    assert counts == {64: 288, 128: 192, 256: 60}  # the numbers quoted in the space file
     assert counts[128] >= 48
 
 
@@ -87,18 +87,24 @@ def test_masked_blocks_pick_tiles_with_register_headroom():
     from engine.variants import VARIANTS
 
     big, mid = KernelConfig(192, 128, 2, 384), KernelConfig(128, 128, 2, 256, "FullRow", 8)
+    ws = KernelConfig(128, 128, 2, 256, schedule="overlap")
     assert masked_body_fits(big, 128, 128, 2) and not masked_body_fits(big, 128, 128, 3)
     assert masked_body_fits(mid, 128, 128, 6)
-    expect = {"softmax": big, "sigmoid": big, "relu": big, "softmax_causal": big,
+    # The warp-specialised schedule for online softmaxes with no mask or a causal one; ReLU
+    # and sigmoid (no softmax to overlap) and heavier partial blocks keep TileLang's pipeline.
+    expect = {"softmax": ws, "sigmoid": big, "relu": big, "softmax_causal": ws,
               "sliding_window": mid, "document": mid, "prefix_lm": mid, "alibi": mid,
               "softcap": mid, "retnet": mid}
     for name, cfg in expect.items():
         spec = VARIANTS[name].build(batch=1, heads_q=4, heads_kv=4, seqlen_q=256, seqlen_kv=256,
                                     head_dim=128, head_dim_v=128, dtype=torch.bfloat16,
                                     backend="reference").spec
-        assert default_forward_config(128, 128, spec=spec) == cfg, name
+        assert default_forward_config(128, 128, spec=spec, seqlen_q=4096) == cfg, name
+        if cfg == ws:  # one kernel for every length: the automatic pipeline
+            assert default_forward_config(128, 128, spec=spec, dynamic=True) == big, name
     # Without a spec (or where no config has headroom) the preference order alone decides.
-    assert default_forward_config(128, 128) == big
+    assert default_forward_config(128, 128) == ws
+    assert default_forward_config(256, 256) == KernelConfig(128, 64, 2, 256, schedule="overlap")
 
 
 def test_short_rows_take_the_least_padded_tile():
@@ -107,9 +113,36 @@ def test_short_rows_take_the_least_padded_tile():
     from engine.kernels.attention_fwd.plan import default_forward_config
 
     big, mid = KernelConfig(192, 128, 2, 384), KernelConfig(128, 128, 2, 256, "FullRow", 8)
-    assert default_forward_config(64, 64, seqlen_q=197) == mid
-    assert default_forward_config(128, 128, seqlen_q=512) == mid
-    assert default_forward_config(128, 128, seqlen_q=700) == big  # 768 rows either way
-    assert default_forward_config(128, 128, seqlen_q=4096) == big
+    assert default_forward_config(64, 64, seqlen_q=197, dynamic=True) == mid
+    assert default_forward_config(128, 128, seqlen_q=512, dynamic=True) == mid
+    assert default_forward_config(128, 128, seqlen_q=700, dynamic=True) == big  # 768 rows
+    assert default_forward_config(128, 128, seqlen_q=4096, dynamic=True) == big
     assert default_forward_config(128, 128, seqlen_q=48).block_M == 64
-    assert default_forward_config(128, 128, seqlen_q=None) == big
+    assert default_forward_config(128, 128, seqlen_q=None, dynamic=True) == big
+    # The warp-specialised default already has 128-row tiles: short rows keep it.
+    ws = default_forward_config(64, 64)
+    assert ws.schedule == "overlap" and default_forward_config(64, 64, seqlen_q=197) == ws
+
+
+def test_warp_specialised_schedule_validity():
+    """Two consumer warpgroups of 64 rows (block_M 128, 256 threads, FullRow); O staged in Q's
+    shared tile where D == Dv, so 128 x 64 tiles with two stages fit at D 256; the backward
+    takes no schedule."""
+    from engine.kernels.attention_bwd.plan import backward_config_problems
+    from engine.kernels.attention_fwd.plan import config_problems, estimate_resources
+
+    ok = KernelConfig(128, 176, 2, 256, schedule="pingpong")
+    assert config_problems(ok, 128, 128) == []
+    assert ok.key().endswith("_pingpong") and not KernelConfig().key().endswith("auto")
+    for bad in (KernelConfig(192, 128, 2, 384, schedule="overlap"),
+                KernelConfig(128, 128, 2, 256, "Square", schedule="overlap"),
+                KernelConfig(64, 64, 2, 128, schedule="overlap")):
+        assert any("two consumer warpgroups" in p for p in config_problems(bad, 128, 128)), bad
+    assert any("expected one of" in p
+               for p in config_problems(KernelConfig(schedule="fast"), 128, 128))
+    d256 = KernelConfig(128, 64, 2, 256, schedule="overlap")
+    assert config_problems(d256, 256, 256) == []
+    auto = KernelConfig(128, 64, 2, 256)
+    assert estimate_resources(auto, 256, 256)["smem_bytes"] - \
+        estimate_resources(d256, 256, 256)["smem_bytes"] == 2 * 128 * 256
+    assert any("schedule" in p for p in backward_config_problems(d256, 128, 128))
