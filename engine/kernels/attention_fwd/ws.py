@@ -8,12 +8,14 @@ k-1's P V behind it; the softmax of block k runs as soon as its scores are in, w
 still runs on the tensor cores; then O is rescaled and P cast for the next step (P stays an
 fp32 tile until then, since the previous P is the running gemm's operand). With "pingpong"
 the two warpgroups also take turns issuing their gemms (named barriers 2 and 3), so that one's
-exponentials run beside the other's gemms.
+exponentials run beside the other's gemms. (As compiled, ptxas puts the wait for P V right
+after the row max, so the exponentials run after it: results/NOTES.md, 89.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from engine.codegen.rings import parity, ring
 from engine.codegen.source import SourceWriter
@@ -93,8 +95,7 @@ class ConsumerLoop:
                 self._class()
                 w.line(f"T.mbarrier_wait_parity(k_full[k % {st}], {parity(st)})")
                 w.line(f"T.mbarrier_wait_parity(v_full[kk % {st}], {parity(st, 'kk')})")
-                step = lambda body: self._step(body, qk, pv)  # noqa: E731
-                self._by_class(step)
+                self._by_class(lambda body: self._step(body, qk, pv))
             w.line(f"T.mbarrier_wait_parity(v_full[(n - 1) % {st}], {parity(st, '(n - 1)')})")
             with self._turn():
                 w.line(pv(f"(n - 1) % {st}"))
@@ -105,8 +106,21 @@ class ConsumerLoop:
         if self.cls_text is not None:
             self.w.line(f'kcls: T.int32 = T.Cast("int32", {self.cls_text})')
 
-    def _turn(self):
-        return _Turn(self.w, self.consumers) if self.pingpong else _NoTurn()
+    @contextmanager
+    def _turn(self) -> Iterator[None]:
+        """With ping-pong, one warpgroup's turn at the tensor cores: wait for it, issue the
+        gemms, hand it to the other warpgroup."""
+        if self.pingpong:
+            self._each_warpgroup("T.sync_threads", *TURN_BARRIERS)
+        yield
+        if self.pingpong:
+            self._each_warpgroup("T.named_barrier_arrive", *reversed(TURN_BARRIERS))
+
+    def _each_warpgroup(self, call: str, first: int, second: int) -> None:
+        with self.w.block(f"if tx < {WS_PRODUCER_THREADS + 128}:"):
+            self.w.line(f"{call}({first}, {self.consumers})")
+        with self.w.block("else:"):
+            self.w.line(f"{call}({second}, {self.consumers})")
 
     def _wait_scores(self, pending: int, stage: str) -> None:
         """This block's scores are in (the P V behind them may still run): K's stage is free."""
@@ -156,30 +170,3 @@ class ConsumerLoop:
                     w.line("acc_o[i, j] *= o_scale_f[i]")
         if not serial:
             w.line("T.copy(acc_s, acc_s_cast)")
-
-
-class _Turn:
-    """One warpgroup's turn at the tensor cores: wait for it, issue, hand it over."""
-
-    def __init__(self, w: SourceWriter, consumers: int):
-        self.w, self.n = w, consumers
-
-    def _each(self, call: str, first: int, second: int) -> None:
-        with self.w.block(f"if tx < {WS_PRODUCER_THREADS + 128}:"):
-            self.w.line(f"{call}({first}, {self.n})")
-        with self.w.block("else:"):
-            self.w.line(f"{call}({second}, {self.n})")
-
-    def __enter__(self) -> None:
-        self._each("T.sync_threads", *TURN_BARRIERS)
-
-    def __exit__(self, *exc) -> None:
-        self._each("T.named_barrier_arrive", *reversed(TURN_BARRIERS))
-
-
-class _NoTurn:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc) -> None:
-        return None
