@@ -108,7 +108,7 @@ def test_bad_arguments_and_timer_errors():
 SPACE = {
     "template": "attention_fwd",
     "params": {"block_M": [64, 128, 192], "block_N": [64, 128], "num_stages": [2],
-               "threads": [256, 384]},
+               "threads": [256, 384], "schedule": ["auto", "overlap"]},
 }
 
 

@@ -410,3 +410,21 @@ def test_reaper_fails_a_trial_whose_asker_died_before_writing_its_owner(tmp_path
     assert t.state == TrialState.FAIL and "killed while asking" in t.user_attrs["fail_reason"]
     (queued,) = study.get_trials(states=(TrialState.WAITING,))
     assert queued.system_attrs["fixed_params"] == {"block_M": 128}
+
+
+def test_a_changed_space_gets_a_study_of_its_own(tmp_path, caplog):
+    """A study drawn from another search space (here: before `schedule` was a parameter)
+    cannot go on (Optuna: "dynamic value space"): the tuner says so and starts one named
+    after the new space, and the old study's trials are left as they were."""
+    old = {"template": "attention_fwd", "params": {"block_M": [64, 128], "block_N": [64, 128],
+                                                   "num_stages": [2], "threads": [256]}}
+    new = {**old, "params": {**old["params"], "schedule": ["auto", "overlap"]}}
+    first = run_study(FakeObjective(PROBLEM), parse_space(old), _opts(tmp_path, trials=3))
+    with caplog.at_level("WARNING"):
+        second = run_study(FakeObjective(PROBLEM), parse_space(new), _opts(tmp_path, trials=3))
+    assert second.study_name.startswith(first.study_name + ":space-")
+    assert "drawn from another search space" in caplog.text
+    assert len(_evaluated(_study(tmp_path, first.study_name))) == first.evaluated
+    # The same space again resumes that study instead of branching once more.
+    third = run_study(FakeObjective(PROBLEM), parse_space(new), _opts(tmp_path, trials=4))
+    assert third.study_name == second.study_name

@@ -65,6 +65,11 @@ class StudyState:
     running_keys: set[str]
 
 
+def space_distributions(space: SearchSpace) -> dict[str, CategoricalDistribution]:
+    """Optuna's distribution of each parameter of `space` (its choices, in order)."""
+    return {n: CategoricalDistribution(list(c)) for n, c in space.params}
+
+
 def study_state(study: optuna.Study) -> StudyState:
     evaluated, known, running_keys = [], {}, set()
     in_flight = waiting = 0
@@ -203,7 +208,7 @@ class StudyWorker:
         state = study_state(self.study)
         rerun = key in state.known or key in state.running_keys
         params = self.space.params_of(cfg)
-        dists = {n: CategoricalDistribution(list(c)) for n, c in self.space.params}
+        dists = space_distributions(self.space)
         attrs = {OWNER_ATTR: self.owner, "config": key, "candidate": True, "baseline": True,
                  "run": self.settings.run_id}
         if rerun:

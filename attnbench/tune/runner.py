@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as dt
+import hashlib
 import logging
 import math
 import os
@@ -30,7 +31,13 @@ import optuna
 from optuna.trial import TrialState
 
 from attnbench.tune.confirm import MARGIN, ROUNDS
-from attnbench.tune.loop import LoopSettings, StudyWorker, make_sampler, study_state
+from attnbench.tune.loop import (
+    LoopSettings,
+    StudyWorker,
+    make_sampler,
+    space_distributions,
+    study_state,
+)
 from attnbench.tune.objective import Objective, TrialFailed
 from attnbench.tune.problem import study_name
 from attnbench.tune.progress import ProgressDisplay, Snapshot
@@ -88,6 +95,18 @@ class StudyInterrupted(KeyboardInterrupt):
     def __init__(self, result: TuneResult) -> None:
         super().__init__("interrupted")
         self.result = result
+
+
+def space_digest(space: SearchSpace) -> str:
+    """A short digest of a search space's parameters and their choices."""
+    return hashlib.sha256(repr(tuple(space.params)).encode()).hexdigest()[:8]
+
+
+def _same_space(study: optuna.Study, space: SearchSpace) -> bool:
+    """Whether every trial of `study` was drawn from `space`'s parameters and choices."""
+    want = space_distributions(space)
+    return all(t.distributions == want for t in study.get_trials(deepcopy=False)
+               if t.distributions)
 
 
 def _n_jobs(requested: int) -> int:
@@ -219,6 +238,15 @@ def _run_study(objective: Objective, space: SearchSpace, opts: TuneOptions,
     study = optuna.create_study(
         study_name=name, storage=storage, direction="minimize", load_if_exists=True
     )
+    if not _same_space(study, space):
+        # Optuna refuses to go on with other choices for a parameter ("dynamic value space"):
+        # a search space that changed since (a new field or value) gets a study of its own.
+        name += ":space-" + space_digest(space)
+        log.warning("study %s was drawn from another search space; using %s", study.study_name,
+                    name)
+        study = optuna.create_study(
+            study_name=name, storage=storage, direction="minimize", load_if_exists=True
+        )
     for k, v in {
         "template": problem.template, "variant": problem.variant,
         "spec_hash": objective.spec_hash(),

@@ -107,7 +107,12 @@ class KernelConfig:
     schedule: str = "auto"
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        # The schedule only where it is not TileLang's pipeline: tune files written before
+        # it existed read back as they were written.
+        data = dataclasses.asdict(self)
+        if self.schedule == "auto":
+            del data["schedule"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> KernelConfig:
