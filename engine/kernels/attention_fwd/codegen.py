@@ -163,7 +163,7 @@ def _emit_buffers(w: SourceWriter, f: _Frame, temps: set[str]) -> None:
     bM, bN, D, Dv, dt = f.cfg.block_M, f.cfg.block_N, f.shape.head_dim, f.shape.head_dim_v, \
         f.shape.dtype
     if f.ws:
-        w.lines(ws.ws_buffers(bM, bN, D, Dv, f.cfg.num_stages, dt, f.cfg.threads))
+        w.lines(ws.ws_buffers(f.cfg, D, Dv, dt))
     else:
         for name, rows, cols in (("Q_shared", bM, D), ("K_shared", bN, D),
                                  ("V_shared", bN, Dv), ("O_shared", bM, Dv)):
@@ -238,12 +238,9 @@ def _emit_ws_body(w: SourceWriter, f: _Frame, full: OnlineBody, partial: OnlineB
     with w.block("else:"):
         w.line(f"T.set_max_nreg({WS_CONSUMER_REGS}, 1)")
         _emit_state_init(w, f)
-        per_thread = lambda n: n // cfg.threads  # noqa: E731
-        loop = ws.ConsumerLoop(
-            w, full, partial, f"Cls[{f.table_index}, bx, kb]" if partial else None,
-            cfg.num_stages, cfg.schedule == "pingpong", per_thread(cfg.block_M * cfg.block_N),
-            per_thread(cfg.block_M * f.shape.head_dim_v), cfg.threads, f.shape.head_dim_v,
-            cfg.block_M)
+        loop = ws.ConsumerLoop(w, full, partial,
+                               f"Cls[{f.table_index}, bx, kb]" if partial else None, cfg,
+                               f.shape.head_dim_v)
         policy = f"policy=T.GemmWarpPolicy.{cfg.gemm_policy}"
         loop.emit(lambda st: f"T.wgmma_gemm(Q_shared, K_shared[{st}, :, :], acc_s, "
                              f"transpose_B=True, {policy}, clear_accum=True)",
@@ -259,7 +256,7 @@ def _emit_epilogue(w: SourceWriter, f: _Frame) -> None:
     with w.block(f"for i, j in T.Parallel({bM}, {f.shape.head_dim_v}):"):
         w.line(f"acc_o[i, j] = T.if_then_else(T.isnan({o_text}), T.float32(0.0), {o_text})"
                if o_text != "acc_o[i, j]" else "acc_o[i, j] = acc_o[i, j]")
-    stage = ws.o_stage(f.shape.head_dim, f.shape.head_dim_v) if f.ws else "O_shared"
+    stage = ws.o_stage(f.cfg, f.shape.head_dim, f.shape.head_dim_v) if f.ws else "O_shared"
     w.line(f"T.copy(acc_o, {stage})")
     if f.ws:  # the stores seen by the copy engine, then every consumer's rows in
         w.line("T.fence_proxy_async()")

@@ -25,15 +25,19 @@ if TYPE_CHECKING:
 # Registers a consumer thread needs beyond its accumulators (addresses, row scales, loop state).
 REG_OVERHEAD = 48
 
+def o_staged_in_q(cfg: KernelConfig, head_dim: int, head_dim_v: int) -> bool:
+    """Whether O goes out through Q's shared tile: in the warp-specialised schedule, where
+    they have one shape (every Q K^T has finished by then)."""
+    return cfg.schedule != "auto" and head_dim == head_dim_v
+
+
 def estimate_resources(
     cfg: KernelConfig, head_dim: int, head_dim_v: int, elem_bytes: int = 2, extra_tiles: int = 0
 ) -> dict[str, int]:
     """Shared memory (bytes) and accumulator registers per consumer thread of the forward
     template. `extra_tiles` counts additional float32 [block_M, block_N] fragments a spec
     needs (e.g. a second live score tile)."""
-    # The warp-specialised schedule stages O in Q's tile where they have one shape (every
-    # Q K^T has finished by then).
-    o_in_q = cfg.schedule != "auto" and head_dim == head_dim_v
+    o_in_q = o_staged_in_q(cfg, head_dim, head_dim_v)
     smem = elem_bytes * (
         cfg.block_M * head_dim  # Q tile
         + cfg.num_stages * cfg.block_N * (head_dim + head_dim_v)  # K and V ring buffers
@@ -161,8 +165,9 @@ DYNAMIC_SHAPES = os.environ.get("ATTNBENCH_DYNAMIC_SHAPES", "0") == "1"
 # partial blocks do more than the register model allows beside the accumulators skips the
 # tiles that would spill (masked_body_fits).
 PREFERENCE: tuple[KernelConfig, ...] = (
-    # The warp-specialised overlap (FlashAttention-3's intra-warpgroup schedule): at D = 128
-    # on the H100, 668 against 651 TFLOP/s (4k), causal 571 against 515 (results/NOTES.md).
+    # The warp-specialised overlap (FlashAttention-3's intra-warpgroup schedule): on the H100
+    # D = 256 went from 0.73-0.75x to 0.83-0.92x FA3; at D = 128 it is within run-to-run
+    # noise of the automatic pipeline (results/NOTES.md 88-91).
     KernelConfig(128, 128, 2, 256, schedule="overlap"),
     KernelConfig(128, 64, 2, 256, schedule="overlap"),
     KernelConfig(192, 128, 2, 384),  # 3 consumer warpgroups: 648-656 TFLOP/s at D=128 (H100)

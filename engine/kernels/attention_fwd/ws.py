@@ -20,29 +20,30 @@ from contextlib import contextmanager
 from engine.codegen.rings import parity, ring
 from engine.codegen.source import SourceWriter
 from engine.kernels.attention_fwd.online import OnlineBody, rescales
-from engine.plan.config import WS_PRODUCER_REGS, WS_PRODUCER_THREADS
+from engine.kernels.attention_fwd.plan import o_staged_in_q
+from engine.plan.config import WS_PRODUCER_REGS, WS_PRODUCER_THREADS, KernelConfig
 
 # Named barriers: 1 for the consumers' meeting before the O store, 2 and 3 for the turns.
 EPILOGUE_BARRIER = 1
 TURN_BARRIERS = (2, 3)
 
 
-def ws_buffers(bM: int, bN: int, D: int, Dv: int, stages: int, dt: str, consumers: int
-               ) -> list[str]:
-    """Q (also O's staging where Dv == D), the K and V rings and their mbarriers: full ones
-    count the producer warp's 32 arrivals, empty ones every consumer thread's."""
+def ws_buffers(cfg: KernelConfig, D: int, Dv: int, dt: str) -> list[str]:
+    """Q (also O's staging: o_stage), the K and V rings and their mbarriers: full ones count
+    the producer warp's 32 arrivals, empty ones every consumer thread's."""
+    bM, bN, st, C = cfg.block_M, cfg.block_N, cfg.num_stages, cfg.threads
     lines = [f'Q_shared = T.alloc_shared(({bM}, {D}), "{dt}")',
-             f'K_shared = T.alloc_shared(({stages}, {bN}, {D}), "{dt}")',
-             f'V_shared = T.alloc_shared(({stages}, {bN}, {Dv}), "{dt}")']
-    if Dv != D:
+             f'K_shared = T.alloc_shared(({st}, {bN}, {D}), "{dt}")',
+             f'V_shared = T.alloc_shared(({st}, {bN}, {Dv}), "{dt}")']
+    if not o_staged_in_q(cfg, D, Dv):
         lines.append(f'O_shared = T.alloc_shared(({bM}, {Dv}), "{dt}")')
-    return lines + ["q_full = T.alloc_barrier([32])",
-                    f"k_full = {ring(32, stages)}", f"v_full = {ring(32, stages)}",
-                    f"k_empty = {ring(consumers, stages)}", f"v_empty = {ring(consumers, stages)}"]
+    return lines + [f"q_full = {ring(32, 1)}", f"k_full = {ring(32, st)}",
+                    f"v_full = {ring(32, st)}", f"k_empty = {ring(C, st)}",
+                    f"v_empty = {ring(C, st)}"]
 
 
-def o_stage(D: int, Dv: int) -> str:
-    return "Q_shared" if D == Dv else "O_shared"
+def o_stage(cfg: KernelConfig, D: int, Dv: int) -> str:
+    return "Q_shared" if o_staged_in_q(cfg, D, Dv) else "O_shared"
 
 
 def emit_producer(w: SourceWriter, q_src: str, k_src: str, v_src: str, stages: int) -> None:
@@ -64,16 +65,18 @@ def emit_producer(w: SourceWriter, q_src: str, k_src: str, v_src: str, stages: i
 
 
 class ConsumerLoop:
-    """The consumers' walk over the key blocks [lo, lo + n). `cls_text`: the block class of
-    key block kb (None: every block takes the full body); `tile_regs`/`o_regs`: the score
-    tile's and O's registers per thread (for the operand fences)."""
+    """The consumers' walk over the key blocks [lo, lo + n) at `cfg`. `cls_text`: the block
+    class of key block kb (None: every block takes the full body)."""
 
     def __init__(self, w: SourceWriter, full: OnlineBody, partial: OnlineBody | None,
-                 cls_text: str | None, stages: int, pingpong: bool, tile_regs: int,
-                 o_regs: int, consumers: int, head_dim_v: int, bM: int):
+                 cls_text: str | None, cfg: KernelConfig, head_dim_v: int):
         self.w, self.full, self.partial, self.cls_text = w, full, partial, cls_text
-        self.st, self.pingpong, self.consumers = stages, pingpong, consumers
-        self.tile_regs, self.o_regs, self.Dv, self.bM = tile_regs, o_regs, head_dim_v, bM
+        self.st, self.pingpong, self.consumers = cfg.num_stages, cfg.schedule == "pingpong", \
+            cfg.threads
+        self.bM, self.Dv = cfg.block_M, head_dim_v
+        # registers a thread holds of the score tile and of O (for the operand fences)
+        self.tile_regs = cfg.block_M * cfg.block_N // cfg.threads
+        self.o_regs = cfg.block_M * head_dim_v // cfg.threads
 
     def emit(self, qk: Callable[[str], str], pv: Callable[[str], str]) -> None:
         """`qk(stage)`/`pv(stage)`: the gemm statements reading that ring stage."""

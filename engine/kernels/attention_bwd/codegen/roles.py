@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from engine.codegen.rings import parity
+from engine.codegen.rings import parity, ring
 from engine.codegen.source import SourceWriter
 from engine.kernels.attention_bwd.codegen.vectors import VectorGroup
 from engine.kernels.attention_bwd.plan import DQ_ROW
@@ -25,12 +25,12 @@ def ws_buffers(cfg: KernelConfig, D: int, Dv: int, dt: str) -> list[str]:
         f'dO_shared = T.alloc_shared(({st}, {bM}, {Dv}), "{dt}")',
         f'dsT_shared = T.alloc_shared((2, {bN}, {bM}), "{dt}")',
         f'dq_shared = T.alloc_shared((2, {bM * D // DQ_ROW}, {DQ_ROW}), "float32")',
-        "kv_full = T.alloc_barrier([32])",
-        f"q_full = T.alloc_barrier([{', '.join(['32'] * st)}])",
-        f"do_full = T.alloc_barrier([{', '.join(['32'] * st)}])",
-        f"qdo_empty = T.alloc_barrier([{', '.join([str(C)] * st)}])",
-        f"dq_full = T.alloc_barrier([{C}, {C}])",
-        "dq_empty = T.alloc_barrier([32, 32])",
+        f"kv_full = {ring(32, 1)}",
+        f"q_full = {ring(32, st)}",
+        f"do_full = {ring(32, st)}",
+        f"qdo_empty = {ring(C, st)}",
+        f"dq_full = {ring(C, 2)}",
+        f"dq_empty = {ring(32, 2)}",
     ]
 
 
