@@ -111,8 +111,9 @@ def test_dynamic_shapes_give_one_kernel_for_every_length(name, tmp_path, monkeyp
     assert "wgmma" in cuda and "tma_load" in cuda
 
 
-def _spill_store_bytes(cuda: str, tmp_path) -> int:
-    """ptxas's spill stores for a TileLang kernel's CUDA source (compiled as TileLang does)."""
+def _spill_store_bytes(cuda: str, tmp_path, serialised: list | None = None) -> int:
+    """ptxas's spill stores for a TileLang kernel's CUDA source (compiled as TileLang does);
+    its wgmma serialisation warnings (C751x) appended to `serialised`, if given."""
     import os
     import re
     import subprocess
@@ -128,6 +129,8 @@ def _spill_store_bytes(cuda: str, tmp_path) -> int:
          "-o", str(tmp_path / "k.cubin"), str(src)],
         capture_output=True, text=True, check=True,
     )
+    if serialised is not None:
+        serialised += re.findall(r"\(C751\d\)[^\n]*", r.stdout + r.stderr)
     return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", r.stdout + r.stderr))
 
 
@@ -294,3 +297,20 @@ def test_warp_specialised_forward_compiles(name, config, tmp_path, monkeypatch):
     cuda = compile_source(_module(name, config=config).kernel_source).get_kernel_source()
     assert "warpgroup_reg_alloc<240>" in cuda and "tma_load" in cuda
     assert "wait_wgmma<1>" in cuda and "wait_wgmma<0>" in cuda
+
+
+@pytest.mark.parametrize("name", ["retnet", "sigmoid", "alibi"])
+def test_custom_gradient_backward_keeps_its_registers(name, tmp_path, monkeypatch):
+    """With a custom input's gradient the backward takes 32-row steps: at 64 rows RetNet's
+    log-decay gradient spilled 2552 bytes, sigmoid's bias serialised the wgmmas (C7512) and
+    ALiBi's slopes spilled 20 bytes (ptxas, D 128)."""
+    from engine.runtime.compile import compile_source
+
+    monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
+    mod = _module(name, seqlen_q=4096, seqlen_kv=4096)
+    bk = mod.backward_kernels(custom_grads=tuple(VARIANTS[name].learnable))
+    assert bk.config.block_M == 32
+    assert mod.backward_kernels().config.block_M == 64  # without it, the usual tile
+    serialised: list[str] = []
+    cuda = compile_source(bk.main.source).get_kernel_source()
+    assert _spill_store_bytes(cuda, tmp_path, serialised) == 0 and not serialised, serialised

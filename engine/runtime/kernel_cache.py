@@ -36,12 +36,14 @@ def forward_config(req: KernelRequest) -> KernelConfig:
         dynamic=dynamic)
 
 
-def backward_config(req: KernelRequest, config: KernelConfig | None = None) -> KernelConfig:
-    """`config`, else the module's backward config, else the tune file's, else the default."""
+def backward_config(req: KernelRequest, config: KernelConfig | None = None,
+                    custom_grads: tuple[str, ...] = ()) -> KernelConfig:
+    """`config`, else the module's backward config, else the tune file's, else the default
+    (for the gradients of `custom_grads` too)."""
     p, spec = req.problem, req.spec
     cfg = config or req.options.backward_config or tuned_config(req, ATTENTION_BWD)
     if cfg is None:
-        return ATTENTION_BWD.default(p.head_dim, p.head_dim_v)
+        return ATTENTION_BWD.default(p.head_dim, p.head_dim_v, custom_grads=len(custom_grads))
     n_rows = len(spec.final_names) + int(spec.uses_doosum)
     return check_backward_config(cfg, p.head_dim, p.head_dim_v, n_rows=n_rows)
 
@@ -109,6 +111,7 @@ class KernelCache:
                 raise ValueError(f"dtype {req.dtype}: backward kernels support "
                                  f"{sorted(map(str, KERNEL_DTYPES))}")
             self._backward[key] = ATTENTION_BWD.build(req.spec, req.shape,
-                                                      backward_config(req, config),
+                                                      backward_config(req, config,
+                                                                      custom_grads),
                                                       tuple(custom_grads), det)
         return self._backward[key]

@@ -223,13 +223,25 @@ def check_backward_config(
     return cfg
 
 
+# Query rows a step at most where custom inputs' gradients are asked for: their per-step
+# tile (the derivative times dS, reduced per key) comes on top of S^T, dP^T and P^T. ptxas at
+# D 128, 64 x 128 on 256 threads: RetNet's log-decay gradient spills 2552 bytes (its fwd+bwd
+# took 21.4 ms against 2.7 without the gradient on the H100), sigmoid's bias serialises the
+# wgmmas (C7512), ALiBi's slopes spill 20 bytes; at 32 x 128 none of them spills.
+CUSTOM_GRAD_BLOCK_M = 32
+
+
 def default_backward_config(head_dim: int, head_dim_v: int, elem_bytes: int = 2,
-                            spec: object = None) -> KernelConfig:
+                            spec: object = None, custom_grads: int = 0) -> KernelConfig:
     """The first valid config of PREFERENCE (the same for every spec: the split/fused schedule,
-    not the tile, adapts to a spec's registers)."""
-    for cfg in PREFERENCE:
-        if not backward_config_problems(cfg, head_dim, head_dim_v, elem_bytes):
-            return cfg
+    not the tile, adapts to a spec's registers); with `custom_grads` (how many custom inputs'
+    gradients), the first with at most CUSTOM_GRAD_BLOCK_M query rows a step, if any."""
+    valid = [c for c in PREFERENCE
+             if not backward_config_problems(c, head_dim, head_dim_v, elem_bytes)]
+    if custom_grads:
+        valid = [c for c in valid if c.block_M <= CUSTOM_GRAD_BLOCK_M] + valid
+    for cfg in valid:
+        return cfg
     raise ConfigError(
         f"no valid backward kernel config for head dims D={head_dim}, Dv={head_dim_v} "
         "(dK and dV accumulators must fit in registers)"
