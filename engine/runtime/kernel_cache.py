@@ -43,7 +43,8 @@ def backward_config(req: KernelRequest, config: KernelConfig | None = None,
     p, spec = req.problem, req.spec
     cfg = config or req.options.backward_config or tuned_config(req, ATTENTION_BWD)
     if cfg is None:
-        return ATTENTION_BWD.default(p.head_dim, p.head_dim_v, custom_grads=len(custom_grads))
+        return ATTENTION_BWD.default(p.head_dim, p.head_dim_v, spec=spec,
+                                     custom_grads=tuple(custom_grads))
     n_rows = len(spec.final_names) + int(spec.uses_doosum)
     return check_backward_config(cfg, p.head_dim, p.head_dim_v, n_rows=n_rows)
 

@@ -11,8 +11,11 @@ import math
 import pytest
 import torch
 
-from engine.kernels.attention_bwd.plan import (backward_config_problems, default_backward_config,
-                                               ws_schedule_fits)
+from engine.kernels.attention_bwd.plan import (
+    backward_config_problems,
+    default_backward_config,
+    ws_schedule_fits,
+)
 from engine.plan.config import KernelConfig
 from engine.reference import executor
 from engine.reference.executor import rel_err

@@ -107,6 +107,14 @@ class BackwardExprs:
         return any(n.op == "rawscore" for n in leaves(roots))
 
     @property
+    def only_grads_read_score(self) -> bool:
+        """Whether a custom gradient's derivative reads the raw score where dS' does not (S^T
+        then stays live beside dP^T and dS^T for that gradient alone)."""
+        def reads(roots: list[Expr]) -> bool:
+            return any(n.op == "rawscore" for n in leaves(roots))
+        return reads(self._custom_derivatives()) and not reads([self.ds_mod, self.dsm_ds])
+
+    @property
     def chain_rule(self) -> bool:
         """Whether dS' is multiplied by d score_mod / d score (not when that is 1)."""
         return not (self.dsm_ds.op == "const" and float(self.dsm_ds.attr) == 1.0)

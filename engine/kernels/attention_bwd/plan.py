@@ -223,23 +223,26 @@ def check_backward_config(
     return cfg
 
 
-# Query rows a step at most where custom inputs' gradients are asked for: their per-step
-# tile (the derivative times dS, reduced per key) comes on top of S^T, dP^T and P^T. ptxas at
-# D 128, 64 x 128 on 256 threads: RetNet's log-decay gradient spills 2552 bytes (its fwd+bwd
-# took 21.4 ms against 2.7 without the gradient on the H100), sigmoid's bias serialises the
-# wgmmas (C7512), ALiBi's slopes spill 20 bytes; at 32 x 128 none of them spills.
-CUSTOM_GRAD_BLOCK_M = 32
+# Query rows a step where only a custom input's gradient reads the raw score: its per-step
+# tile (the derivative times dS, reduced per key) keeps S^T live beside dP^T and dS^T. On the
+# H100 (variants suite, B 2 x S 4k, D 128, fwd+bwd) RetNet's log-decay gradient took 21.4 ms
+# at 64 x 128 (ptxas: 2552 bytes of spills) and 4.65 ms at 32 x 128 (the key gate's spilled
+# 596 bytes at 64, none at 32). ALiBi's slopes (no score read) and sigmoid's bias (whose dS
+# reads the score anyway) ran slower at 32 rows (2.58 -> 3.94 ms, 6.07 -> 7.57 ms) than
+# with their 20-byte spill or serialised wgmmas at 64.
+NARROW_BLOCK_M = 32
 
 
 def default_backward_config(head_dim: int, head_dim_v: int, elem_bytes: int = 2,
-                            spec: object = None, custom_grads: int = 0) -> KernelConfig:
+                            spec: TracedSpec | None = None,
+                            custom_grads: tuple[str, ...] = ()) -> KernelConfig:
     """The first valid config of PREFERENCE (the same for every spec: the split/fused schedule,
-    not the tile, adapts to a spec's registers); with `custom_grads` (how many custom inputs'
-    gradients), the first with at most CUSTOM_GRAD_BLOCK_M query rows a step, if any."""
+    not the tile, adapts to a spec's registers); the first with at most NARROW_BLOCK_M query
+    rows a step, if any, where only a gradient of `custom_grads` reads `spec`'s raw score."""
     valid = [c for c in PREFERENCE
              if not backward_config_problems(c, head_dim, head_dim_v, elem_bytes)]
-    if custom_grads:
-        valid = [c for c in valid if c.block_M <= CUSTOM_GRAD_BLOCK_M] + valid
+    if spec is not None and custom_grads and BackwardExprs(spec, custom_grads).only_grads_read_score:
+        valid = [c for c in valid if c.block_M <= NARROW_BLOCK_M] + valid
     for cfg in valid:
         return cfg
     raise ConfigError(
