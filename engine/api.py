@@ -166,6 +166,7 @@ class AttentionEngine(torch.nn.Module):
         self.dynamic_shapes = DYNAMIC_SHAPES  # see engine.kernels.attention_fwd.plan
         self._kernel_cache = KernelCache()
         self._request: KernelRequest | None = None  # kernel_request()'s, while options stay
+        self._request_values: tuple | None = None
         self._decode_last: tuple | None = None  # (request, paging, decode kernels) of the last call
         self._op_handle = register(self)  # names the module in the custom ops (torch.compile)
 
@@ -220,12 +221,13 @@ class AttentionEngine(torch.nn.Module):
     def kernel_request(self) -> KernelRequest:
         """What selects this module's kernels now: its spec, problem, dtype and options (the
         request is kept while they stay the same: building it per call cost host time)."""
-        options = KernelOptions(self.config, self.backward_config, self.tune_file,
-                                bool(self.dynamic_shapes), bool(self.deterministic),
-                                self.decode_config)
+        values = (self.config, self.backward_config, self.tune_file, bool(self.dynamic_shapes),
+                  bool(self.deterministic), self.decode_config)
         req = self._request
-        if req is None or req.options != options or req.spec is not self.spec:
-            req = self._request = KernelRequest(self.spec, self.problem, self.dtype, options)
+        if req is None or self._request_values != values or req.spec is not self.spec:
+            req = self._request = KernelRequest(self.spec, self.problem, self.dtype,
+                                                KernelOptions(*values))
+            self._request_values = values
         return req
 
     def forward_kernel(self) -> ForwardKernel:

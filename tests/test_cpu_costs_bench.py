@@ -135,3 +135,26 @@ def test_linear_module_forward_host_path(benchmark, monkeypatch):
             return mod(*args)
 
     assert benchmark(call).shape == (1, 8, 128, 64)
+
+
+def test_module_decode_host_path(benchmark, monkeypatch):
+    """A decode step's own host work (kernels stubbed, CPU tensors, value check off as in a
+    serving loop): argument checks, the kernel lookup, the output, the launch."""
+    from engine import api
+    from engine.runtime import kernel
+
+    monkeypatch.setattr(kernel.Kernel, "compiled", lambda self: (lambda *args: None))
+    monkeypatch.setattr(api.AttentionEngine, "resolved_backend", lambda self, device: "tilelang")
+    monkeypatch.setattr(api, "gpu_sm_count", lambda device: 132)
+    sizes = dict(batch=1, heads_q=32, heads_kv=8, seqlen_q=1, seqlen_kv=1024, head_dim=128,
+                 head_dim_v=128)
+    mod = get_variant("softmax").build(**sizes, dtype=torch.bfloat16, backend="auto")
+    mod.check_cache_values = False
+    inp = get_variant("softmax").make_inputs(**sizes, dtype=torch.bfloat16, device="cpu")
+    lens = torch.full((1,), 1024, dtype=torch.int32)
+
+    def step():
+        with torch.no_grad():
+            return mod(inp["q"], inp["k"], inp["v"], cache_seqlens=lens)
+
+    assert benchmark(step).shape == (1, 1, 32, 128)

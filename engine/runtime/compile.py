@@ -7,6 +7,7 @@ import hashlib
 import importlib.util
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,18 @@ def compile_source(source: str, *, fast_math: bool = True) -> Any:
     with _lock:
         _kernels[key] = kernel
     return kernel
+
+
+def launcher(kernel: Any) -> Callable[..., Any]:
+    """What launches a compiled kernel with every tensor positional (the engine's kernels
+    have no outputs TileLang allocates): its TVM-FFI function itself where TileLang's
+    adapter is TVM-FFI's, else the kernel. The adapter's own Python (argument count, output
+    allocation, device) took 3.5 of a launch's 12.7 us on the H100 (decode at B 1, KV 1k)."""
+    adapter = getattr(kernel, "adapter", None)
+    get = getattr(adapter, "_get_executable", None)
+    if get is None or getattr(adapter, "result_idx", None):
+        return kernel
+    return get().jit().main
 
 
 def cache_size() -> int:

@@ -7,12 +7,13 @@ proven: later calls only look the names up)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from engine.codegen.params import GeneratedKernel, KernelParam
 from engine.dtypes import TORCH
-from engine.runtime.compile import compile_source
+from engine.runtime.compile import compile_source, launcher
 
 TORCH_DTYPES = TORCH  # a parameter's TileLang dtype is the torch name
 
@@ -48,12 +49,13 @@ def check_arguments(params: Sequence[KernelParam], args: Sequence[Any]) -> None:
 
 
 class Kernel:
-    """One generated kernel; `kernel(**tensors)` launches it."""
+    """One generated kernel; `kernel(**tensors)` launches it (`kernel.launch(*tensors)` with
+    them in the order of `params`: the call paths' form, with no binding by name)."""
 
     def __init__(self, generated: GeneratedKernel):
         self.generated = generated
         self._compiled: Any = None
-        self._checked = False
+        self._launch: Callable[..., Any] | None = None  # after the first, checked, call
 
     @property
     def source(self) -> str:
@@ -68,9 +70,20 @@ class Kernel:
             self._compiled = compile_source(self.source)
         return self._compiled
 
+    @functools.cached_property
+    def names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.params)
+
     def __call__(self, **tensors: Any) -> Any:
-        args = bind_arguments(self.params, tensors)
-        if not self._checked:
+        return self.launch(*bind_arguments(self.params, tensors))
+
+    def pick(self, named: Mapping[str, Any]) -> list[Any]:
+        """This kernel's tensors from `named` (which may hold others'), in parameter order."""
+        return [named[n] for n in self.names]
+
+    def launch(self, *args: Any) -> Any:
+        fn = self._launch
+        if fn is None:
             check_arguments(self.params, args)
-            self._checked = True
-        return self.compiled()(*args)
+            fn = self._launch = launcher(self.compiled())
+        return fn(*args)

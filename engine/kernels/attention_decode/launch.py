@@ -73,16 +73,19 @@ def launch_decode(dk: DecodeKernels, q: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, custom: dict[str, torch.Tensor],
                   cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None
                   ) -> torch.Tensor:
-    """o [B, Sq, Hq, Dv] of the decode kernels (inputs checked by the caller)."""
+    """o [B, Sq, Hq, Dv] of the decode kernels (inputs checked by the caller). The kernels
+    launch with positional tensors picked by name (a decode step is host-bound at short
+    caches: binding keyword arguments cost a few us a launch)."""
     s = dk.shape
     o = torch.empty(s.batch, s.seqlen_q, s.heads_q, s.head_dim_v, dtype=q.dtype, device=q.device)
-    customs = {f"C_{n}": t.detach().float().contiguous() for n, t in custom.items()}
-    cache = {"K": k_cache, "V": v_cache, "Lens": cache_seqlens}
-    if s.page_size:
-        cache["BT"] = block_table
-    ws = dk.buffers(q.device)
-    outs = ws if dk.merge is not None else {"O": o}
-    dk.split(Q=q, **cache, **customs, **outs)
-    if dk.merge is not None:
-        dk.merge(**ws, Lens=cache_seqlens, **customs, O=o)
+    named = {"Q": q, "K": k_cache, "V": v_cache, "Lens": cache_seqlens, "BT": block_table,
+             "O": o}
+    for n, t in custom.items():
+        named[f"C_{n}"] = t.detach().float().contiguous()
+    if dk.merge is None:
+        dk.split.launch(*dk.split.pick(named))
+    else:
+        named.update(dk.buffers(q.device))
+        dk.split.launch(*dk.split.pick(named))
+        dk.merge.launch(*dk.merge.pick(named))
     return o
