@@ -72,7 +72,11 @@ def launcher(kernel: Any) -> Callable[..., Any]:
     get = getattr(adapter, "_get_executable", None)
     if get is None or getattr(adapter, "result_idx", None):
         return kernel
-    return get().jit().main
+    # A kernel compiled in this process has a tvm.runtime.Executable; one loaded from
+    # TileLang's disk cache, the loaded TVM-FFI module itself.
+    executable = get()
+    module = executable.jit() if callable(getattr(type(executable), "jit", None)) else executable
+    return module.main
 
 
 def cache_size() -> int:

@@ -183,3 +183,30 @@ def test_inference_calls_the_forward_kernel_without_the_autograd_function(calls,
     assert not applied and o.grad_fn is None and len(calls) == 1
     o = mod(inputs["q"], inputs["k"], inputs["v"], *custom)
     assert applied == [1] and o.grad_fn is not None and len(calls) == 2
+
+
+def test_launcher_calls_the_tvm_ffi_function_itself():
+    """TileLang's kernel with TVM-FFI's adapter launches through the module's `main` (an
+    Executable compiled here, or the module loaded from TileLang's disk cache); anything
+    else, or a kernel whose outputs TileLang allocates, through the kernel itself."""
+    from types import SimpleNamespace
+
+    from engine.runtime.compile import launcher
+
+    main = object()
+    loaded = SimpleNamespace(main=main)  # a loaded TVM-FFI module: functions as attributes
+
+    class Executable:
+        def jit(self):
+            return loaded
+
+    def kernel_with(executable, result_idx=()):
+        adapter = SimpleNamespace(_get_executable=lambda: executable, result_idx=list(result_idx))
+        return SimpleNamespace(adapter=adapter)
+
+    assert launcher(kernel_with(Executable())) is main
+    assert launcher(kernel_with(loaded)) is main
+    allocating = kernel_with(loaded, result_idx=[2])
+    assert launcher(allocating) is allocating
+    plain = FakeCompiled("src", [])
+    assert launcher(plain) is plain
