@@ -296,6 +296,8 @@ class AttentionEngine(torch.nn.Module):
 
     def _check_customs(self, args, kwargs, device: torch.device) -> list[torch.Tensor]:
         """The CustomIO tensors, positional or by name, in declaration order (checked)."""
+        if not args and not kwargs and not self.custom_io.decls:
+            return []  # none declared, none given: the common call, kept cheap
         return bind_customs(self.custom_io, args, kwargs, self.problem.named_sizes(), device)
 
     def resolved_backend(self, device: torch.device) -> str:

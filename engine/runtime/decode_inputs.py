@@ -17,7 +17,7 @@ def _tensor(name: str, t: object) -> torch.Tensor:
 
 def _check_cache(name: str, t: torch.Tensor, want: tuple, dtype: torch.dtype,
                  device: torch.device, layout: str) -> None:
-    if tuple(t.shape) != want:
+    if t.shape != want:
         raise ValueError(f"{name}: shape {tuple(t.shape)}; expected {want} ({layout})")
     if t.dtype != dtype:
         raise ValueError(f"{name}: dtype {t.dtype}; expected {dtype} (from qkv_meta)")
@@ -30,9 +30,11 @@ def _check_cache(name: str, t: torch.Tensor, want: tuple, dtype: torch.dtype,
 def check_decode_args(p: Problem, dtype: torch.dtype, q, k_cache, v_cache, cache_seqlens,
                       block_table) -> tuple[int, int]:
     """(page_size, num_pages) of the cache (0, 0: contiguous); ValueError/TypeError naming
-    the argument that does not fit the module's problem."""
-    q, k_cache, v_cache = (_tensor(n, t) for n, t in
-                           (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)))
+    the argument that does not fit the module's problem. (Written for a decode step's host
+    time: it runs on every step.)"""
+    _tensor("q", q)
+    _tensor("k_cache", k_cache)
+    _tensor("v_cache", v_cache)
     dev = q.device
     _check_cache("q", q, (p.batch, p.seqlen_q, p.heads_q, p.head_dim), dtype, dev,
                  "[B, Sq, Hq, D] from qkv_meta")
@@ -41,9 +43,10 @@ def check_decode_args(p: Problem, dtype: torch.dtype, q, k_cache, v_cache, cache
         raise ValueError(f"cache_seqlens: {lens.dtype} {tuple(lens.shape)} on {lens.device}; "
                          f"expected torch.int32 ({p.batch},) on {dev}")
     if block_table is None:
-        for name, t, d in (("k_cache", k_cache, p.head_dim), ("v_cache", v_cache, p.head_dim_v)):
-            _check_cache(name, t, (p.batch, p.seqlen_kv, p.heads_kv, d), dtype, dev,
-                         "[B, capacity, Hkv, D] from qkv_meta's k and v")
+        _check_cache("k_cache", k_cache, (p.batch, p.seqlen_kv, p.heads_kv, p.head_dim), dtype,
+                     dev, "[B, capacity, Hkv, D] from qkv_meta's k and v")
+        _check_cache("v_cache", v_cache, (p.batch, p.seqlen_kv, p.heads_kv, p.head_dim_v),
+                     dtype, dev, "[B, capacity, Hkv, D] from qkv_meta's k and v")
         return 0, 0
     bt = _tensor("block_table", block_table)
     if k_cache.dim() != 4:

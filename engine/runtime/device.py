@@ -15,6 +15,7 @@ def hopper_problem(device: torch.device, dtype: torch.dtype) -> str | None:
     return _cuda_problem(device, dtype)
 
 
+@functools.lru_cache(maxsize=64)  # asked on every module call
 def choose_backend(requested: str, device: torch.device, dtype: torch.dtype
                    ) -> tuple[str, str | None]:
     """(backend, fallback) for `requested` ("auto", "reference" or "tilelang") on `device`:
