@@ -77,7 +77,7 @@ def launch_decode(dk: DecodeKernels, q: torch.Tensor, k_cache: torch.Tensor,
     launch with positional tensors picked by name (a decode step is host-bound at short
     caches: binding keyword arguments cost a few us a launch)."""
     s = dk.shape
-    o = q.new_empty((s.batch, s.seqlen_q, s.heads_q, s.head_dim_v))
+    o = torch.empty(s.batch, s.seqlen_q, s.heads_q, s.head_dim_v, dtype=q.dtype, device=q.device)
     named = {"Q": q, "K": k_cache, "V": v_cache, "Lens": cache_seqlens, "BT": block_table,
              "O": o}
     for n, t in custom.items():
