@@ -73,6 +73,10 @@ def hist_dim(read: Expr) -> int | None:
     return rest[0] if read.attr[1][rest[0]] <= HIST_MAX else None
 
 
+def _reads_score(roots: list[Expr]) -> bool:
+    return any(n.op == "rawscore" for n in leaves(roots))
+
+
 class BackwardExprs:
     """P, dS', d score_mod / d score, and per wanted custom read (name, index, d/d read)."""
 
@@ -103,16 +107,14 @@ class BackwardExprs:
     @property
     def ds_reads_score(self) -> bool:
         """Whether dS (or a custom gradient) reads the raw score, keeping S^T live after P."""
-        roots = [self.ds_mod, self.dsm_ds, *self._custom_derivatives()]
-        return any(n.op == "rawscore" for n in leaves(roots))
+        return _reads_score([self.ds_mod, self.dsm_ds, *self._custom_derivatives()])
 
     @property
     def only_grads_read_score(self) -> bool:
         """Whether a custom gradient's derivative reads the raw score where dS' does not (S^T
         then stays live beside dP^T and dS^T for that gradient alone)."""
-        def reads(roots: list[Expr]) -> bool:
-            return any(n.op == "rawscore" for n in leaves(roots))
-        return reads(self._custom_derivatives()) and not reads([self.ds_mod, self.dsm_ds])
+        return (_reads_score(self._custom_derivatives())
+                and not _reads_score([self.ds_mod, self.dsm_ds]))
 
     @property
     def chain_rule(self) -> bool:

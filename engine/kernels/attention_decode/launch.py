@@ -82,10 +82,8 @@ def launch_decode(dk: DecodeKernels, q: torch.Tensor, k_cache: torch.Tensor,
              "O": o}
     for n, t in custom.items():
         named[f"C_{n}"] = t.detach().float().contiguous()
-    if dk.merge is None:
-        dk.split.launch(*dk.split.pick(named))
-    else:
-        named.update(dk.buffers(q.device))
-        dk.split.launch(*dk.split.pick(named))
+    named.update(dk.buffers(q.device))  # the splits' workspace ({} without a merge)
+    dk.split.launch(*dk.split.pick(named))
+    if dk.merge is not None:
         dk.merge.launch(*dk.merge.pick(named))
     return o
