@@ -59,3 +59,19 @@ def test_forced_decisions_are_checked_and_the_plan_is_frozen():
     plan = _plan("softmax")
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.split = False
+
+
+def test_custom_gradients_that_alone_read_the_score_take_32_row_steps():
+    """The default backward tile per learnable variant: 32 query rows a step where only the
+    custom gradient reads the raw score (RetNet's log decay, the key gate), the usual 64 where
+    dS reads it anyway (sigmoid) or no gradient reads it (ALiBi, the bias tables); 64 for
+    every variant without custom gradients."""
+    narrow = {"retnet", "key_gate"}
+    learnable = {n: v.learnable for n, v in VARIANTS.items() if v.learnable}
+    assert narrow < set(learnable) and {"alibi", "sigmoid"} < set(learnable)
+    for name, grads in learnable.items():
+        mod = VARIANTS[name].build(**SMALL, head_dim=128, head_dim_v=128, dtype=torch.bfloat16,
+                                   backend="tilelang")
+        rows = default_backward_config(128, 128, spec=mod.spec, custom_grads=tuple(grads)).block_M
+        assert rows == (32 if name in narrow else 64), name
+        assert default_backward_config(128, 128, spec=mod.spec).block_M == 64, name
