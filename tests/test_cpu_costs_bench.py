@@ -77,16 +77,22 @@ def test_load_tune_file(benchmark, tmp_path):
     assert hit is not None
 
 
+def _stub_kernels(monkeypatch, module_class) -> None:
+    """Every kernel launch a no-op and `module_class` on the TileLang path with CPU tensors."""
+    from engine.runtime import kernel
+
+    monkeypatch.setattr(kernel.Kernel, "compiled", lambda self: (lambda *args: None))
+    monkeypatch.setattr(module_class, "resolved_backend", lambda self, device: "tilelang")
+
+
 @pytest.fixture
 def stubbed_module(monkeypatch):
     """A module that takes the TileLang path with every kernel launch a no-op (CPU tensors):
     what is timed is the engine's own host work per call (checks, kernel and table lookups,
     argument binding, output allocation, autograd), not TileLang's launch or the GPU."""
     from engine import api
-    from engine.runtime import kernel
 
-    monkeypatch.setattr(kernel.Kernel, "compiled", lambda self: (lambda *args: None))
-    monkeypatch.setattr(api.AttentionEngine, "resolved_backend", lambda self, device: "tilelang")
+    _stub_kernels(monkeypatch, api.AttentionEngine)
     shape = dict(SHAPE, batch=1, seqlen_q=128, seqlen_kv=128, head_dim=64, head_dim_v=64)
     mod = get_variant("softmax_causal").build(**shape, dtype=torch.bfloat16, backend="auto")
     qkv = [torch.randn(1, 128, h, 64, dtype=torch.bfloat16, requires_grad=True)
@@ -119,12 +125,9 @@ def test_linear_module_forward_host_path(benchmark, monkeypatch):
     for Mamba2: its decay mod (decay * A) evaluated, dt taken as the folded value weights,
     the config picked, the decay and single-pass kernels bound."""
     from engine import linear_api
-    from engine.runtime import kernel
     from engine.variants.linear import LINEAR_VARIANTS
 
-    monkeypatch.setattr(kernel.Kernel, "compiled", lambda self: (lambda *args: None))
-    monkeypatch.setattr(linear_api.LinearAttentionEngine, "resolved_backend",
-                        lambda self, device: "tilelang")
+    _stub_kernels(monkeypatch, linear_api.LinearAttentionEngine)
     sizes = dict(batch=1, heads_q=1, heads_k=1, heads=8, seqlen=128, head_dim=64, head_dim_v=64)
     variant = LINEAR_VARIANTS["mamba2"]
     mod = variant.build(sizes, torch.bfloat16, backend="tilelang")
@@ -141,10 +144,8 @@ def test_module_decode_host_path(benchmark, monkeypatch):
     """A decode step's own host work (kernels stubbed, CPU tensors, value check off as in a
     serving loop): argument checks, the kernel lookup, the output, the launch."""
     from engine import api
-    from engine.runtime import kernel
 
-    monkeypatch.setattr(kernel.Kernel, "compiled", lambda self: (lambda *args: None))
-    monkeypatch.setattr(api.AttentionEngine, "resolved_backend", lambda self, device: "tilelang")
+    _stub_kernels(monkeypatch, api.AttentionEngine)
     monkeypatch.setattr(api, "gpu_sm_count", lambda device: 132)
     sizes = dict(batch=1, heads_q=32, heads_kv=8, seqlen_q=1, seqlen_kv=1024, head_dim=128,
                  head_dim_v=128)
