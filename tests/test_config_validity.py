@@ -90,18 +90,20 @@ def test_masked_blocks_pick_tiles_with_register_headroom():
     ws = KernelConfig(128, 128, 2, 256, schedule="overlap")
     assert masked_body_fits(big, 128, 128, 2) and not masked_body_fits(big, 128, 128, 3)
     assert masked_body_fits(mid, 128, 128, 6)
-    # The warp-specialised schedule for online softmaxes with no mask or a causal one; ReLU
-    # and sigmoid (no softmax to overlap) and heavier partial blocks keep TileLang's pipeline.
+    # The warp-specialised schedule for online softmaxes that read no tensors; ReLU and
+    # sigmoid (no softmax to overlap) and specs that read tensors (document ids, ALiBi's
+    # slopes, RetNet's decay) keep TileLang's pipeline, heavier partial blocks on 128 rows.
     expect = {"softmax": ws, "sigmoid": big, "relu": big, "softmax_causal": ws,
-              "sliding_window": mid, "document": mid, "prefix_lm": mid, "alibi": mid,
-              "softcap": mid, "retnet": mid}
+              "sliding_window": ws, "document": mid, "prefix_lm": ws, "alibi": mid,
+              "softcap": ws, "retnet": mid, "neighbourhood_2d": ws, "gemma2": ws}
     for name, cfg in expect.items():
         spec = VARIANTS[name].build(batch=1, heads_q=4, heads_kv=4, seqlen_q=256, seqlen_kv=256,
                                     head_dim=128, head_dim_v=128, dtype=torch.bfloat16,
                                     backend="reference").spec
         assert default_forward_config(128, 128, spec=spec, seqlen_q=4096) == cfg, name
         if cfg == ws:  # one kernel for every length: the automatic pipeline
-            assert default_forward_config(128, 128, spec=spec, dynamic=True) == big, name
+            auto = big if spec.masked_block_ops() <= 2 else mid
+            assert default_forward_config(128, 128, spec=spec, dynamic=True) == auto, name
     # Without a spec (or where no config has headroom) the preference order alone decides.
     assert default_forward_config(128, 128) == ws
     assert default_forward_config(256, 256) == KernelConfig(128, 64, 2, 256, schedule="overlap")

@@ -74,3 +74,13 @@ def forward_layout(bc: BlockClasses) -> tuple[torch.Tensor, ...]:
     (kernel parameters FORWARD_TABLES)."""
     lo, hi = bc.loop_bounds()
     return lo, hi, bc.classes
+
+
+# The warp-specialised forward's tables: also each query block's longest run of full key
+# blocks [Fs, Fe), walked first by a loop without the per-block class branch.
+WS_FORWARD_TABLES = (*FORWARD_TABLES, "Fs", "Fe")
+
+
+def ws_forward_layout(bc: BlockClasses) -> tuple[torch.Tensor, ...]:
+    """forward_layout's tables and the full runs (kernel parameters WS_FORWARD_TABLES)."""
+    return (*forward_layout(bc), *bc.full_run())

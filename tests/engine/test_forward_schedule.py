@@ -20,8 +20,13 @@ def _source(name: str, schedule: str = "overlap", block_N: int = 128) -> str:
     return mod.kernel_source
 
 
+REST_LOOP = "for kk in T.serial(T.max(nf, 1) - 1, n - 1):"
+FULL_LOOP = "for kk in T.serial(T.max(nf, 1) - 1):"
+
+
 def _loop_body(src: str) -> str:
-    return src[src.index("for kk in T.serial(n - 1):"):src.index("T.mbarrier_wait_parity(v_full[(n - 1)")]
+    """The loop over the blocks outside the full run (each by its class)."""
+    return src[src.index(REST_LOOP):src.index("T.mbarrier_wait_parity(v_full[(n - 1)")]
 
 
 def test_roles_and_rings():
@@ -71,3 +76,52 @@ def test_o_staged_in_q_only_where_the_shapes_match():
         **{**SHAPE, "head_dim_v": 256}, dtype=torch.bfloat16, backend="reference",
         config=KernelConfig(128, 64, 2, 256, schedule="overlap"))
     assert "O_shared = T.alloc_shared((128, 256)" in mod.kernel_source
+
+
+def test_full_run_is_walked_without_the_class_branch():
+    """Masked: the run of full key blocks first, one body and no class read; the other blocks
+    after it by their class. The producer loads in the same order; a head's longest query
+    blocks start first."""
+    src = _source("softmax_causal")
+    full_loop = src[src.index(FULL_LOOP):src.index(REST_LOOP)]
+    assert "kcls" not in full_loop and "if_then_else((bx * 128 + i) >=" not in full_loop
+    assert full_loop.count("T.wgmma_gemm") == 2 and "kb: T.int32 = fs + k" in full_loop
+    assert "kcls" in _loop_body(src)
+    assert "as (bxr, by, bz):" in src and "bx: T.int32 = 8 - 1 - bxr" in src
+    assert "Fs: T.Tensor((1, 1, 8), \"int32\")" in src
+    # no mask, no key tail: one loop, no tables of runs, the grid in order
+    plain = VARIANTS["softmax"].build(**{**SHAPE, "seqlen_q": 1024, "seqlen_kv": 1024},
+                                      dtype=torch.bfloat16, backend="reference",
+                                      config=KernelConfig(128, 128, 2, 256, schedule="overlap")
+                                      ).kernel_source
+    assert "for kk in T.serial(n - 1):" in plain and "Fs" not in plain and "bxr" not in plain
+
+
+def _walk(text: str, lo: int, fs: int, nf: int, k: int) -> int:
+    """The emitted key-block expression evaluated as the kernel would."""
+    env = {"T": type("T", (), {"if_then_else": staticmethod(lambda c, a, b: a if c else b),
+                               "Cast": staticmethod(lambda dt, x: int(x))}),
+           "lo": lo, "fs": fs, "nf": nf, "k": k}
+    return eval(text, env)
+
+
+def test_key_order_visits_every_block_once():
+    """Over random class rows: the full run first, then every other block of [lo, hi) once."""
+    from engine.kernels.attention_fwd.ws import KeyOrder
+    from engine.mask.analysis import BlockClasses
+
+    gen = torch.Generator().manual_seed(0)
+    classes = torch.randint(0, 3, (1, 1, 64, 12), generator=gen, dtype=torch.int8)
+    bc = BlockClasses(classes, 128, 128, 64 * 128, 12 * 128)
+    (lo, hi), (fs, fe) = bc.loop_bounds(), bc.full_run()
+    order = KeyOrder(full_run=True)
+    for r in range(64):
+        l, h, s, e = (int(t[0, 0, r]) for t in (lo, hi, fs, fe))
+        walk = [_walk(order.kb("k"), l, s, e - s, k) for k in range(h - l)]
+        assert sorted(walk) == list(range(l, h)), (r, walk)
+        assert walk[:e - s] == list(range(s, e))
+        assert all(classes[0, 0, r, kb] == 2 for kb in walk[:e - s])
+        row = "".join(map(str, classes[0, 0, r, l:h].tolist()))
+        assert e - s == max(len(run) for run in re.split("[01]", row))
+        rest = [_walk(order.rest_kb("k"), l, s, e - s, k) for k in range(max(e - s, 1), h - l)]
+        assert rest == walk[max(e - s, 1):]

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine import AttentionEngine, CustomIO, OnlineSoftmax, meta_tensor
+from engine.plan.config import KernelConfig
 from engine.reference import executor
 from engine.reference.executor import rel_err
 from engine.variants import VARIANTS
@@ -38,6 +39,26 @@ CASES += [
     ("sigmoid", FP16, 1, 8, 2, 513, 513, 64, 64),
     ("retnet", FP16, 1, 4, 4, 600, 600, 64, 64),
 ]
+
+
+# The warp-specialised schedules, forced, for every variant (the default takes them only for
+# causal and unmasked softmax): the full run of each query block first, the other blocks by
+# class after it (document: runs between partial blocks; sliding window: partial blocks before
+# and after), lengths that leave tails, Sq != Skv.
+WS_CONFIGS = {s: KernelConfig(128, 128, 2, 256, schedule=s) for s in ("overlap", "pingpong")}
+WS_CASES = [(name, "overlap", 1000, 1000) for name in sorted(VARIANTS)]
+WS_CASES += [(name, "pingpong", 1000, 1000) for name in ("softmax_causal", "document", "alibi")]
+WS_CASES += [(name, "overlap", sq, skv) for name in ("softmax_causal", "mistral_window",
+                                                     "prefix_lm") for sq, skv in ((300, 1000),
+                                                                                  (1000, 300))]
+
+
+def _ws_module(case):
+    name, schedule, sq, skv = case
+    sz = dict(batch=2, heads_q=8, heads_kv=2, seqlen_q=sq, seqlen_kv=skv, head_dim=128,
+              head_dim_v=128)
+    return VARIANTS[name].build(**sz, dtype=BF16, backend="tilelang",
+                                config=WS_CONFIGS[schedule]), sz
 
 
 # Cases whose module also gives the dynamic-shape kernel of its spec (precompiled).
@@ -70,6 +91,8 @@ def _precompiled(request):
         if (name, B, Sq) in DYNAMIC_PRECOMPILE:
             mod.dynamic_shapes = True  # a new request: its own kernel
             srcs.append(mod.kernel_source)
+    srcs += [_ws_module(c)[0].kernel_source for c in WS_CASES
+             if c in selected_params(request, "ws_case")]
     errors = precompile(srcs)
     # A kernel that fails to compile fails its own tests (compiling again there, with the
     # error); the rest of the module still runs.
@@ -122,6 +145,20 @@ def test_forward_matches_reference(case):
         r = ref_f[fname]
         assert not torch.isnan(f).any(), f"NaN in final row scale {fname}"
         assert rel_err(f, r) < 1e-3, f"final row scale {fname}: rel err {rel_err(f, r):.3e}"
+
+
+@pytest.mark.parametrize("ws_case", WS_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_warp_specialised_schedule_matches_reference(ws_case):
+    mod, sz = _ws_module(ws_case)
+    v = VARIANTS[ws_case[0]]
+    seed = torch.randint(0, 2**31 - 1, ()).item()
+    inp = v.make_inputs(**sz, dtype=BF16, device="cuda", seed=seed)
+    with torch.no_grad():
+        out = mod(**inp)
+    customs = {n: t for n, t in inp.items() if n not in "qkv"}
+    ref, _ = executor.forward(mod.spec, inp["q"], inp["k"], inp["v"], customs)
+    assert not torch.isnan(out).any(), "NaN (or unwritten poisoned element) in the output"
+    assert rel_err(out, ref) < 1e-2, f"rel err {rel_err(out, ref):.3e} (seed {seed})"
 
 
 def test_fully_masked_rows_give_zeros():

@@ -18,6 +18,7 @@ from engine.dsl.expr import Expr, topo
 from engine.ir.spec import TracedSpec
 from engine.kernels.attention_fwd import ws
 from engine.kernels.attention_fwd.online import OnlineBody, prepare_online, rescales
+from engine.kernels.attention_fwd.plan import has_partial_blocks, walks_full_run
 from engine.mask.analysis import reads_data
 from engine.plan.config import WS_CONSUMER_REGS, WS_PRODUCER_THREADS, KernelConfig
 from engine.plan.shape import KernelShape
@@ -107,8 +108,13 @@ def generate_forward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig) ->
                  params, preamble=preamble)
     grid_q = shape.blocks_text(shape.sq_text, shape.seqlen_q, cfg.block_M)
     threads = cfg.threads + (WS_PRODUCER_THREADS if f.ws else 0)
+    # Masked rows differ in length: the longest of a head's query blocks start first (for a
+    # causal mask, the last ones), so that the shortest make the grid's tail.
+    reverse = walks_full_run(spec, shape, cfg)
     with w.indented(), w.block(f"with T.Kernel({grid_q}, {shape.heads_q}, {shape.b_text}, "
-                               f"threads={threads}) as (bx, by, bz):"):
+                               f"threads={threads}) as ({'bxr' if reverse else 'bx'}, by, bz):"):
+        if reverse:
+            w.line(f"bx: T.int32 = {grid_q} - 1 - bxr")
         _emit_buffers(w, f, full.temps | (partial.temps if partial else set()))
         if f.ws:
             _emit_ws_body(w, f, full, partial)
@@ -134,6 +140,8 @@ def signature(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig) -> list[K
         param("Lo", (*lead, nqb), "int32"),
         param("Hi", (*lead, nqb), "int32"),
         param("Cls", (*lead, nqb, nkb), "int8"),
+        *([param(n, (*lead, nqb), "int32") for n in ("Fs", "Fe")]
+          if walks_full_run(spec, shape, cfg) else []),
         param("O", (Bt, Sq, Hq, shape.head_dim_v), dt),
         *(param(f"F_{name}", (Bt, Hq, Sq), "float32") for name in spec.final_names),
     ]
@@ -146,7 +154,7 @@ def _online_bodies(f: _Frame) -> tuple[OnlineBody, OnlineBody | None]:
     full = OnlineBody(online, f.bind, None, bM, bN, p_in_acc=f.ws)
     # A dynamic length may leave a key tail: the bound is then always part of the mask (it
     # costs nothing in full blocks, which the class table sends to the unmasked body).
-    if spec.mask is None and not shape.seqlen_kv % bN and not shape.dynamic:
+    if not has_partial_blocks(spec, shape, bN):
         return full, None
     conds = [f"({f.kv_idx} < {shape.skv_text})"]
     if spec.mask is not None:
@@ -231,16 +239,20 @@ def _emit_ws_body(w: SourceWriter, f: _Frame, full: OnlineBody, partial: OnlineB
     """The warp-specialised schedule (ws.py): the producer warp's branch, then the
     consumers' state, key loop and epilogue."""
     cfg = f.cfg
+    order = ws.KeyOrder(walks_full_run(f.spec, f.shape, cfg))
     w.line("tx = T.get_thread_binding()")
     w.line(f"lo: T.int32 = Lo[{f.table_index}, bx]")
     w.line(f"n: T.int32 = Hi[{f.table_index}, bx] - lo")
-    ws.emit_producer(w, _q_tile(f), _kv_tile(f, "K"), _kv_tile(f, "V"), cfg.num_stages)
+    if order.full_run:
+        w.line(f"fs: T.int32 = Fs[{f.table_index}, bx]")
+        w.line(f"nf: T.int32 = Fe[{f.table_index}, bx] - fs")
+    ws.emit_producer(w, _q_tile(f), _kv_tile(f, "K"), _kv_tile(f, "V"), cfg.num_stages, order)
     with w.block("else:"):
         w.line(f"T.set_max_nreg({WS_CONSUMER_REGS}, 1)")
         _emit_state_init(w, f)
         loop = ws.ConsumerLoop(w, full, partial,
                                f"Cls[{f.table_index}, bx, kb]" if partial else None, cfg,
-                               f.shape.head_dim_v)
+                               f.shape.head_dim_v, order)
         policy = f"policy=T.GemmWarpPolicy.{cfg.gemm_policy}"
         loop.emit(lambda st: f"T.wgmma_gemm(Q_shared, K_shared[{st}, :, :], acc_s, "
                              f"transpose_B=True, {policy}, clear_accum=True)",

@@ -9,10 +9,17 @@ import torch
 
 from engine.ir.spec import TracedSpec
 from engine.kernels.attention_fwd.codegen import generate_forward
+from engine.kernels.attention_fwd.plan import walks_full_run
 from engine.plan.config import KernelConfig
 from engine.plan.shape import KernelShape
 from engine.runtime.kernel import Kernel
-from engine.runtime.mask_tables import FORWARD_TABLES, MaskTables, forward_layout
+from engine.runtime.mask_tables import (
+    FORWARD_TABLES,
+    WS_FORWARD_TABLES,
+    MaskTables,
+    forward_layout,
+    ws_forward_layout,
+)
 
 
 @dataclass
@@ -36,7 +43,9 @@ class ForwardKernel:
 
 def build_forward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig) -> ForwardKernel:
     """The forward kernel of `spec` at `shape` and `cfg`, generated (not compiled)."""
-    tables = MaskTables(spec.mask, shape, cfg.block_M, cfg.block_N, forward_layout, FORWARD_TABLES)
+    layout, names = (ws_forward_layout, WS_FORWARD_TABLES) if walks_full_run(spec, shape, cfg) \
+        else (forward_layout, FORWARD_TABLES)
+    tables = MaskTables(spec.mask, shape, cfg.block_M, cfg.block_N, layout, names)
     return ForwardKernel(shape, cfg, Kernel(generate_forward(spec, shape, cfg)), tables,
                          tuple(spec.final_names))
 

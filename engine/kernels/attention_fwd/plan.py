@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from engine.dsl.expr import custom_names
 from engine.kernels.attention_fwd.online import rescales
 from engine.plan.config import (
     GEMM_POLICIES,
@@ -21,6 +22,7 @@ from engine.plan.config import (
 
 if TYPE_CHECKING:
     from engine.ir.spec import TracedSpec
+    from engine.plan.shape import KernelShape
 
 # Registers a consumer thread needs beyond its accumulators (addresses, row scales, loop state).
 REG_OVERHEAD = 48
@@ -29,6 +31,20 @@ def o_staged_in_q(cfg: KernelConfig, head_dim: int, head_dim_v: int) -> bool:
     """Whether O goes out through Q's shared tile: in the warp-specialised schedule, where
     they have one shape (every Q K^T has finished by then)."""
     return cfg.schedule != "auto" and head_dim == head_dim_v
+
+
+def has_partial_blocks(spec: TracedSpec, shape: KernelShape, block_N: int) -> bool:
+    """Whether some key block may need the masked body: a mask, or a key tail (a dynamic
+    length may leave one)."""
+    return spec.mask is not None or bool(shape.seqlen_kv % block_N) or shape.dynamic
+
+
+def walks_full_run(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig) -> bool:
+    """Whether the warp-specialised consumers walk each query block's longest run of full key
+    blocks first, in a loop of the unmasked body alone, and the other blocks after it by
+    their class: a branch per block costs the causal forward about 10% (results/NOTES.md
+    89-91)."""
+    return cfg.schedule != "auto" and has_partial_blocks(spec, shape, cfg.block_N)
 
 
 def estimate_resources(
@@ -182,14 +198,19 @@ PREFERENCE: tuple[KernelConfig, ...] = (
 )
 
 
-# The warp-specialised schedule by default only for online softmaxes (a rescaled output: there
-# is an exponential step to overlap) whose partial blocks do at most this much (no mask,
-# causal). On the H100 (variants suite, B 2 x S 4k, 32/8 heads) its forward ran 4% faster on
-# causal softmax but 4-10% slower on ALiBi, document, sliding window and prefix-LM, whose
-# partial-block bodies it duplicates with the whole pipeline step, and 18% slower on ReLU
-# attention, which has no softmax to hide; with dynamic shapes (one kernel for every length)
-# plain softmax at 4k took 0.98 ms against the automatic pipeline's 0.85 (results/NOTES.md).
-WS_MASKED_OPS = FREE_MASKED_OPS
+def ws_by_default(spec: TracedSpec) -> bool:
+    """The warp-specialised schedule by default: for online softmaxes (a rescaled output:
+    there is an exponential step to overlap) whose score, mask and online step read no
+    tensors. Measured on the H100 once the full run is walked without the class branch
+    (results/NOTES.md 100; B 2 x S 4k, 32/8 heads, D 128, against the automatic pipeline,
+    same process): neighbourhood_2d 15% faster, soft-cap 7%, Gemma-2 6%, sliding window and
+    dilated 4%, key gate 3%, prefix-LM and Mistral's window even; but ALiBi (a per-head
+    slope read) 2% slower, the document masks (ids read per block) 12-44%, and ReLU
+    attention (no softmax to hide) 12%. Not with dynamic shapes: plain softmax at 4k took
+    0.98 ms against the automatic pipeline's 0.85 (NOTES 90)."""
+    roots = [spec.score_mod, spec.online_p, spec.o_scale,
+             *([spec.mask] if spec.mask is not None else [])]
+    return rescales(spec.o_scale) and not custom_names(roots)
 
 # Rows spanning fewer blocks of the preferred tile than this take the least padded tile.
 SHORT_ROW_BLOCKS = 4
@@ -200,11 +221,11 @@ def default_forward_config(head_dim: int, head_dim_v: int, elem_bytes: int = 2,
                            seqlen_q: int | None = None, dynamic: bool = False) -> KernelConfig:
     """The first valid config of PREFERENCE; with `spec`, the first whose partial blocks also
     keep within the consumer's registers (the first valid one if none does), and the
-    warp-specialised schedule only for online softmaxes with cheap partial blocks
-    (WS_MASKED_OPS), and not with `dynamic` shapes (runtime lengths). With a
+    warp-specialised schedule only where ws_by_default says so, and not with `dynamic`
+    shapes (runtime lengths). With a
     short `seqlen_q` (a few blocks), the first of those that pads the rows least."""
     ops = spec.masked_block_ops() if spec is not None else 0
-    ws = not dynamic and (spec is None or (ops <= WS_MASKED_OPS and rescales(spec.o_scale)))
+    ws = not dynamic and (spec is None or ws_by_default(spec))
     valid = [c for c in PREFERENCE if not config_problems(c, head_dim, head_dim_v, elem_bytes)
              and (c.schedule == "auto" or ws)]
     if not valid:

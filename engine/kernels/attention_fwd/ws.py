@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from engine.codegen.rings import parity, ring
 from engine.codegen.source import SourceWriter
@@ -46,7 +47,33 @@ def o_stage(cfg: KernelConfig, D: int, Dv: int) -> str:
     return "Q_shared" if o_staged_in_q(cfg, D, Dv) else "O_shared"
 
 
-def emit_producer(w: SourceWriter, q_src: str, k_src: str, v_src: str, stages: int) -> None:
+@dataclass(frozen=True)
+class KeyOrder:
+    """The order in which producer and consumers walk a query block's key blocks: [lo, lo + n)
+    in turn, or (`full_run`) the run of full blocks [fs, fs + nf) first and then the others
+    in turn (the online softmax does not depend on the order)."""
+
+    full_run: bool
+
+    def kb(self, j: str) -> str:
+        """The key block of step `j`."""
+        if not self.full_run:
+            return f"lo + {j}"
+        if j == "0":  # fs is lo where the run is empty
+            return "fs"
+        return f"T.if_then_else({j} < nf, fs + {j}, {self.rest_kb(j)})"
+
+    @staticmethod
+    def rest_kb(j: str) -> str:
+        """The key block of step `j` >= nf: the (j - nf)-th block outside the full run.
+        Branch-free: TileLang substitutes `kb` into every element of the mask, and a
+        conditional there doubled the kernel's code and made ptxas spill (neighbourhood_2d:
+        2.2x slower on the H100)."""
+        return f"lo + ({j} - nf) + nf * T.Cast(\"int32\", lo + ({j} - nf) >= fs)"
+
+
+def emit_producer(w: SourceWriter, q_src: str, k_src: str, v_src: str, stages: int,
+                  order: KeyOrder) -> None:
     """Warp 0 of the producer warpgroup: Q, then per step the K and V stages, each once the
     consumers have freed it. `k_src`/`v_src` are slices at key block `kb`."""
     with w.block(f"if tx < {WS_PRODUCER_THREADS}:"):
@@ -55,7 +82,7 @@ def emit_producer(w: SourceWriter, q_src: str, k_src: str, v_src: str, stages: i
             w.line(f"T.tma_copy({q_src}, Q_shared, barrier=q_full[0])")
             w.line("T.mbarrier_arrive(q_full[0])")
             with w.block("for k in T.serial(n):"):
-                w.line("kb: T.int32 = lo + k")
+                w.line(f"kb: T.int32 = {order.kb('k')}")
                 for name, src in (("k", k_src), ("v", v_src)):
                     w.line(f"T.mbarrier_wait_parity({name}_empty[k % {stages}], "
                            f"{parity(stages)} ^ 1)")
@@ -69,8 +96,9 @@ class ConsumerLoop:
     class of key block kb (None: every block takes the full body)."""
 
     def __init__(self, w: SourceWriter, full: OnlineBody, partial: OnlineBody | None,
-                 cls_text: str | None, cfg: KernelConfig, head_dim_v: int):
+                 cls_text: str | None, cfg: KernelConfig, head_dim_v: int, order: KeyOrder):
         self.w, self.full, self.partial, self.cls_text = w, full, partial, cls_text
+        self.order = order
         self.st, self.pingpong, self.consumers = cfg.num_stages, cfg.schedule == "pingpong", \
             cfg.threads
         self.bM, self.Dv = cfg.block_M, head_dim_v
@@ -86,23 +114,37 @@ class ConsumerLoop:
                 w.line(f"T.named_barrier_arrive({TURN_BARRIERS[0]}, {self.consumers})")
         w.line("T.mbarrier_wait_parity(q_full[0], 0)")
         with w.block("if n > 0:"):
-            w.line("kb: T.int32 = lo")
+            w.line(f"kb: T.int32 = {self.order.kb('0')}")
             self._class()
             w.line("T.mbarrier_wait_parity(k_full[0], 0)")
             with self._turn():
                 w.line(qk("0"))
             self._wait_scores(0, "0")
             self._by_class(lambda body: self._body(body, first=True))
-            with w.block("for kk in T.serial(n - 1):"):
-                w.lines(["k: T.int32 = kk + 1", "kb: T.int32 = lo + k"])
-                self._class()
-                w.line(f"T.mbarrier_wait_parity(k_full[k % {st}], {parity(st)})")
-                w.line(f"T.mbarrier_wait_parity(v_full[kk % {st}], {parity(st, 'kk')})")
+            if self.order.full_run:  # steps 1 .. nf - 1: the full run, the unmasked body
+                with w.block("for kk in T.serial(T.max(nf, 1) - 1):"):
+                    self._steps_head("fs + k", classed=False)
+                    self._step(self.full, qk, pv)
+                loop, kb = "T.serial(T.max(nf, 1) - 1, n - 1)", self.order.rest_kb("k")
+            else:
+                loop, kb = "T.serial(n - 1)", self.order.kb("k")
+            with w.block(f"for kk in {loop}:"):
+                self._steps_head(kb, classed=True)
                 self._by_class(lambda body: self._step(body, qk, pv))
             w.line(f"T.mbarrier_wait_parity(v_full[(n - 1) % {st}], {parity(st, '(n - 1)')})")
             with self._turn():
                 w.line(pv(f"(n - 1) % {st}"))
             self._wait_output()
+
+    def _steps_head(self, kb: str, classed: bool) -> None:
+        """Step k = kk + 1 at key block `kb`: its class read (`classed`), then the waits for
+        its K and the previous block's V."""
+        st = self.st
+        self.w.lines(["k: T.int32 = kk + 1", f"kb: T.int32 = {kb}"])
+        if classed:
+            self._class()
+        self.w.line(f"T.mbarrier_wait_parity(k_full[k % {st}], {parity(st)})")
+        self.w.line(f"T.mbarrier_wait_parity(v_full[kk % {st}], {parity(st, 'kk')})")
 
     def _class(self) -> None:
         # Read ahead of the gemms: a global load at the branch would wait behind them.
