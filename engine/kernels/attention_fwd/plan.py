@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from engine.dsl.expr import custom_names
+from engine.dsl.expr import CUSTOM_READS, topo
 from engine.kernels.attention_fwd.online import rescales
 from engine.plan.config import (
     GEMM_POLICIES,
@@ -201,7 +201,8 @@ PREFERENCE: tuple[KernelConfig, ...] = (
 def ws_by_default(spec: TracedSpec) -> bool:
     """The warp-specialised schedule by default: for online softmaxes (a rescaled output:
     there is an exponential step to overlap) whose score, mask and online step read no
-    tensors. Measured on the H100 once the full run is walked without the class branch
+    tensors per query or key (one value per (batch, head), such as ALiBi's slopes or a key
+    gate, is read once per element from L1 either way). Measured on the H100 once the full run is walked without the class branch
     (results/NOTES.md 100; B 2 x S 4k, 32/8 heads, D 128, against the automatic pipeline,
     same process): neighbourhood_2d 15% faster, soft-cap 7%, Gemma-2 6%, sliding window and
     dilated 4%, key gate 3%, prefix-LM and Mistral's window even; but ALiBi (a per-head
@@ -210,7 +211,8 @@ def ws_by_default(spec: TracedSpec) -> bool:
     0.98 ms against the automatic pipeline's 0.85 (NOTES 90)."""
     roots = [spec.score_mod, spec.online_p, spec.o_scale,
              *([spec.mask] if spec.mask is not None else [])]
-    return rescales(spec.o_scale) and not custom_names(roots)
+    per_element = [n for n in topo(roots) if n.op in CUSTOM_READS and n.axes]
+    return rescales(spec.o_scale) and not per_element
 
 # Rows spanning fewer blocks of the preferred tile than this take the least padded tile.
 SHORT_ROW_BLOCKS = 4
