@@ -90,12 +90,14 @@ def test_masked_blocks_pick_tiles_with_register_headroom():
     ws = KernelConfig(128, 128, 2, 256, schedule="overlap")
     assert masked_body_fits(big, 128, 128, 2) and not masked_body_fits(big, 128, 128, 3)
     assert masked_body_fits(mid, 128, 128, 6)
-    # The warp-specialised schedule for online softmaxes that read no tensors; ReLU and
-    # sigmoid (no softmax to overlap) and specs that read tensors (document ids, ALiBi's
-    # slopes, RetNet's decay) keep TileLang's pipeline, heavier partial blocks on 128 rows.
+    # The warp-specialised schedule for online softmaxes that read no tensor per query or
+    # key; ReLU and sigmoid (no softmax to overlap), RetNet (no rescaled output) and specs
+    # that read per-query or per-key data (document ids) keep TileLang's pipeline, heavier
+    # partial blocks on 128 rows.
     expect = {"softmax": ws, "sigmoid": big, "relu": big, "softmax_causal": ws,
-              "sliding_window": ws, "document": mid, "prefix_lm": ws, "alibi": mid,
-              "softcap": ws, "retnet": mid, "neighbourhood_2d": ws, "gemma2": ws}
+              "sliding_window": ws, "document": mid, "prefix_lm": ws, "alibi": ws,
+              "softcap": ws, "retnet": mid, "neighbourhood_2d": ws, "gemma2": ws, "key_gate": ws,
+              "t5_bias": KernelConfig(128, 64, 2, 256)}
     for name, cfg in expect.items():
         spec = VARIANTS[name].build(batch=1, heads_q=4, heads_kv=4, seqlen_q=256, seqlen_kv=256,
                                     head_dim=128, head_dim_v=128, dtype=torch.bfloat16,

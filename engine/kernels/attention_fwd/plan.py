@@ -200,15 +200,14 @@ PREFERENCE: tuple[KernelConfig, ...] = (
 
 def ws_by_default(spec: TracedSpec) -> bool:
     """The warp-specialised schedule by default: for online softmaxes (a rescaled output:
-    there is an exponential step to overlap) whose score, mask and online step read no
-    tensors per query or key (one value per (batch, head), such as ALiBi's slopes or a key
-    gate, is read once per element from L1 either way). Measured on the H100 once the full run is walked without the class branch
-    (results/NOTES.md 100; B 2 x S 4k, 32/8 heads, D 128, against the automatic pipeline,
-    same process): neighbourhood_2d 15% faster, soft-cap 7%, Gemma-2 6%, sliding window and
-    dilated 4%, key gate 3%, prefix-LM and Mistral's window even; but ALiBi (a per-head
-    slope read) 2% slower, the document masks (ids read per block) 12-44%, and ReLU
-    attention (no softmax to hide) 12%. Not with dynamic shapes: plain softmax at 4k took
-    0.98 ms against the automatic pipeline's 0.85 (NOTES 90)."""
+    there is an exponential step to overlap) whose score, mask and online step read no tensor
+    per query or key (one value per (batch, head), as ALiBi's slopes or a key gate, is fine).
+    On the H100 once the full run is walked without the class branch (results/NOTES.md 100,
+    101; B 2 x S 4k, 32/8 heads, D 128), against the automatic pipeline: neighbourhood_2d
+    15% faster, soft-cap 7%, Gemma-2 6%, sliding window and dilated 4%, key gate 3%,
+    prefix-LM, Mistral's window and ALiBi even; the document masks (ids read per query and
+    key) 12-44% slower, ReLU attention (no softmax to hide) 12%. Not with dynamic shapes:
+    plain softmax at 4k took 0.98 ms against the automatic pipeline's 0.85 (NOTES 90)."""
     roots = [spec.score_mod, spec.online_p, spec.o_scale,
              *([spec.mask] if spec.mask is not None else [])]
     per_element = [n for n in topo(roots) if n.op in CUSTOM_READS and n.axes]
