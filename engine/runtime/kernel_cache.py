@@ -10,7 +10,11 @@ import logging
 from engine.dtypes import KERNEL_DTYPES, elem_bytes
 from engine.ir.merge import TracedMerge
 from engine.kernels.attention_bwd.launch import BackwardKernels
-from engine.kernels.attention_bwd.plan import check_backward_config
+from engine.kernels.attention_bwd.plan import (
+    NARROW_BLOCK_M,
+    check_backward_config,
+    wants_narrow_rows,
+)
 from engine.kernels.attention_decode.launch import DecodeKernels
 from engine.kernels.attention_decode.plan import DecodeConfig, DecodeShape
 from engine.kernels.attention_fwd.launch import ForwardKernel
@@ -39,9 +43,18 @@ def forward_config(req: KernelRequest) -> KernelConfig:
 def backward_config(req: KernelRequest, config: KernelConfig | None = None,
                     custom_grads: tuple[str, ...] = ()) -> KernelConfig:
     """`config`, else the module's backward config, else the tune file's, else the default
-    (for the gradients of `custom_grads` too)."""
+    (for the gradients of `custom_grads` too). The tuner times the backward without custom
+    gradients, so its entry is passed over where they need narrower steps than it has."""
     p, spec = req.problem, req.spec
-    cfg = config or req.options.backward_config or tuned_config(req, ATTENTION_BWD)
+    cfg = config or req.options.backward_config
+    if cfg is None:
+        cfg = tuned_config(req, ATTENTION_BWD)
+        if cfg is not None and cfg.block_M > NARROW_BLOCK_M \
+                and wants_narrow_rows(spec, tuple(custom_grads)):
+            log.info("engine: tuned backward config %s has %d-row steps; the gradients of %s "
+                     "take the default's narrower ones", cfg.key(), cfg.block_M,
+                     ", ".join(custom_grads))
+            cfg = None
     if cfg is None:
         return ATTENTION_BWD.default(p.head_dim, p.head_dim_v, spec=spec,
                                      custom_grads=tuple(custom_grads))

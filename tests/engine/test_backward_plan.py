@@ -75,3 +75,21 @@ def test_custom_gradients_that_alone_read_the_score_take_32_row_steps():
         rows = default_backward_config(128, 128, spec=mod.spec, custom_grads=tuple(grads)).block_M
         assert rows == (32 if name in narrow else 64), name
         assert default_backward_config(128, 128, spec=mod.spec).block_M == 64, name
+
+
+def test_tuned_backward_entry_gives_way_to_narrow_custom_gradient_steps(monkeypatch):
+    """The tuner times the backward without custom gradients: its 64-row entry serves q, k, v
+    alone, but RetNet's decay gradient keeps the 32-row default; a config the user passes wins
+    over both."""
+    from engine.plan.config import KernelConfig
+    from engine.runtime import kernel_cache
+
+    tuned = KernelConfig(64, 128, 2, 256)
+    monkeypatch.setattr(kernel_cache, "tuned_config", lambda req, kind: tuned)
+    mod = VARIANTS["retnet"].build(**SMALL, head_dim=128, head_dim_v=128, dtype=torch.bfloat16,
+                                   backend="tilelang")
+    req = mod.kernel_request()
+    assert kernel_cache.backward_config(req) == tuned
+    assert kernel_cache.backward_config(req, custom_grads=("log_decay",)).block_M == 32
+    mine = KernelConfig(64, 128, 1, 256)
+    assert kernel_cache.backward_config(req, mine, custom_grads=("log_decay",)) == mine

@@ -233,6 +233,13 @@ def check_backward_config(
 NARROW_BLOCK_M = 32
 
 
+def wants_narrow_rows(spec: TracedSpec, custom_grads: tuple[str, ...]) -> bool:
+    """Whether the gradients of `custom_grads` take steps of at most NARROW_BLOCK_M query
+    rows: where only such a gradient reads the raw score (its derivative tile beside S^T,
+    dP^T and P^T spilled or serialised the wgmmas at 64 rows: results/NOTES.md 93-94)."""
+    return bool(custom_grads) and BackwardExprs(spec, custom_grads).only_grads_read_score
+
+
 def default_backward_config(head_dim: int, head_dim_v: int, elem_bytes: int = 2,
                             spec: TracedSpec | None = None,
                             custom_grads: tuple[str, ...] = ()) -> KernelConfig:
@@ -241,7 +248,7 @@ def default_backward_config(head_dim: int, head_dim_v: int, elem_bytes: int = 2,
     rows a step, if any, where only a gradient of `custom_grads` reads `spec`'s raw score."""
     valid = [c for c in PREFERENCE
              if not backward_config_problems(c, head_dim, head_dim_v, elem_bytes)]
-    if spec is not None and custom_grads and BackwardExprs(spec, custom_grads).only_grads_read_score:
+    if spec is not None and wants_narrow_rows(spec, custom_grads):
         valid = [c for c in valid if c.block_M <= NARROW_BLOCK_M] + valid
     for cfg in valid:
         return cfg
