@@ -129,9 +129,12 @@ def test_ctrl_c_writes_the_best_so_far_then_exits_130(tmp_path):
     storage = f"sqlite:///{tmp_path / 's.db'}"
     slow = ["--fake-options", json.dumps({"delay_s": 0.4})]
     log = tmp_path / "run.log"
-    # Its own process group, which a terminal's Ctrl-C signals as a whole (workers included).
+    # Its own process group, which a terminal's Ctrl-C signals as a whole (workers included),
+    # with SIGINT handled as a terminal's process has it: a test run started in the background
+    # (`cmd &` without job control) passes SIGINT on ignored, and the tuner keeps it so.
     proc = subprocess.Popen(_cmd(storage, 40, tmp_path, *slow), cwd=REPO, stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         _wait_for(lambda: len(_evaluated(_only_study(storage))) >= 3, 120, "3 finished trials")
         os.killpg(proc.pid, signal.SIGINT)
