@@ -54,10 +54,11 @@ class BlockClasses:
         lo = torch.minimum(lo, hi)
         return lo.to(torch.int32), hi.to(torch.int32)
 
-    def full_run(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def full_run(self, lo: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per (b', h', q block): the longest run [start, end) of FULL kv blocks (any one of
-        several as long; start == end == the loop's lo where no block is full). A kernel walks
-        it with the unmasked body alone, without reading the class per block."""
+        several as long; start == end == `lo`, loop_bounds()' first block, where no block is
+        full). A kernel walks it with the unmasked body alone, without reading the class per
+        block."""
         full = self.classes == FULL
         nkb = full.shape[-1]
         ar = torch.arange(nkb, dtype=torch.int32)
@@ -65,7 +66,6 @@ class BlockClasses:
         last_gap = torch.where(full, torch.full_like(ar, -1), ar).cummax(-1).values
         run = torch.where(full, ar - last_gap, torch.zeros_like(ar))
         length, last = run.max(-1)
-        lo, _ = self.loop_bounds()
         start = torch.where(length > 0, last - length + 1, lo)
         return start.to(torch.int32), (start + length).to(torch.int32)
 

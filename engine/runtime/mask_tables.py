@@ -83,4 +83,5 @@ WS_FORWARD_TABLES = (*FORWARD_TABLES, "Fs", "Fe")
 
 def ws_forward_layout(bc: BlockClasses) -> tuple[torch.Tensor, ...]:
     """forward_layout's tables and the full runs (kernel parameters WS_FORWARD_TABLES)."""
-    return (*forward_layout(bc), *bc.full_run())
+    lo, hi = bc.loop_bounds()
+    return lo, hi, bc.classes, *bc.full_run(lo)

@@ -113,7 +113,8 @@ def test_key_order_visits_every_block_once():
     gen = torch.Generator().manual_seed(0)
     classes = torch.randint(0, 3, (1, 1, 64, 12), generator=gen, dtype=torch.int8)
     bc = BlockClasses(classes, 128, 128, 64 * 128, 12 * 128)
-    (lo, hi), (fs, fe) = bc.loop_bounds(), bc.full_run()
+    lo, hi = bc.loop_bounds()
+    fs, fe = bc.full_run(lo)
     order = KeyOrder(full_run=True)
     for r in range(64):
         l, h, s, e = (int(t[0, 0, r]) for t in (lo, hi, fs, fe))

@@ -30,6 +30,7 @@ class _Frame:
     def __init__(self, spec: TracedSpec, shape: KernelShape, cfg: KernelConfig):
         self.spec, self.shape, self.cfg = spec, shape, cfg
         self.ws = cfg.schedule != "auto"
+        self.full_run = walks_full_run(spec, shape, cfg)
         bM, bN = cfg.block_M, cfg.block_N
         self.q_idx, self.kv_idx = f"(bx * {bM} + i)", f"(kb * {bN} + j)"
         self.index_text = {"b": "bz", "h": "by", "q": self.q_idx, "kv": self.kv_idx}
@@ -110,7 +111,7 @@ def generate_forward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig) ->
     threads = cfg.threads + (WS_PRODUCER_THREADS if f.ws else 0)
     # Masked rows differ in length: the longest of a head's query blocks start first (for a
     # causal mask, the last ones), so that the shortest make the grid's tail.
-    reverse = walks_full_run(spec, shape, cfg)
+    reverse = f.full_run
     with w.indented(), w.block(f"with T.Kernel({grid_q}, {shape.heads_q}, {shape.b_text}, "
                                f"threads={threads}) as ({'bxr' if reverse else 'bx'}, by, bz):"):
         if reverse:
@@ -239,7 +240,7 @@ def _emit_ws_body(w: SourceWriter, f: _Frame, full: OnlineBody, partial: OnlineB
     """The warp-specialised schedule (ws.py): the producer warp's branch, then the
     consumers' state, key loop and epilogue."""
     cfg = f.cfg
-    order = ws.KeyOrder(walks_full_run(f.spec, f.shape, cfg))
+    order = ws.KeyOrder(f.full_run)
     w.line("tx = T.get_thread_binding()")
     w.line(f"lo: T.int32 = Lo[{f.table_index}, bx]")
     w.line(f"n: T.int32 = Hi[{f.table_index}, bx] - lo")

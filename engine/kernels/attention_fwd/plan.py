@@ -213,6 +213,7 @@ def ws_by_default(spec: TracedSpec) -> bool:
     per_element = [n for n in topo(roots) if n.op in CUSTOM_READS and n.axes]
     return rescales(spec.o_scale) and not per_element
 
+
 # Rows spanning fewer blocks of the preferred tile than this take the least padded tile.
 SHORT_ROW_BLOCKS = 4
 
@@ -223,8 +224,8 @@ def default_forward_config(head_dim: int, head_dim_v: int, elem_bytes: int = 2,
     """The first valid config of PREFERENCE; with `spec`, the first whose partial blocks also
     keep within the consumer's registers (the first valid one if none does), and the
     warp-specialised schedule only where ws_by_default says so, and not with `dynamic`
-    shapes (runtime lengths). With a
-    short `seqlen_q` (a few blocks), the first of those that pads the rows least."""
+    shapes (runtime lengths). With a short `seqlen_q` (a few blocks), the first of those
+    that pads the rows least."""
     ops = spec.masked_block_ops() if spec is not None else 0
     ws = not dynamic and (spec is None or ws_by_default(spec))
     valid = [c for c in PREFERENCE if not config_problems(c, head_dim, head_dim_v, elem_bytes)

@@ -55,12 +55,15 @@ class KeyOrder:
 
     full_run: bool
 
+    @property
+    def first_kb(self) -> str:
+        """The key block of step 0 (fs is lo where the run is empty)."""
+        return "fs" if self.full_run else "lo"
+
     def kb(self, j: str) -> str:
         """The key block of step `j`."""
         if not self.full_run:
             return f"lo + {j}"
-        if j == "0":  # fs is lo where the run is empty
-            return "fs"
         return f"T.if_then_else({j} < nf, fs + {j}, {self.rest_kb(j)})"
 
     @staticmethod
@@ -114,7 +117,7 @@ class ConsumerLoop:
                 w.line(f"T.named_barrier_arrive({TURN_BARRIERS[0]}, {self.consumers})")
         w.line("T.mbarrier_wait_parity(q_full[0], 0)")
         with w.block("if n > 0:"):
-            w.line(f"kb: T.int32 = {self.order.kb('0')}")
+            w.line(f"kb: T.int32 = {self.order.first_kb}")
             self._class()
             w.line("T.mbarrier_wait_parity(k_full[0], 0)")
             with self._turn():
