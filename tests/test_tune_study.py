@@ -428,3 +428,18 @@ def test_a_changed_space_gets_a_study_of_its_own(tmp_path, caplog):
     # The same space again resumes that study instead of branching once more.
     third = run_study(FakeObjective(PROBLEM), parse_space(new), _opts(tmp_path, trials=4))
     assert third.study_name == second.study_name
+
+
+def test_a_trial_killed_while_sampling_does_not_fork_the_study(tmp_path):
+    """A tuner killed between two parameters of a trial leaves it RUNNING with part of the
+    space's distributions: the resumed run goes on in the same study (it used to start a
+    ':space-' one, losing sight of the measured trials)."""
+    space = {"template": "attention_fwd", "params": {"block_M": [64, 128], "block_N": [64, 128],
+                                                     "num_stages": [2], "threads": [256]}}
+    first = run_study(FakeObjective(PROBLEM), parse_space(space), _opts(tmp_path, trials=3))
+    study = _study(tmp_path, first.study_name)
+    killed = study.ask()
+    killed.suggest_categorical("block_M", [64, 128])  # the tuner dies here
+    second = run_study(FakeObjective(PROBLEM), parse_space(space), _opts(tmp_path, trials=5))
+    assert second.study_name == first.study_name
+    assert len(_evaluated(_study(tmp_path, first.study_name))) >= first.evaluated

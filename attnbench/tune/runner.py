@@ -103,10 +103,17 @@ def space_digest(space: SearchSpace) -> str:
 
 
 def _same_space(study: optuna.Study, space: SearchSpace) -> bool:
-    """Whether every trial of `study` was drawn from `space`'s parameters and choices."""
+    """Whether every trial of `study` was drawn from `space`'s parameters and choices. A trial
+    that did not complete may hold only the parameters drawn before its tuner died (SIGKILL
+    mid-sampling): it matches where those agree (before, it forked a resumed study)."""
     want = space_distributions(space)
-    return all(t.distributions == want for t in study.get_trials(deepcopy=False)
-               if t.distributions)
+
+    def drawn_from(t: optuna.trial.FrozenTrial) -> bool:
+        if t.state == TrialState.COMPLETE:
+            return t.distributions == want
+        return all(want.get(n) == d for n, d in t.distributions.items())
+
+    return all(drawn_from(t) for t in study.get_trials(deepcopy=False) if t.distributions)
 
 
 def _n_jobs(requested: int) -> int:
