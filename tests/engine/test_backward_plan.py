@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from engine import where
 from engine.kernels.attention_bwd.plan import default_backward_config, plan_backward
 from engine.plan.config import KernelConfig
 from engine.plan.shape import KernelShape
@@ -93,3 +94,73 @@ def test_tuned_backward_entry_gives_way_to_narrow_custom_gradient_steps(monkeypa
     assert kernel_cache.backward_config(req, custom_grads=("log_decay",)).block_M == 32
     mine = KernelConfig(64, 128, 1, 256)
     assert kernel_cache.backward_config(req, mine, custom_grads=("log_decay",)) == mine
+
+
+def _table_grad(index):
+    """The backward's analysis of a learnable (heads, 64) table read at `index(q_idx, kv_idx)`
+    and added to the score (or, for index None, multiplying it at q_idx - kv_idx)."""
+    from engine import AttentionEngine, CustomIO, meta_tensor
+    from engine.kernels.attention_bwd.exprs import BackwardExprs
+
+    def score_mod(s, io, b, h, q, k):
+        if index is None:
+            return s * io["t"][h, (q - k).abs()]
+        return s * 0.125 + io["t"][h, index(q, k)]
+
+    meta = tuple(meta_tensor(1, 4, 256, 64, dtype=torch.bfloat16) for _ in range(3))
+    mod = AttentionEngine(meta, CustomIO({"t": ("heads", 64)}), score_mod=score_mod,
+                          backend="tilelang")
+    return mod, BackwardExprs(mod.spec, ("t",)).dc_gathers[0]
+
+
+def _exprs(mod):
+    from engine.kernels.attention_bwd.exprs import BackwardExprs
+
+    return BackwardExprs(mod.spec, ("t",))
+
+
+@pytest.mark.parametrize("index, diag_dim", [
+    (lambda q, k: q - k + 7, 1), (lambda q, k: (k - q).abs() // 4, 1),
+    (lambda q, k: where(q < k, 0, 1) + (q - k).max(0), 1),
+    (lambda q, k: q // 2, None), (lambda q, k: q + k, None), (lambda q, k: q - k + q // 64, None),
+])
+def test_table_index_read_through_q_minus_kv_alone(index, diag_dim):
+    assert _table_grad(index)[1].diag_dim == diag_dim
+
+
+def test_table_gradients_are_summed_by_diagonals_where_a_constant_turns_ds_into_them():
+    from engine.kernels.attention_bwd.plan import diagonal_tables
+
+    mod, g = _table_grad(lambda q, k: q - k + 7)
+    assert g.ds_factor == pytest.approx(8.0)  # dS^T holds dS' * 0.125
+    shape = KernelShape.of(mod)
+    assert plan_backward(mod.spec, shape, default_backward_config(64, 64), ("t",)
+                         ).diagonal_tables == (0,)
+    # 128 x 128 tiles need 16 warps of lanes; a multiplying table's d/d read is the score
+    assert diagonal_tables(_exprs(mod), KernelConfig(128, 128, 2, 256), False) == ()
+    mod, g = _table_grad(None)
+    assert g.diag_dim == 1 and g.ds_factor is None
+    assert plan_backward(mod.spec, KernelShape.of(mod), default_backward_config(64, 64), ("t",)
+                         ).diagonal_tables == ()
+    assert _plan("t5_bias", grads=("t5_bias",)).diagonal_tables == (0,)
+
+
+@pytest.mark.parametrize("bm, bn", [(64, 128), (32, 128), (64, 64), (16, 128), (128, 64)])
+def test_diagonal_lanes_hold_each_block_and_own_each_local_diagonal_once(bm, bn):
+    """The lane of block (r, c) as codegen/diagonals.py computes it: group c - r + nr - 1,
+    lane r - max(0, r - c) in the group; lane k owns local diagonals k - 8 + group * e."""
+    from engine.kernels.attention_bwd.plan import DIAG_BLOCK, diagonal_lanes
+
+    lanes = diagonal_lanes(bm, bn)
+    nr, nc = bn // DIAG_BLOCK, bm // DIAG_BLOCK
+    held = set()
+    for r in range(nr):
+        for c in range(nc):
+            u = c - r
+            group, k = u + nr - 1, r - max(0, -u)
+            assert 0 <= k < lanes.group and 0 <= group < lanes.groups
+            held.add((group, k))
+    assert len(held) == nr * nc and lanes.groups * lanes.group <= 32 * lanes.warps
+    owned = sorted(k - DIAG_BLOCK + lanes.group * e
+                   for k in range(lanes.group) for e in range(lanes.owned))
+    assert owned == list(range(-DIAG_BLOCK, DIAG_BLOCK))

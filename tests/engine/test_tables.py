@@ -77,18 +77,31 @@ def test_float_indices_are_refused():
         io["t"][index_leaf("h"), index_leaf("q").float() * 0.5]
 
 
-def test_kernels_clamp_table_reads_and_add_table_gradients_atomically():
+def test_kernels_clamp_table_reads_and_add_table_gradients_atomically(monkeypatch):
+    from engine.kernels.attention_bwd import plan
+
     mod = table_spec.module(torch.bfloat16, 2, 8, 2, 1000, 64)
     src = mod.kernel_source
     assert re.search(r"C_rel\[by, T\.max\(T\.min\(.*, 1998\), 0\)\]", src)
     assert "C_rel: T.Tensor((8, 1999,)" in src
+    # Both tables read q - kv alone: their gradients are summed along dS^T's diagonals (16-byte
+    # rows of 8 x 8 blocks, shuffles within a group), each owned sum added at a new entry.
     main = mod.backward_kernels(custom_grads=("rel", "t5")).main.source
-    # the 1999-entry row per head: each element's atomic into global memory; T5's 32 buckets:
-    # summed in a shared row per thread block, then one global atomic per entry
+    assert main.count("for b in T.vectorized(8):") == 1
+    assert main.count("T.shfl_xor(dg_part[d], ") == 3
+    assert main.count("T.atomic_add(dC_rel[by, dg_at0[e]], dg_acc0[e] * T.float32(8.0))") == 2
+    assert main.count("T.atomic_add(dC_t5[by, dg_at1[e]], dg_acc1[e] * T.float32(8.0))") == 2
+    assert "tg1" not in main and "T.atomic_add(dC_rel[by, T.max(" not in main
+    # Element by element: the 1999-entry row per head by global atomics; T5's 32 buckets summed
+    # in a shared row per thread block, then one global atomic per entry.
+    monkeypatch.setattr(plan, "diagonal_tables", lambda ex, cfg, det: ())
+    main = table_spec.module(torch.bfloat16, 2, 8, 2, 1000, 64).backward_kernels(
+        custom_grads=("rel", "t5")).main.source
     assert main.count("T.atomic_add(dC_rel[by, T.max(T.min(") == 1
     assert 'tg1 = T.alloc_shared((32,), "float32")' in main
     assert main.count("T.atomic_add(tg1[") == 1
     assert main.count("T.atomic_add(dC_t5[by, t], tg1[t])") == 1
+    assert "dg_part" not in main
     mod.deterministic = True
     assert "table lookup" in mod.backward_problem(("rel",))
 

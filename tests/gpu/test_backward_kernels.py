@@ -119,7 +119,7 @@ WS_CONFIGS = [KernelConfig(64, 64, 1, 128, "FullRow", 8), KernelConfig(64, 128, 
 
 
 @pytest.mark.parametrize("cfg", WS_CONFIGS, ids=lambda c: c.key())
-@pytest.mark.parametrize("name", ["softmax_causal", "alibi", "document"])
+@pytest.mark.parametrize("name", ["softmax_causal", "alibi", "document", "t5_bias"])
 def test_warp_specialised_configs_match_reference(name, cfg):
     assert ws_schedule_fits(cfg, 128, 128) and not backward_config_problems(cfg, 128, 128)
     _check_against_reference((name, BF16, 2, 8, 2, 777, 777, 128, 128), cfg)

@@ -4,6 +4,8 @@ over the raw score (leaf `rawscore`); and what the kernels cannot do (a refusal,
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from engine.dsl.expr import Expr, leaf, leaves, topo
 from engine.ir.diff import diff, score_mod_derivatives
 from engine.ir.rewrite import substitute
@@ -73,6 +75,64 @@ def hist_dim(read: Expr) -> int | None:
     return rest[0] if read.attr[1][rest[0]] <= HIST_MAX else None
 
 
+_FLIPPED = {"ge": "le", "gt": "lt", "le": "ge", "lt": "gt", "eq": "eq", "ne": "ne"}
+_COMPARE_TEXT = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<", "eq": "==", "ne": "!="}
+
+
+def diagonal_text(node: Expr, diagonal: str) -> str | None:
+    """`node` written with `diagonal` (the text of q - kv) where it reads the positions only
+    through their difference: q - kv, kv - q and a comparison of q with kv. None otherwise."""
+    if len(node.args) != 2 or not all(a.op == "idx" for a in node.args):
+        return None
+    pair = tuple(a.attr for a in node.args)
+    if pair not in (("q", "kv"), ("kv", "q")):
+        return None
+    flipped = pair == ("kv", "q")
+    if node.op == "sub":
+        return f"(-({diagonal}))" if flipped else f"({diagonal})"
+    if node.op in _COMPARE_TEXT:
+        op = _FLIPPED[node.op] if flipped else node.op
+        return f"(({diagonal}) {_COMPARE_TEXT[op]} 0)"
+    return None
+
+
+def _diagonal_only(arg: Expr) -> bool:
+    """Whether index `arg` reads the positions through q - kv alone (diagonal_text), and no
+    other tensor: then it is the same all along a diagonal of the score tile."""
+    found, stack = False, [arg]
+    while stack:
+        node = stack.pop()
+        if diagonal_text(node, "d") is not None:
+            found = True
+        elif node.op in ("custom", "gather") or (node.op == "idx" and node.attr in ("q", "kv")):
+            return False
+        else:
+            stack.extend(node.args)
+    return found
+
+
+def diagonal_dim(read: Expr) -> int | None:
+    """The one dim of table lookup `read` indexed by a function of q - kv (a relative
+    position: T5's bucket, a bias per distance), when every other dim is read at the thread
+    block's own batch or head or at a constant."""
+    rest = [i for i, arg in enumerate(read.args) if not (per_block(arg) or arg.op == "const")]
+    return rest[0] if len(rest) == 1 and _diagonal_only(read.args[rest[0]]) else None
+
+
+@dataclass(frozen=True)
+class TableGrad:
+    """A table lookup whose gradient is wanted: the read, d score_mod / d read, the dim of a
+    small row summed in shared memory (hist_dim) and the dim indexed by q - kv alone
+    (diagonal_dim), each None where it does not apply; `ds_factor`: the constant that turns
+    the kernel's dS^T element into this gradient's element, None where none does."""
+
+    read: Expr
+    d_read: Expr
+    row_dim: int | None
+    diag_dim: int | None
+    ds_factor: float | None
+
+
 def _reads_score(roots: list[Expr]) -> bool:
     return any(n.op == "rawscore" for n in leaves(roots))
 
@@ -96,13 +156,26 @@ class BackwardExprs:
         wanted = [(read, substitute(d, {score.key: raw}))
                   for read, d in score_mod_derivatives(spec)[1].values()
                   if read.attr[0] in custom_grads]
-        # plain reads (name, index, d/d read), summed per key; table lookups (read, d/d read,
-        # the dim of a small row summed in shared memory or None: each element's atomic goes
-        # to global memory), added per element
+        # plain reads (name, index, d/d read), summed per key; table lookups (TableGrad),
+        # summed along diagonals or added per element (the plan decides)
         self.dc_reads: list[tuple[str, tuple, Expr]] = [
             (read.attr[0], read.attr[2], d) for read, d in wanted if read.op == "custom"]
-        self.dc_gathers: list[tuple[Expr, Expr, int | None]] = [
-            (read, d, hist_dim(read)) for read, d in wanted if read.op == "gather"]
+        self.dc_gathers: list[TableGrad] = [
+            TableGrad(read, d, hist_dim(read), diagonal_dim(read), self._ds_factor(d))
+            for read, d in wanted if read.op == "gather"]
+
+    def _ds_factor(self, d_read: Expr) -> float | None:
+        """c where dS' * d_read == c * dS (dS = dS' * d score_mod / d score, what dS^T holds):
+        d_read constant and the chain rule's factor 1 or constant, or the two the same."""
+        if d_read.key == self.dsm_ds.key:
+            return 1.0
+        if d_read.op != "const":
+            return None
+        if not self.chain_rule:
+            return float(d_read.attr)
+        if self.dsm_ds.op == "const" and float(self.dsm_ds.attr) != 0.0:
+            return float(d_read.attr) / float(self.dsm_ds.attr)
+        return None
 
     @property
     def ds_reads_score(self) -> bool:
@@ -128,4 +201,4 @@ class BackwardExprs:
         return roots + ([spec.mask] if spec.mask is not None else [])
 
     def _custom_derivatives(self) -> list[Expr]:
-        return [d for _, _, d in self.dc_reads] + [d for _, d, _ in self.dc_gathers]
+        return [d for _, _, d in self.dc_reads] + [g.d_read for g in self.dc_gathers]

@@ -343,6 +343,9 @@ class BackwardPlan:
     # (name, index) of each custom read whose gradient the main kernel produces, in its order.
     custom_reads: tuple[tuple[str, tuple], ...]
     hoisted: tuple[HoistedRead, ...]
+    # Table lookups (their places in BackwardExprs.dc_gathers) whose gradients are summed
+    # along the diagonals of dS^T in shared memory (diagonal_tables).
+    diagonal_tables: tuple[int, ...]
     # The per-query hoisted reads bound to the ring's shared memory where the partial blocks
     # use them, not copied into registers each step (warp-specialised, two or more of them).
     q_reads_in_ring: bool
@@ -413,6 +416,46 @@ def hoisted_reads(roots: list[Expr]) -> tuple[HoistedRead, ...]:
                  if (axis := single_axis(index)) is not None)
 
 
+# The side of the dS^T blocks a lane sums by diagonals: a row of one is a 16-byte load.
+DIAG_BLOCK = 8
+
+
+@dataclass(frozen=True)
+class DiagonalLanes:
+    """How the consumers sum a [block_N, block_M] dS^T tile by diagonals (codegen/diagonals.py):
+    `groups` groups of `group` lanes, one group per diagonal of DIAG_BLOCK-square blocks (a
+    lane per block along it), in `warps` whole warps; each lane then owns `owned` of its
+    group's 2 DIAG_BLOCK - 1 local diagonals (2 DIAG_BLOCK / group)."""
+
+    group: int
+    groups: int
+    owned: int
+    warps: int
+
+
+def diagonal_lanes(block_M: int, block_N: int) -> DiagonalLanes:
+    nr, nc = block_N // DIAG_BLOCK, block_M // DIAG_BLOCK
+    group = 1 << (min(nr, nc) - 1).bit_length()  # a power of two for the shuffles
+    groups = nr + nc - 1
+    return DiagonalLanes(group, groups, max(1, 2 * DIAG_BLOCK // group),
+                         -(-groups * group // 32))
+
+
+def diagonal_tables(ex: BackwardExprs, cfg: KernelConfig, deterministic: bool
+                    ) -> tuple[int, ...]:
+    """The table lookups whose gradients the kernel sums along dS^T's diagonals: indexed by
+    q - kv alone and dS^T's element times a constant, where the consumers have the lanes
+    (diagonal_lanes; at most 2 DIAG_BLOCK lanes a group). Added element by element with
+    atomics instead, T5's 32 buckets took 29x the backward's time (NOTES 51). Not
+    deterministic: the sums are added atomically."""
+    lanes = diagonal_lanes(cfg.block_M, cfg.block_N)
+    if (deterministic or cfg.block_M % DIAG_BLOCK or cfg.block_N % DIAG_BLOCK
+            or lanes.group > 2 * DIAG_BLOCK or 32 * lanes.warps > cfg.threads):
+        return ()
+    return tuple(r for r, g in enumerate(ex.dc_gathers)
+                 if g.diag_dim is not None and g.ds_factor is not None)
+
+
 def plan_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
                   custom_grads: tuple[str, ...] = (), deterministic: bool = False, *,
                   warp_specialized: bool | None = None, heads_loop: bool | None = None,
@@ -463,6 +506,7 @@ def plan_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
         dq_async=not deterministic and not split_heads and cfg.block_M % 64 == 0,
         custom_grads=tuple(custom_grads),
         custom_reads=tuple((name, index) for name, index, _ in ex.dc_reads),
-        hoisted=hoisted, q_reads_in_ring=q_in_ring, preprocess=spec.uses_doosum,
+        hoisted=hoisted, diagonal_tables=diagonal_tables(ex, cfg, deterministic),
+        q_reads_in_ring=q_in_ring, preprocess=spec.uses_doosum,
         dq_config=default_dq_config(shape.head_dim, shape.head_dim_v) if deterministic else None,
     )

@@ -49,6 +49,11 @@ class Frame:
     def hi(self) -> str:
         return f"HiT[{self.d.mb}, {self.d.mh}, bx]"
 
+    def ds_at(self, i: str, j: str) -> str:
+        """Element [i, j] of the step's dS^T in shared memory."""
+        ring = "k % 2, " if self.plan.warp_specialized else ""
+        return f"dsT_shared[{ring}{i}, {j}]"
+
     @property
     def q_rows(self) -> str:
         return f"qb * {self.d.bM}:(qb + 1) * {self.d.bM}"

@@ -14,6 +14,7 @@ from engine.codegen.params import GeneratedKernel, KernelParam, custom_param, pa
 from engine.codegen.rings import pass_configs_line
 from engine.codegen.source import SourceWriter, write_header
 from engine.ir.spec import TracedSpec
+from engine.kernels.attention_bwd.codegen import diagonals
 from engine.kernels.attention_bwd.codegen.frame import Frame, frame
 from engine.kernels.attention_bwd.codegen.roles import (
     emit_producer_roles,
@@ -140,6 +141,7 @@ def _emit_buffers(w: SourceWriter, f: Frame) -> None:
         w.line(f'cg_row = T.alloc_fragment(({bN},), "float32")')
     for r, table_rows in _table_rows(f):
         w.line(f'tg{r} = T.alloc_shared(({table_rows},), "float32")')
+    diagonals.emit_allocs(w, f)
     for r in range(len(f.ex.dc_reads)):
         w.line(f'cg_acc{r} = T.alloc_fragment(({bN},), "float32")')
         if not plan.warp_specialized:
@@ -176,6 +178,8 @@ def _emit_pipelined_body(w: SourceWriter, f: Frame) -> None:
     w.line(f"T.copy(K[bz, {kv_rows}, by // {f.d.G}, :], K_shared)")
     w.line(f"T.copy(V[bz, {kv_rows}, by // {f.d.G}, :], V_shared)")
     w.lines(["T.clear(dk)", "T.clear(dv)"])
+    if f.plan.diagonal_tables:
+        w.line("tx = T.get_thread_binding()")
     _emit_table_rows_clear(w, f)
     f.by_kv.emit_load(w)
     with w.block(f"for k in T.Pipelined({f.hi} - {f.lo}, num_stages={f.plan.config.num_stages}):"):
@@ -187,9 +191,9 @@ def _emit_pipelined_body(w: SourceWriter, f: Frame) -> None:
 
 def _table_rows(f: Frame) -> list[tuple[int, int]]:
     """(r, entries) of each table lookup whose gradient row the thread block sums in shared
-    memory (the third entry of BackwardExprs.dc_gathers)."""
-    return [(r, read.attr[1][dim]) for r, (read, _, dim) in enumerate(f.ex.dc_gathers)
-            if dim is not None]
+    memory (TableGrad.row_dim; not those summed along diagonals)."""
+    return [(r, g.read.attr[1][g.row_dim]) for r, g in enumerate(f.ex.dc_gathers)
+            if g.row_dim is not None and r not in f.plan.diagonal_tables]
 
 
 def _consumer_sync(w: SourceWriter, f: Frame) -> None:
@@ -200,7 +204,9 @@ def _consumer_sync(w: SourceWriter, f: Frame) -> None:
 
 
 def _emit_table_rows_clear(w: SourceWriter, f: Frame) -> None:
-    """The shared table rows zeroed, and every thread past the zeroing before any adds."""
+    """The shared table rows zeroed, and every thread past the zeroing before any adds; no
+    diagonal sums yet."""
+    diagonals.emit_reset(w, f)
     rows = _table_rows(f)
     for r, n in rows:
         with w.block(f"for t in T.Parallel({n}):"):
@@ -215,7 +221,7 @@ def _emit_table_rows_flush(w: SourceWriter, f: Frame) -> None:
     if rows:
         _consumer_sync(w, f)
     for r, n in rows:
-        read, _, dim = f.ex.dc_gathers[r]
+        read, dim = f.ex.dc_gathers[r].read, f.ex.dc_gathers[r].row_dim
         parts = gather_parts(read, f.bind, f.shape.dim_sizes)
         parts[dim] = "t"
         with w.block(f"for t in T.Parallel({n}):"):
@@ -225,8 +231,9 @@ def _emit_table_rows_flush(w: SourceWriter, f: Frame) -> None:
 def _emit_custom_grad_flush(w: SourceWriter, f: Frame) -> None:
     """Each custom gradient's per-key sums: stored per (b, h, key) row (deterministic) or
     added atomically into the custom tensor's gradient; the table rows summed in shared
-    memory added into their tables' gradients."""
+    memory and the diagonal sums added into their tables' gradients."""
     _emit_table_rows_flush(w, f)
+    diagonals.emit_flush(w, f)
     bN, Skv = f.d.bN, f.d.Skv
     for r, (name, index, _) in enumerate(f.ex.dc_reads):
         with w.block(f"for i in T.Parallel({bN}):"), w.block(f"if bx * {bN} + i < {Skv}:"):

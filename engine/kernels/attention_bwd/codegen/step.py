@@ -12,6 +12,7 @@ from __future__ import annotations
 from engine.codegen.emit import Emitter, gather_parts, gather_text
 from engine.codegen.rings import parity
 from engine.codegen.source import SourceWriter
+from engine.kernels.attention_bwd.codegen import diagonals
 from engine.kernels.attention_bwd.codegen.fragments import dq_fragment_index
 from engine.kernels.attention_bwd.codegen.frame import Frame
 from engine.kernels.attention_bwd.codegen.tiles import (
@@ -100,9 +101,9 @@ def _emit_fused_tiles(w: SourceWriter, f: Frame) -> None:
 
 def _emit_custom_grad_sums(w: SourceWriter, f: Frame) -> None:
     """Per custom read whose gradient is wanted: dS' * d score_mod / d read, summed over the
-    step's queries into its per-key accumulator; per table lookup, added element by element
-    with fp32 atomics into the thread block's row of the table in shared memory (a small row)
-    or into the table's gradient."""
+    step's queries into its per-key accumulator; per table lookup not summed along diagonals,
+    added element by element with fp32 atomics into the thread block's row of the table in
+    shared memory (a small row) or into the table's gradient."""
     bN, bM = f.d.bN, f.d.bM
     for r, (_, _, d_read) in enumerate(f.ex.dc_reads):
         em = Emitter(f.bind)
@@ -113,12 +114,14 @@ def _emit_custom_grad_sums(w: SourceWriter, f: Frame) -> None:
         with w.block(f"for i in T.Parallel({bN}):"):
             w.line(f"cg_acc{r}[i] += cg_row[i]")
     sizes = f.shape.dim_sizes
-    for r, (read, d_read, dim) in enumerate(f.ex.dc_gathers):
+    for r, g in enumerate(f.ex.dc_gathers):
+        if r in f.plan.diagonal_tables:
+            continue  # (from dS^T in shared memory: diagonals.py)
         em = Emitter(f.bind)
-        target = (gather_text(read, f.bind, sizes, prefix="dC_") if dim is None
-                  else f"tg{r}[{gather_parts(read, f.bind, sizes)[dim]}]")
+        target = (gather_text(g.read, f.bind, sizes, prefix="dC_") if g.row_dim is None
+                  else f"tg{r}[{gather_parts(g.read, f.bind, sizes)[g.row_dim]}]")
         with w.block(f"for i, j in T.Parallel({bN}, {bM}):"), w.block(f"if {f.mask}:"):
-            w.line(f"T.atomic_add({target}, {em.float_(f.ex.ds_mod)} * {em.float_(d_read)})")
+            w.line(f"T.atomic_add({target}, {em.float_(f.ex.ds_mod)} * {em.float_(g.d_read)})")
 
 
 def _emit_dq_product(w: SourceWriter, f: Frame) -> None:
@@ -144,6 +147,7 @@ def _emit_head_split_end(w: SourceWriter, f: Frame) -> None:
     w.line(f"T.copy(dsT_cast, {f.ds_sh})")
     w.line(f"T.gemm(pT_shared, {f.do_sh}, dv, policy={f.policy})")
     w.line(f"T.gemm({f.ds_sh}, {f.q_sh}, dk, policy={f.policy})")
+    diagonals.emit_step(w, f)
     if f.plan.dq_layout == "none":
         return
     n = dq_chunks(d.D)
@@ -162,6 +166,7 @@ def _emit_ws_step_end(w: SourceWriter, f: Frame) -> None:
     for dK's before the Q/dO stage goes back to the producer. (Storing dQ after dK's
     synchronous gemm instead: 3-5% slower on the H100.)"""
     w.line(f"T.wgmma_gemm(dsT_cast, {f.q_sh}, dk, policy={f.policy})")
+    diagonals.emit_step(w, f)  # beside the dQ and dK wgmmas
     w.line("T.wait_wgmma(1)")
     w.line(f"T.warpgroup_fence_operand(dq, num_regs={f.dq_regs})")
     w.line(f"T.mbarrier_wait_parity(dq_empty[k % 2], {parity(2)} ^ 1)")
@@ -180,6 +185,7 @@ def _emit_pipelined_step_end(w: SourceWriter, f: Frame) -> None:
     fall outside the tensor and are dropped by the copy engine) instead of bM x D scalar
     atomics."""
     w.line(f"T.gemm(dsT_cast, {f.q_sh}, dk, policy={f.policy})")
+    diagonals.emit_step(w, f)
     if f.plan.split:
         w.line("dO_hold[0] = dO_shared[0, 0]")
     if f.plan.dq_async:
