@@ -475,17 +475,27 @@ def test_dsl_math_compiles_forward_and_backward(tmp_path, monkeypatch):
 
 @pytest.mark.compile
 @needs_nvcc
-def test_table_lookups_compile_forward_and_backward(tmp_path, monkeypatch):
+@pytest.mark.parametrize("per_element", [False, True], ids=["diagonals", "per-element"])
+def test_table_lookups_compile_forward_and_backward(per_element, tmp_path, monkeypatch):
     """Learnable tables read at index expressions: the forward reads them clamped, the
-    backward adds their gradients with fp32 atomics; both nvcc-compile for sm_90a."""
+    backward sums their gradients along dS^T's diagonals (16-byte shared loads, shuffles) or
+    adds them element by element with fp32 atomics; each nvcc-compiles for sm_90a."""
+    from engine.kernels.attention_bwd import plan
     from engine.runtime.compile import compile_source
 
     monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
+    if per_element:
+        monkeypatch.setattr(plan, "diagonal_tables", lambda ex, cfg, det: ())
     mod = table_spec.module(torch.bfloat16, 2, 8, 2, 1000, 64)
     assert "C_rel[by, T.max(T.min(" in mod.kernel_source
-    compile_source(mod.kernel_source)
+    if not per_element:
+        compile_source(mod.kernel_source)
     assert mod.backward_problem(("rel", "t5")) is None
     bk = mod.backward_kernels(custom_grads=("rel", "t5"))
-    assert "T.atomic_add(dC_rel[by, T.max(T.min(" in bk.main.source
     bk.compile()
-    assert "AtomicAdd((&(dC_rel[" in bk.main.compiled().get_kernel_source()
+    cuda = bk.main.compiled().get_kernel_source()
+    assert "AtomicAdd((&(dC_rel[" in cuda
+    if per_element:
+        assert "T.atomic_add(dC_rel[by, T.max(T.min(" in bk.main.source
+    else:
+        assert "*(uint4*)(dg_v + 0)" in cuda and "__shfl_xor_sync" in cuda
