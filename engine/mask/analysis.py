@@ -158,8 +158,12 @@ def classify(
     block_M: int,
     block_N: int,
     customs: dict[str, torch.Tensor] | None = None,
+    stride: int = 1,
 ) -> BlockClasses:
-    """Classify every (q block, kv block) pair as EMPTY, PARTIAL or FULL."""
+    """Classify every (q block, kv block) pair as EMPTY, PARTIAL or FULL. With `stride`, the
+    rows and keys are those of a folded forward (attention_fwd.plan.RowFold): row i of
+    residue r is position i * stride + r, and a block is FULL (EMPTY) only where it is for
+    every residue. Such a mask reads neither b, h nor data."""
     q_lo, q_hi = _block_interval(seqlen_q, block_M)
     k_lo, k_hi = _block_interval(seqlen_kv, block_N)
     nqb, nkb = len(q_lo), len(k_lo)
@@ -178,30 +182,26 @@ def classify(
     h_used = any(n.op == "idx" and n.attr == "h" for n in nodes) or any(
         n.op == "custom" and "h" in n.attr[2] for n in nodes
     )
-    iv: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+    if stride > 1 and (b_used or h_used or customs):
+        raise ValueError("a folded mask's tables read no b, h or data")
     idx = {
         "b": (torch.arange(batch, dtype=torch.float64).view(-1, 1, 1, 1),) * 2,
         "h": (torch.arange(heads, dtype=torch.float64).view(1, -1, 1, 1),) * 2,
-        "q": (q_lo.view(1, 1, -1, 1), q_hi.view(1, 1, -1, 1)),
-        "kv": (k_lo.view(1, 1, 1, -1), k_hi.view(1, 1, 1, -1)),
     }
-    for n in nodes:
-        iv[n.key] = _interval(
-            n,
-            [iv[a.key] for a in n.args],
-            idx,
-            customs or {},
-            batch,
-            heads,
-            block_M,
-            block_N,
-            b_used,
-            h_used,
-        )
-    lo, hi = iv[mask.key]
     shape = (batch if b_used else 1, heads if h_used else 1, nqb, nkb)
-    lo, hi = lo.expand(shape), hi.expand(shape)
-    classes = torch.where(lo > 0.5, FULL, torch.where(hi < 0.5, EMPTY, PARTIAL)).to(torch.int8)
+    lowest, highest = None, None
+    for r in range(stride):
+        idx["q"] = (q_lo.view(1, 1, -1, 1) * stride + r, q_hi.view(1, 1, -1, 1) * stride + r)
+        idx["kv"] = (k_lo.view(1, 1, 1, -1) * stride + r, k_hi.view(1, 1, 1, -1) * stride + r)
+        iv: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        for n in nodes:
+            iv[n.key] = _interval(n, [iv[a.key] for a in n.args], idx, customs or {}, batch,
+                                  heads, block_M, block_N, b_used, h_used)
+        lo, hi = (x.expand(shape) for x in iv[mask.key])
+        lowest = lo if lowest is None else torch.minimum(lowest, lo)
+        highest = hi if highest is None else torch.maximum(highest, hi)
+    classes = torch.where(lowest > 0.5, FULL,
+                          torch.where(highest < 0.5, EMPTY, PARTIAL)).to(torch.int8)
     classes = torch.where(
         (classes == FULL) & tail, torch.tensor(PARTIAL, dtype=torch.int8), classes
     )

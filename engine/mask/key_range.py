@@ -36,25 +36,25 @@ class KeyRange:
         return seqlen_q - 1 + self.rel_hi - self.rel_lo + 1
 
 
-def _linear(e: Expr) -> tuple[int, int, int] | None:
+def linear_form(e: Expr) -> tuple[int, int, int] | None:
     """(a, b, c) with e = a * q_idx + b * kv_idx + c, or None if e is not of that form."""
     if e.op == "const" and e.dtype == "int":
         return 0, 0, int(e.attr)
     if e.op == "idx" and e.attr in ("q", "kv"):
         return (1, 0, 0) if e.attr == "q" else (0, 1, 0)
     if e.op in ("add", "sub"):
-        x, y = _linear(e.args[0]), _linear(e.args[1])
+        x, y = linear_form(e.args[0]), linear_form(e.args[1])
         if x is None or y is None:
             return None
         s = 1 if e.op == "add" else -1
         return x[0] + s * y[0], x[1] + s * y[1], x[2] + s * y[2]
     if e.op == "neg":
-        x = _linear(e.args[0])
+        x = linear_form(e.args[0])
         return None if x is None else (-x[0], -x[1], -x[2])
     if e.op == "mul":
         for u, w in ((e.args[0], e.args[1]), (e.args[1], e.args[0])):
             if u.op == "const" and u.dtype == "int":
-                x = _linear(w)
+                x = linear_form(w)
                 return None if x is None else (x[0] * u.attr, x[1] * u.attr, x[2] * u.attr)
     return None
 
@@ -63,7 +63,7 @@ def _atom_bound(e: Expr) -> tuple[str, int] | None:
     """An atom as (which bound: rel_lo/rel_hi/abs_lo/abs_hi, its value), or None."""
     if e.op not in _FLIP:
         return None
-    lhs, rhs = _linear(e.args[0]), _linear(e.args[1])
+    lhs, rhs = linear_form(e.args[0]), linear_form(e.args[1])
     if lhs is None or rhs is None:
         return None
     a, b, c = lhs[0] - rhs[0], lhs[1] - rhs[1], lhs[2] - rhs[2]  # a q + b kv + c  op  0
@@ -79,9 +79,9 @@ def _atom_bound(e: Expr) -> tuple[str, int] | None:
     return ("rel_hi" if a else "abs_hi"), bound - (op == "lt")
 
 
-def _conjuncts(e: Expr) -> list[Expr]:
+def conjuncts(e: Expr) -> list[Expr]:
     if e.op == "and":
-        return _conjuncts(e.args[0]) + _conjuncts(e.args[1])
+        return conjuncts(e.args[0]) + conjuncts(e.args[1])
     return [e]
 
 
@@ -91,7 +91,7 @@ def key_range(mask: Expr | None) -> KeyRange:
         return KeyRange(exact=True)
     bounds: dict[str, int] = {}
     exact = True
-    for atom in _conjuncts(mask):
+    for atom in conjuncts(mask):
         got = _atom_bound(atom)
         if got is None:
             exact = False

@@ -18,7 +18,7 @@ from engine.kernels.attention_bwd.plan import (
 from engine.kernels.attention_decode.launch import DecodeKernels
 from engine.kernels.attention_decode.plan import DecodeConfig, DecodeShape
 from engine.kernels.attention_fwd.launch import ForwardKernel
-from engine.kernels.attention_fwd.plan import check_config
+from engine.kernels.attention_fwd.plan import check_config, row_fold
 from engine.kernels.registry import ATTENTION_BWD, ATTENTION_DECODE, ATTENTION_FWD
 from engine.plan.config import KernelConfig
 from engine.plan.request import KernelRequest
@@ -35,8 +35,10 @@ def forward_config(req: KernelRequest) -> KernelConfig:
         return check_config(req.options.config, p.head_dim, p.head_dim_v)
     # dynamic shapes: one kernel for every length, so the length cannot pick the tile
     dynamic = bool(req.options.dynamic_shapes)
+    fold = row_fold(req.spec, req.shape)  # a dilated mask's kernel tiles shorter rows
+    spec, rows = (fold.spec, fold.tiled.seqlen_q) if fold else (req.spec, p.seqlen_q)
     return tuned_config(req, ATTENTION_FWD) or ATTENTION_FWD.default(
-        p.head_dim, p.head_dim_v, spec=req.spec, seqlen_q=None if dynamic else p.seqlen_q,
+        p.head_dim, p.head_dim_v, spec=spec, seqlen_q=None if dynamic else rows,
         dynamic=dynamic)
 
 

@@ -31,6 +31,7 @@ class MaskTables:
     block_N: int
     layout: Callable[[BlockClasses], tuple[torch.Tensor, ...]]
     names: tuple[str, ...]
+    stride: int = 1  # a folded forward's (rows i of residue r are positions i * stride + r)
     _cache: dict[str, tuple[torch.Tensor, ...]] = field(default_factory=dict)
 
     @cached_property
@@ -55,7 +56,7 @@ class MaskTables:
                ) -> tuple[torch.Tensor, ...]:
         s = self.shape
         bc = classify(self.mask, s.batch, s.heads_q, s.seqlen_q, s.seqlen_kv, self.block_M,
-                      self.block_N, customs if self.data_dependent else None)
+                      self.block_N, customs if self.data_dependent else None, self.stride)
         # a blocking copy: the tables are on the device before the caller's kernels read them
         return tuple(t.expand(s.mask_batch, s.mask_heads, *t.shape[2:]).contiguous().to(device)
                      for t in self.layout(bc))

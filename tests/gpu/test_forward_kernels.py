@@ -93,6 +93,8 @@ def _precompiled(request):
             srcs.append(mod.kernel_source)
     srcs += [_ws_module(c)[0].kernel_source for c in WS_CASES
              if c in selected_params(request, "ws_case")]
+    srcs += [_fold_module(c).kernel_source for c in FOLD_CASES
+             if c in selected_params(request, "fold_case")]
     errors = precompile(srcs)
     # A kernel that fails to compile fails its own tests (compiling again there, with the
     # error); the rest of the module still runs.
@@ -232,3 +234,58 @@ def test_dynamic_shapes_one_kernel_serves_every_length(name):
         assert rel_err(out, ref) < 1e-2, f"B={B}, S={S}: rel err {rel_err(out, ref):.3e}"
     assert len(sources) == 1, "one source for every length"
     assert compile_mod.cache_size() == before, "no compile after the first length"
+
+
+# Dilated masks fold into shorter rows (attention_fwd.plan.RowFold): a stride that leaves
+# row tails, the congruence alone, beside a window, Sq != Skv, a score reading the positions,
+# each schedule; (stride, mask beside it, Sq, Skv, D, Hkv, dtype, config).
+FOLD_CASES = [
+    (3, "window", 999, 999, 128, 2, BF16, None),
+    (3, "window", 999, 999, 128, 2, BF16, KernelConfig(128, 128, 2, 256)),
+    (3, "window", 999, 999, 128, 2, FP16, KernelConfig(192, 128, 2, 384)),
+    (2, None, 640, 640, 64, 8, FP16, None),
+    (3, "causal-offset", 300, 900, 128, 2, BF16, None),
+    (4, "causal", 1024, 1024, 256, 2, BF16, None),
+]
+_FOLD_MASKS = {
+    None: lambda q, kv: None,
+    "window": lambda q, kv: ((q - kv).abs() <= 200),
+    "causal-offset": lambda q, kv: (q + 600 >= kv),
+    "causal": lambda q, kv: (q >= kv),
+}
+
+
+def _fold_module(case):
+    stride, rest, Sq, Skv, D, Hkv, dt, cfg = case
+
+    def mask(b, h, q_idx, kv_idx):
+        dilated = (q_idx - kv_idx) % stride == 0
+        other = _FOLD_MASKS[rest](q_idx, kv_idx)
+        return dilated if other is None else other & dilated
+
+    meta = (meta_tensor(2, 8, Sq, D, dtype=dt), meta_tensor(2, Hkv, Skv, D, dtype=dt),
+            meta_tensor(2, Hkv, Skv, D, dtype=dt))
+    return AttentionEngine(meta, CustomIO({}), mask_mod=mask, online_func=OnlineSoftmax(),
+                           score_mod=lambda s, c, b, h, q, k: s * D**-0.5 - (q - k).abs() * 0.01,
+                           backend="tilelang", config=cfg)
+
+
+@pytest.mark.parametrize("fold_case", FOLD_CASES, ids=lambda c: "-".join(map(str, c[:6])))
+def test_folded_dilated_masks_match_reference(fold_case):
+    from engine.kernels.attention_fwd.plan import row_fold
+    from engine.plan.shape import KernelShape
+
+    stride, _, Sq, Skv, D, Hkv, dt, _ = fold_case
+    B, Hq = 2, 8
+    mod = _fold_module(fold_case)
+    assert row_fold(mod.spec, KernelShape.of(mod)).stride == stride  # the case folds
+    seed = torch.randint(0, 2**31 - 1, ()).item()
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, Sq, Hq, D, device="cuda", dtype=dt, generator=g)
+    k, v = (torch.randn(B, Skv, Hkv, D, device="cuda", dtype=dt, generator=g) for _ in range(2))
+    with torch.no_grad():
+        out, fin = mod(q, k, v, return_lse=True)
+    ref, ref_f = executor.forward(mod.spec, q, k, v, {})
+    assert not torch.isnan(out).any(), "NaN (or unwritten poisoned element) in the output"
+    assert rel_err(out, ref) < 1e-2, f"rel err {rel_err(out, ref):.3e} (seed {seed})"
+    assert rel_err(fin["lse"], ref_f["lse"]) < 1e-3, f"lse (seed {seed})"

@@ -9,7 +9,7 @@ import torch
 
 from engine.ir.spec import TracedSpec
 from engine.kernels.attention_fwd.codegen import generate_forward
-from engine.kernels.attention_fwd.plan import walks_full_run
+from engine.kernels.attention_fwd.plan import row_fold, walks_full_run
 from engine.plan.config import KernelConfig
 from engine.plan.shape import KernelShape
 from engine.runtime.kernel import Kernel
@@ -29,6 +29,7 @@ class ForwardKernel:
     kernel: Kernel
     tables: MaskTables
     final_names: tuple[str, ...] = ()
+    tiled: KernelShape | None = None  # the shape the kernel tiles, where it folds the rows
 
     @property
     def source(self) -> str:
@@ -43,11 +44,14 @@ class ForwardKernel:
 
 def build_forward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig) -> ForwardKernel:
     """The forward kernel of `spec` at `shape` and `cfg`, generated (not compiled)."""
-    layout, names = (ws_forward_layout, WS_FORWARD_TABLES) if walks_full_run(spec, shape, cfg) \
+    fold = row_fold(spec, shape)
+    kspec, tiled = (fold.spec, fold.tiled) if fold else (spec, shape)
+    layout, names = (ws_forward_layout, WS_FORWARD_TABLES) if walks_full_run(kspec, tiled, cfg) \
         else (forward_layout, FORWARD_TABLES)
-    tables = MaskTables(spec.mask, shape, cfg.block_M, cfg.block_N, layout, names)
+    tables = MaskTables(kspec.mask, tiled, cfg.block_M, cfg.block_N, layout, names,
+                        fold.stride if fold else 1)
     return ForwardKernel(shape, cfg, Kernel(generate_forward(spec, shape, cfg)), tables,
-                         tuple(spec.final_names))
+                         tuple(spec.final_names), tiled if fold else None)
 
 
 def launch_forward(fk: ForwardKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -61,7 +65,12 @@ def launch_forward(fk: ForwardKernel, q: torch.Tensor, k: torch.Tensor, v: torch
     o = fill(s.batch, s.seqlen_q, s.heads_q, s.head_dim_v, dtype=q.dtype)
     finals = {f"F_{n}": fill(s.batch, s.heads_q, s.seqlen_q, dtype=torch.float32)
               for n in fk.final_names}
-    fk.kernel(Q=q.contiguous(), K=k.contiguous(), V=v.contiguous(),
+    q, k, v, o_k = q.contiguous(), k.contiguous(), v.contiguous(), o
+    if fk.tiled is not None:  # a folded kernel: [B, S, H, D] viewed as its rows and heads
+        ts = fk.tiled
+        q, o_k = (x.view(ts.batch, ts.seqlen_q, ts.heads_q, -1) for x in (q, o))
+        k, v = (x.view(ts.batch, ts.seqlen_kv, ts.heads_kv, -1) for x in (k, v))
+    fk.kernel(Q=q, K=k, V=v,
               **{f"C_{n}": t.detach().float().contiguous() for n, t in custom.items()},
-              **fk.tables.named(custom, dev), O=o, **finals)
+              **fk.tables.named(custom, dev), O=o_k, **finals)
     return o, list(finals.values())

@@ -1,0 +1,168 @@
+"""Dilated masks fold into shorter rows (engine.mask.congruence, attention_fwd.plan.RowFold):
+which conjuncts are congruences, when the forward folds, its block tables against brute force
+per residue, and the folded kernel's index texts against the tensors the launcher binds."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from engine import CustomIO
+from engine.dsl.expr import index_leaf, to_text
+from engine.ir.trace import check_result
+from engine.kernels.attention_fwd import plan as fwd_plan
+from engine.kernels.attention_fwd.codegen import _Frame
+from engine.mask.analysis import EMPTY, FULL, PARTIAL, classify
+from engine.mask.congruence import congruence
+from engine.plan.shape import KernelShape
+from engine.problem import Problem
+from engine.runtime import kernel as kernel_mod
+from engine.runtime.tilelang_backend import forward_kernel_call
+from engine.variants import VARIANTS
+
+
+def _trace(mask_mod, io: CustomIO | None = None):
+    b, h, q, kv = (index_leaf(n) for n in ("b", "h", "q", "kv"))
+    return check_result("mask_mod", "the result", mask_mod(b, h, q, kv), {"m", "n"},
+                        io or CustomIO({}), dtype="bool")
+
+
+@pytest.mark.parametrize("mask_mod, stride, rest", [
+    (lambda b, h, q, kv: (q >= kv) & ((q - kv) % 2 == 0), 2, "q >= kv"),
+    (lambda b, h, q, kv: ((kv - q) % 3 == 0) & (q - kv < 64), 3, "q - kv < 64"),
+    (lambda b, h, q, kv: 0 == (q - kv + 8) % 4, 4, None),
+    (lambda b, h, q, kv: (q % 5 == kv % 5) & (kv <= q), 5, "kv <= q"),
+    # the largest of two congruences folds; the other stays in the mask
+    (lambda b, h, q, kv: ((q - kv) % 2 == 0) & ((q - kv) % 6 == 0), 6, "% 2"),
+])
+def test_congruences_fold(mask_mod, stride, rest):
+    c = congruence(_trace(mask_mod))
+    assert c is not None and c.stride == stride
+    if rest is None:
+        assert c.rest is None
+    else:
+        text = to_text(c.rest)
+        assert "% " + str(stride) not in text and rest.split()[-1] in text
+
+
+@pytest.mark.parametrize("mask_mod", [
+    lambda b, h, q, kv: q >= kv,
+    lambda b, h, q, kv: (q - kv) % 2 == 1,  # the other residue pairs
+    lambda b, h, q, kv: (q - kv - 1) % 2 == 0,  # shifted: q = kv + 1 mod 2
+    lambda b, h, q, kv: (q + kv) % 2 == 0,
+    lambda b, h, q, kv: (2 * q - kv) % 3 == 0,
+    lambda b, h, q, kv: q % 2 == 0,
+    lambda b, h, q, kv: q % 2 == kv % 3,
+    lambda b, h, q, kv: (q >= kv) | ((q - kv) % 2 == 0),  # not a conjunct
+])
+def test_other_masks_do_not_fold(mask_mod):
+    assert congruence(_trace(mask_mod)) is None
+
+
+def _shape(mask, seqlen=256, dynamic=False, **kw):
+    p = Problem(batch=2, heads_q=4, heads_kv=2, seqlen_q=seqlen, seqlen_kv=seqlen, head_dim=64,
+                head_dim_v=64, **kw)
+    return KernelShape.for_problem(p, torch.bfloat16, mask, dynamic)
+
+
+def _spec(name="dilated", seqlen=256):
+    return VARIANTS[name].build(batch=2, heads_q=4, heads_kv=2, seqlen_q=seqlen,
+                                seqlen_kv=seqlen, head_dim=64, head_dim_v=64,
+                                dtype=torch.bfloat16).spec
+
+
+def test_the_dilated_forward_folds_into_shorter_rows_and_more_heads():
+    spec = _spec()
+    fold = fwd_plan.row_fold(spec, _shape(spec.mask))
+    assert fold is not None and fold.stride == 2
+    t = fold.tiled
+    assert (t.batch, t.seqlen_q, t.seqlen_kv, t.heads_q, t.heads_kv) == (2, 128, 128, 8, 4)
+    assert to_text(fold.spec.mask) == to_text(_trace(lambda b, h, q, kv: q >= kv))
+
+
+def test_when_the_forward_does_not_fold(monkeypatch):
+    spec = _spec()
+    assert fwd_plan.row_fold(spec, _shape(spec.mask, seqlen=255)) is None  # 255 % 2
+    assert fwd_plan.row_fold(spec, _shape(spec.mask, dynamic=True)) is None
+    for mask_mod in (lambda b, h, q, kv: ((q - kv) % 2 == 0) & (h > 0),
+                     lambda b, h, q, kv: ((q - kv) % 2 == 0) & (b > 0)):
+        other = dataclasses.replace(spec, mask=_trace(mask_mod))
+        assert fwd_plan.row_fold(other, _shape(other.mask)) is None  # its tables per b / h
+    monkeypatch.setattr(fwd_plan, "FOLD_ROWS", False)
+    assert fwd_plan.row_fold(spec, _shape(spec.mask)) is None
+
+
+def _brute_folded(rest_mod, stride, rows_q, rows_kv, bM, bN):
+    """Per residue r, rows i and keys j at positions i * stride + r and j * stride + r; a
+    block is FULL (EMPTY) where it is for every residue, keys past the rows never full."""
+    out = torch.empty(math.ceil(rows_q / bM), math.ceil(rows_kv / bN), dtype=torch.int8)
+    i, j = torch.arange(rows_q).view(-1, 1), torch.arange(rows_kv).view(1, -1)
+    allowed = torch.stack([rest_mod(i * stride + r, j * stride + r) for r in range(stride)])
+    for a in range(out.shape[0]):
+        for c in range(out.shape[1]):
+            blk = allowed[:, a * bM:(a + 1) * bM, c * bN:(c + 1) * bN]
+            full = bool(blk.all()) and (c + 1) * bN <= rows_kv
+            out[a, c] = FULL if full else (PARTIAL if blk.any() else EMPTY)
+    return out
+
+
+@pytest.mark.parametrize("stride", [2, 3])
+@pytest.mark.parametrize("rest_mod", [
+    lambda q, kv: q >= kv,
+    lambda q, kv: (q - kv < 120) & (kv - q < 120),
+    lambda q, kv: (q >= kv) & (kv >= 30),
+], ids=["causal", "window", "causal-from-30"])
+@pytest.mark.parametrize("block", [(16, 16), (32, 16), (16, 24)])
+def test_folded_tables_against_brute_force(stride, rest_mod, block):
+    rows = 90  # a key tail in every block size
+    bc = classify(_trace(lambda b, h, q, kv: rest_mod(q, kv)), 1, 1, rows, rows, *block,
+                  stride=stride)
+    want = _brute_folded(rest_mod, stride, rows, rows, *block)
+    assert torch.equal(bc.classes[0, 0], want)
+    assert (want == FULL).any() and (want == PARTIAL).any()  # the test can fail
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    seen: list = []
+
+    class Fake:
+        def __init__(self, source):
+            self.source = source
+
+        def __call__(self, *args):
+            seen.append((self.source, args))
+
+    monkeypatch.setattr(kernel_mod, "compile_source", Fake)
+    return seen
+
+
+def test_folded_index_texts_name_the_elements_the_launcher_binds(calls):
+    """Row i of folded head y in the views the kernel gets is the query (key) the kernel's
+    position and head texts say: the fold's whole mapping, checked element by element."""
+    sizes = dict(batch=2, heads_q=4, heads_kv=2, seqlen_q=192, seqlen_kv=192, head_dim=64,
+                 head_dim_v=64)
+    mod = VARIANTS["dilated"].build(**sizes, dtype=torch.bfloat16, backend="tilelang")
+    inputs = VARIANTS["dilated"].make_inputs(**sizes, dtype=torch.bfloat16)
+    q, k = inputs["q"], inputs["k"]  # [B, S, H, D]
+    o, _ = forward_kernel_call(mod.kernel_cache, mod.kernel_request(), q, k, inputs["v"], [])
+    fk = mod.forward_kernel()
+    ((_, args),) = calls
+    got = dict(zip([p.name for p in fk.kernel.params], args, strict=True))
+    assert got["Q"].data_ptr() == q.data_ptr() and got["O"].data_ptr() == o.data_ptr()
+    assert tuple(got["Q"].shape) == (2, 96, 8, 64) and tuple(o.shape) == (2, 192, 4, 64)
+    f = _Frame(mod.spec, KernelShape.of(mod), fk.config)
+    G = sizes["heads_q"] // sizes["heads_kv"]
+    for by in range(8):
+        for bx, kb, i, j in ((0, 0, 0, 5), (0, 0, 63, 63), (1, 0, 31, 17)):
+            env = {"bx": bx, "kb": kb, "i": i, "j": j, "by": by}
+            qp, kp, hq = (eval(f.index_text[s], env) for s in ("q", "kv", "h"))
+            row, key = bx * fk.config.block_M + i, kb * fk.config.block_N + j
+            if row >= 96:
+                continue
+            assert torch.equal(got["Q"][1, row, by], q[1, qp, hq])
+            assert torch.equal(got["K"][1, key, by // G], k[1, kp, hq // G])
+            assert qp % 2 == kp % 2  # one residue per folded head
