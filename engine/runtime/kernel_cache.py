@@ -18,9 +18,10 @@ from engine.kernels.attention_bwd.plan import (
 from engine.kernels.attention_decode.launch import DecodeKernels
 from engine.kernels.attention_decode.plan import DecodeConfig, DecodeShape
 from engine.kernels.attention_fwd.launch import ForwardKernel
-from engine.kernels.attention_fwd.plan import check_config, row_fold
+from engine.kernels.attention_fwd.plan import check_config
 from engine.kernels.registry import ATTENTION_BWD, ATTENTION_DECODE, ATTENTION_FWD
 from engine.plan.config import KernelConfig
+from engine.plan.fold import row_fold
 from engine.plan.request import KernelRequest
 from engine.tuning.select import decode_shape, tuned_config
 

@@ -1,4 +1,4 @@
-"""Dilated masks fold into shorter rows (engine.mask.congruence, attention_fwd.plan.RowFold):
+"""Dilated masks fold into shorter rows (engine.mask.congruence, engine.plan.fold):
 which conjuncts are congruences, when the forward folds, its block tables against brute force
 per residue, and the folded kernel's index texts against the tensors the launcher binds."""
 
@@ -13,10 +13,10 @@ import torch
 from engine import CustomIO
 from engine.dsl.expr import index_leaf, to_text
 from engine.ir.trace import check_result
-from engine.kernels.attention_fwd import plan as fwd_plan
 from engine.kernels.attention_fwd.codegen import _Frame
 from engine.mask.analysis import EMPTY, FULL, PARTIAL, classify
 from engine.mask.congruence import congruence
+from engine.plan import fold as fold_mod
 from engine.plan.shape import KernelShape
 from engine.problem import Problem
 from engine.runtime import kernel as kernel_mod
@@ -76,7 +76,7 @@ def _spec(name="dilated", seqlen=256):
 
 def test_the_dilated_forward_folds_into_shorter_rows_and_more_heads():
     spec = _spec()
-    fold = fwd_plan.row_fold(spec, _shape(spec.mask))
+    fold = fold_mod.row_fold(spec, _shape(spec.mask))
     assert fold is not None and fold.stride == 2
     t = fold.tiled
     assert (t.batch, t.seqlen_q, t.seqlen_kv, t.heads_q, t.heads_kv) == (2, 128, 128, 8, 4)
@@ -85,14 +85,14 @@ def test_the_dilated_forward_folds_into_shorter_rows_and_more_heads():
 
 def test_when_the_forward_does_not_fold(monkeypatch):
     spec = _spec()
-    assert fwd_plan.row_fold(spec, _shape(spec.mask, seqlen=255)) is None  # 255 % 2
-    assert fwd_plan.row_fold(spec, _shape(spec.mask, dynamic=True)) is None
+    assert fold_mod.row_fold(spec, _shape(spec.mask, seqlen=255)) is None  # 255 % 2
+    assert fold_mod.row_fold(spec, _shape(spec.mask, dynamic=True)) is None
     for mask_mod in (lambda b, h, q, kv: ((q - kv) % 2 == 0) & (h > 0),
                      lambda b, h, q, kv: ((q - kv) % 2 == 0) & (b > 0)):
         other = dataclasses.replace(spec, mask=_trace(mask_mod))
-        assert fwd_plan.row_fold(other, _shape(other.mask)) is None  # its tables per b / h
-    monkeypatch.setattr(fwd_plan, "FOLD_ROWS", False)
-    assert fwd_plan.row_fold(spec, _shape(spec.mask)) is None
+        assert fold_mod.row_fold(other, _shape(other.mask)) is None  # its tables per b / h
+    monkeypatch.setattr(fold_mod, "FOLD_ROWS", False)
+    assert fold_mod.row_fold(spec, _shape(spec.mask)) is None
 
 
 def _brute_folded(rest_mod, stride, rows_q, rows_kv, bM, bN):

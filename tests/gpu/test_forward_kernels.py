@@ -236,7 +236,7 @@ def test_dynamic_shapes_one_kernel_serves_every_length(name):
     assert compile_mod.cache_size() == before, "no compile after the first length"
 
 
-# Dilated masks fold into shorter rows (attention_fwd.plan.RowFold): a stride that leaves
+# Dilated masks fold into shorter rows (engine.plan.fold): a stride that leaves
 # row tails, the congruence alone, beside a window, Sq != Skv, a score reading the positions,
 # each schedule; (stride, mask beside it, Sq, Skv, D, Hkv, dtype, config).
 FOLD_CASES = [
@@ -272,7 +272,7 @@ def _fold_module(case):
 
 @pytest.mark.parametrize("fold_case", FOLD_CASES, ids=lambda c: "-".join(map(str, c[:6])))
 def test_folded_dilated_masks_match_reference(fold_case):
-    from engine.kernels.attention_fwd.plan import row_fold
+    from engine.plan.fold import row_fold
     from engine.plan.shape import KernelShape
 
     stride, _, Sq, Skv, D, Hkv, dt, _ = fold_case

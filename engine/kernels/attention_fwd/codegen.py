@@ -18,16 +18,17 @@ from engine.dsl.expr import Expr, topo
 from engine.ir.spec import TracedSpec
 from engine.kernels.attention_fwd import ws
 from engine.kernels.attention_fwd.online import OnlineBody, prepare_online, rescales
-from engine.kernels.attention_fwd.plan import has_partial_blocks, row_fold, walks_full_run
+from engine.kernels.attention_fwd.plan import has_partial_blocks, walks_full_run
 from engine.mask.analysis import reads_data
 from engine.plan.config import WS_CONSUMER_REGS, WS_PRODUCER_THREADS, KernelConfig
+from engine.plan.fold import row_fold
 from engine.plan.shape import KernelShape
 
 
 class _Frame:
     """The texts the kernel's pieces share: sizes, indices and where custom reads come from.
     `shape` is the problem's, `tiled` the one the kernel tiles: a dilated mask's fold
-    (plan.RowFold) has more heads and shorter rows, and its indices name the positions."""
+    (engine.plan.fold) has more heads and shorter rows, and its indices name the positions."""
 
     def __init__(self, spec: TracedSpec, shape: KernelShape, cfg: KernelConfig):
         fold = row_fold(spec, shape)
@@ -40,11 +41,9 @@ class _Frame:
         self.q_row = f"bx * {bM} + i"  # the tile's row, of the tiled shape
         self.q_idx, self.kv_idx = f"({self.q_row})", f"(kb * {bN} + j)"
         self.q_pos, head = self.q_row, "by"  # row i's query position and head, F's index
-        if fold:  # head y is query head y % Hq of residue y // Hq
-            d, hq = fold.stride, shape.heads_q
-            self.q_idx = f"({self.q_idx} * {d} + by // {hq})"
-            self.kv_idx = f"({self.kv_idx} * {d} + by // {hq})"
-            self.q_pos, head = self.q_idx, f"by % {hq}"
+        if fold:
+            self.q_idx, self.kv_idx = (fold.position(x, "by") for x in (self.q_idx, self.kv_idx))
+            self.q_pos, head = self.q_idx, fold.head_of("by")
         self.index_text = {"b": "bz", "h": head, "q": self.q_idx, "kv": self.kv_idx}
         self.clamp = {"q": f"T.min({self.q_idx}, {shape.last_text('q')})",
                       "kv": f"T.min({self.kv_idx}, {shape.last_text('kv')})"}

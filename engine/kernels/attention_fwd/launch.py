@@ -9,8 +9,9 @@ import torch
 
 from engine.ir.spec import TracedSpec
 from engine.kernels.attention_fwd.codegen import generate_forward
-from engine.kernels.attention_fwd.plan import row_fold, walks_full_run
+from engine.kernels.attention_fwd.plan import walks_full_run
 from engine.plan.config import KernelConfig
+from engine.plan.fold import row_fold
 from engine.plan.shape import KernelShape
 from engine.runtime.kernel import Kernel
 from engine.runtime.mask_tables import (

@@ -5,14 +5,11 @@ measured on the H100 (see results/)."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import TYPE_CHECKING
 
 from engine.dsl.expr import CUSTOM_READS, topo
 from engine.kernels.attention_fwd.online import rescales
-from engine.mask.analysis import mask_reads, reads_data
-from engine.mask.congruence import congruence
 from engine.plan.config import (
     GEMM_POLICIES,
     SCHEDULES,
@@ -34,39 +31,6 @@ def o_staged_in_q(cfg: KernelConfig, head_dim: int, head_dim_v: int) -> bool:
     """Whether O goes out through Q's shared tile: in the warp-specialised schedule, where
     they have one shape (every Q K^T has finished by then)."""
     return cfg.schedule != "auto" and head_dim == head_dim_v
-
-
-# Dilated masks walk each residue's rows and keys alone (RowFold). On by default;
-# ATTNBENCH_FOLD_ROWS=0 turns it off (to measure what it gains).
-FOLD_ROWS = os.environ.get("ATTNBENCH_FOLD_ROWS", "1") == "1"
-
-
-@dataclasses.dataclass(frozen=True)
-class RowFold:
-    """A forward over a dilated mask (engine.mask.congruence): query i*stride + r meets keys
-    j*stride + r only, so the kernel runs `stride` times as many heads over rows and keys
-    `stride` times shorter. Head y of the folded kernel is query head y % Hq of residue
-    y // Hq; then Q [B, S, Hq, D] viewed as [B, S / stride, stride * Hq, D] holds its rows at
-    head y, and K and V likewise at kv head y // G. `spec` is the spec without the
-    congruence (the mask its tiles evaluate), `tiled` the shape the kernel tiles."""
-
-    stride: int
-    spec: TracedSpec
-    tiled: KernelShape
-
-
-def row_fold(spec: TracedSpec, shape: KernelShape) -> RowFold | None:
-    """The fold of a dilated mask, where its lengths divide by the stride and its tables need
-    no per-batch, per-head or data rows (None: no fold)."""
-    c = congruence(spec.mask) if FOLD_ROWS and not shape.dynamic else None
-    if c is None or shape.seqlen_q % c.stride or shape.seqlen_kv % c.stride \
-            or reads_data(spec.mask) or mask_reads(spec.mask, "b") or mask_reads(spec.mask, "h"):
-        return None
-    d = c.stride
-    tiled = dataclasses.replace(shape, seqlen_q=shape.seqlen_q // d,
-                                seqlen_kv=shape.seqlen_kv // d, heads_q=shape.heads_q * d,
-                                heads_kv=shape.heads_kv * d)
-    return RowFold(d, dataclasses.replace(spec, mask=c.rest), tiled)
 
 
 def has_partial_blocks(spec: TracedSpec, shape: KernelShape, block_N: int) -> bool:
