@@ -45,6 +45,15 @@ class RowFold:
         return f"{head} % {self.heads_q}"
 
 
+def index_texts(fold: RowFold | None, q_row: str, kv_row: str, head: str
+                ) -> tuple[str, str, str]:
+    """The texts of the query position, the key position and the query head that a
+    kernel's tile element reads, from its rows' and its head's (the same without a fold)."""
+    if fold is None:
+        return q_row, kv_row, head
+    return fold.position(q_row, head), fold.position(kv_row, head), fold.head_of(head)
+
+
 def row_fold(spec: TracedSpec, shape: KernelShape) -> RowFold | None:
     """The fold of a dilated mask, where its lengths divide by the stride and its block tables
     need no per-batch, per-head or data rows (None: no fold)."""

@@ -149,11 +149,12 @@ def _backward_sources(mod, cfg_fields, deterministic: bool, grads: tuple[str, ..
     cfg = _cfg(cfg_fields)
     bk = mod.backward_kernels(config=cfg, custom_grads=grads, deterministic=deterministic)
     if automatic:
-        from engine.kernels.attention_bwd.codegen import generate_backward
-        from engine.kernels.attention_bwd.plan import plan_backward
+        from engine.kernels.attention_bwd.launch import build_backward
+        from engine.plan.shape import KernelShape
 
-        plan = plan_backward(mod.spec, bk.shape, bk.config, grads, warp_specialized=False)
-        return {"main": generate_backward(mod.spec, bk.shape, plan).source}
+        auto = build_backward(mod.spec, KernelShape.of(mod), bk.config, grads,
+                              warp_specialized=False)
+        return {"main": auto.main.source}
     roles = {"main": bk.main, "preprocess": bk.preprocess, "dq": bk.dq, "post": bk.post}
     return {r: k.source for r, k in roles.items() if k is not None}
 

@@ -166,3 +166,61 @@ def test_folded_index_texts_name_the_elements_the_launcher_binds(calls):
             assert torch.equal(got["Q"][1, row, by], q[1, qp, hq])
             assert torch.equal(got["K"][1, key, by // G], k[1, kp, hq // G])
             assert qp % 2 == kp % 2  # one residue per folded head
+
+
+def test_the_dilated_backward_is_planned_on_the_folded_shape():
+    from engine.kernels.attention_bwd.plan import default_backward_config, plan_backward
+
+    mod = VARIANTS["dilated"].build(batch=2, heads_q=32, heads_kv=8, seqlen_q=4096,
+                                    seqlen_kv=4096, head_dim=128, head_dim_v=128,
+                                    dtype=torch.bfloat16)
+    shape = KernelShape.of(mod)
+    plan = plan_backward(mod.spec, shape, default_backward_config(128, 128))
+    assert plan.fold is not None and plan.fold.tiled.heads_q == 64
+    bk = mod.backward_kernels()
+    assert bk.shape == plan.fold.tiled and bk.plan.heads_loop  # decided at the tiled shape
+    # Custom inputs index the problem's rows: such a spec keeps its rows in the backward.
+    alibi_dilated = dataclasses.replace(VARIANTS["alibi"].build(
+        batch=2, heads_q=4, heads_kv=2, seqlen_q=256, seqlen_kv=256, head_dim=64,
+        head_dim_v=64, dtype=torch.bfloat16).spec, mask=mod.spec.mask)
+    small = _shape(alibi_dilated.mask)
+    assert fold_mod.row_fold(alibi_dilated, small) is not None
+    assert plan_backward(alibi_dilated, small, default_backward_config(64, 64)).fold is None
+
+
+def test_folded_backward_binds_views_and_the_row_scales_by_residue(calls):
+    """The backward's kernels get the tiled views of q, k, v, dO, the forward's row scales
+    permuted to the folded heads' rows, and give dq, dk, dv in the problem's layout; the
+    main kernel's index texts name the elements of those views."""
+    from engine.kernels.attention_bwd.codegen.frame import frame
+
+    sizes = dict(batch=2, heads_q=4, heads_kv=2, seqlen_q=192, seqlen_kv=192, head_dim=64,
+                 head_dim_v=64)
+    mod = VARIANTS["dilated"].build(**sizes, dtype=torch.bfloat16, backend="tilelang")
+    inputs = VARIANTS["dilated"].make_inputs(**sizes, dtype=torch.bfloat16)
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    o, do = torch.randn_like(q), torch.randn_like(q)
+    lse = torch.randn(2, 4, 192)
+    from engine.runtime.tilelang_backend import backward_kernel_call
+
+    dq, dk, dv, _ = backward_kernel_call(mod.kernel_cache, mod.kernel_request(), q, k, v, o,
+                                         [lse], do, [])
+    bk = mod.backward_kernels()
+    main = next(dict(zip([p.name for p in bk.main.params], a, strict=True))
+                for s, a in calls if s == bk.main.source)
+    assert main["Q"].data_ptr() == q.data_ptr() and tuple(main["Q"].shape) == (2, 96, 8, 64)
+    assert main["dO"].data_ptr() == do.data_ptr()
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    f = frame(bk.plan.fold.spec, bk.shape, bk.plan)
+    head = "hq" if bk.plan.heads_loop else "by"
+    G = sizes["heads_q"] // sizes["heads_kv"]
+    for y in range(8):
+        for qb, j, bx, i in ((0, 0, 0, 3), (1, 5, 0, 60), (0, 63, 1, 31)):
+            env = {"qb": qb, "j": j, "bx": bx, "i": i, head: y}
+            qp, kp, hq = (eval(f.index_text[s], env) for s in ("q", "kv", "h"))
+            row, key = qb * f.d.bM + j, bx * f.d.bN + i
+            if row >= 96 or key >= 96:
+                continue
+            assert torch.equal(main["Q"][1, row, y], q[1, qp, hq])
+            assert torch.equal(main["K"][1, key, y // G], k[1, kp, hq // G])
+            assert main["F_lse"][1, y, row] == lse[1, hq, qp]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.plan.config import KernelConfig
 from engine.variants import VARIANTS
 
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -54,6 +55,47 @@ def precompile_selected(request, sources) -> None:
     srcs = [src for case in SPEC_CASES if case in chosen for src in sources(case)]
     for err in precompile(list(dict.fromkeys(srcs))).values():
         print("precompile failed:", err[:300])
+
+
+# Dilated masks fold into shorter rows (engine.plan.fold): a stride that leaves row tails, the
+# congruence alone, beside a window, Sq != Skv, a score reading the positions, each forward
+# schedule; (stride, mask beside it, Sq, Skv, D, Hkv, dtype, forward config), 8 query heads.
+FOLD_CASES = [
+    (3, "window", 999, 999, 128, 2, BF16, None),
+    (3, "window", 999, 999, 128, 2, BF16, KernelConfig(128, 128, 2, 256)),
+    (3, "window", 999, 999, 128, 2, FP16, KernelConfig(192, 128, 2, 384)),
+    (2, None, 640, 640, 64, 8, FP16, None),
+    (3, "causal-offset", 300, 900, 128, 2, BF16, None),
+    (4, "causal", 1024, 1024, 256, 2, BF16, None),
+]
+_FOLD_MASKS = {
+    None: lambda q, kv: None,
+    "window": lambda q, kv: ((q - kv).abs() <= 200),
+    "causal-offset": lambda q, kv: (q + 600 >= kv),
+    "causal": lambda q, kv: (q >= kv),
+}
+
+
+def fold_case_id(case: tuple) -> str:
+    return "-".join(map(str, case[:6])) + ("-fp16" if case[6] == FP16 else "")
+
+
+def fold_module(case: tuple, backend: str = "tilelang"):
+    """An AttentionEngine over the dilated mask of a FOLD_CASES entry (B 2, 8 query heads)."""
+    from engine import AttentionEngine, CustomIO, OnlineSoftmax, meta_tensor
+
+    stride, rest, Sq, Skv, D, Hkv, dt, cfg = case
+
+    def mask(b, h, q_idx, kv_idx):
+        dilated = (q_idx - kv_idx) % stride == 0
+        other = _FOLD_MASKS[rest](q_idx, kv_idx)
+        return dilated if other is None else other & dilated
+
+    meta = (meta_tensor(2, 8, Sq, D, dtype=dt), meta_tensor(2, Hkv, Skv, D, dtype=dt),
+            meta_tensor(2, Hkv, Skv, D, dtype=dt))
+    return AttentionEngine(meta, CustomIO({}), mask_mod=mask, online_func=OnlineSoftmax(),
+                           score_mod=lambda s, c, b, h, q, k: s * D**-0.5 - (q - k).abs() * 0.01,
+                           backend=backend, config=cfg if backend == "tilelang" else None)
 
 
 def random_seed() -> int:

@@ -22,7 +22,18 @@ from engine.reference.executor import rel_err
 from engine.runtime.tilelang_backend import backward_kernel_call
 from engine.variants import VARIANTS
 
-from .cases import BF16, FP16, case_id, cross_product, selected_params
+from .cases import (
+    BF16,
+    FOLD_CASES,
+    FP16,
+    case_id,
+    check_gradients,
+    cross_product,
+    fold_case_id,
+    fold_module,
+    random_seed,
+    selected_params,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -43,7 +54,7 @@ CASES += [
 # afterwards; MHA stores them once in the input dtype.
 DETERMINISTIC = [("softmax_causal", 2, 128), ("alibi", 2, 128), ("sigmoid", 2, 128),
                  ("softmax_causal", 8, 128), ("softmax_causal", 2, 256), ("gemma2", 8, 256),
-                 ("alibi", 2, 256)]
+                 ("alibi", 2, 256), ("dilated", 2, 128)]
 
 
 def _build(case, backward_config=None):
@@ -69,6 +80,8 @@ def _precompiled(request):
         mod = _build((name, BF16, 2, 8, hkv, 1000, 1000, d, d))[0]
         learn = tuple(VARIANTS[name].learnable)
         srcs += mod.backward_kernels(custom_grads=learn, deterministic=True).sources()
+    srcs += [src for c in FOLD_CASES if c in selected_params(request, "fold_case")
+             for src in fold_module(c).backward_kernels().sources()]
     errors = precompile(list(dict.fromkeys(srcs)))
     # A kernel that fails to compile fails its own tests (compiling again there, with the
     # error); the rest of the module still runs.
@@ -148,6 +161,7 @@ HEADS_LOOP = [
     ("sliding_window", FP16, 1, 12, 4, 1500, 1500, 128, 128),  # GQA 3
     ("softcap", BF16, 2, 8, 2, 1000, 300, 128, 128),  # fused loop, Sq > Skv
     ("softmax", BF16, 2, 16, 2, 640, 640, 128, 128),  # GQA 8
+    ("dilated", BF16, 2, 8, 2, 1000, 1000, 128, 128),  # folded rows: head hq's residue
 ]
 
 
@@ -240,3 +254,18 @@ def test_deterministic_backward(name, heads_kv, d):
         assert torch.equal(a, b), f"{what}: two deterministic runs differ"
         assert not torch.isnan(a).any(), f"{what} has NaN"
         assert rel_err(a, w) < 2e-2, f"{what}: relative error {rel_err(a, w):.3e}"
+
+
+@pytest.mark.parametrize("fold_case", FOLD_CASES, ids=fold_case_id)
+def test_folded_dilated_backward_matches_reference(fold_case, monkeypatch):
+    """A dilated mask's backward on folded rows (engine.plan.fold), through the engine's
+    autograd, against the reference backend's gradients."""
+    stride, _, Sq, Skv, D, Hkv, dt, _ = fold_case
+    mod, ref_mod = fold_module(fold_case), fold_module(fold_case, backend="reference")
+    bk = mod.backward_kernels()
+    assert bk.plan.fold is not None and bk.plan.fold.stride == stride  # the case folds
+    g = torch.Generator(device="cuda").manual_seed(random_seed())
+    leaves = [torch.randn(2, Sq, 8, D, device="cuda", dtype=dt, generator=g)]
+    leaves += [torch.randn(2, Skv, Hkv, D, device="cuda", dtype=dt, generator=g) for _ in "kv"]
+    leaves = [t.requires_grad_(True) for t in leaves]
+    check_gradients(monkeypatch, mod, ref_mod, leaves, 3, ("dq", "dk", "dv"))

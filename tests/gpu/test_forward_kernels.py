@@ -16,7 +16,16 @@ from engine.reference import executor
 from engine.reference.executor import rel_err
 from engine.variants import VARIANTS
 
-from .cases import BF16, FP16, case_id, cross_product, selected_params
+from .cases import (
+    BF16,
+    FOLD_CASES,
+    FP16,
+    case_id,
+    cross_product,
+    fold_case_id,
+    fold_module,
+    selected_params,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -93,7 +102,7 @@ def _precompiled(request):
             srcs.append(mod.kernel_source)
     srcs += [_ws_module(c)[0].kernel_source for c in WS_CASES
              if c in selected_params(request, "ws_case")]
-    srcs += [_fold_module(c).kernel_source for c in FOLD_CASES
+    srcs += [fold_module(c).kernel_source for c in FOLD_CASES
              if c in selected_params(request, "fold_case")]
     errors = precompile(srcs)
     # A kernel that fails to compile fails its own tests (compiling again there, with the
@@ -236,48 +245,14 @@ def test_dynamic_shapes_one_kernel_serves_every_length(name):
     assert compile_mod.cache_size() == before, "no compile after the first length"
 
 
-# Dilated masks fold into shorter rows (engine.plan.fold): a stride that leaves
-# row tails, the congruence alone, beside a window, Sq != Skv, a score reading the positions,
-# each schedule; (stride, mask beside it, Sq, Skv, D, Hkv, dtype, config).
-FOLD_CASES = [
-    (3, "window", 999, 999, 128, 2, BF16, None),
-    (3, "window", 999, 999, 128, 2, BF16, KernelConfig(128, 128, 2, 256)),
-    (3, "window", 999, 999, 128, 2, FP16, KernelConfig(192, 128, 2, 384)),
-    (2, None, 640, 640, 64, 8, FP16, None),
-    (3, "causal-offset", 300, 900, 128, 2, BF16, None),
-    (4, "causal", 1024, 1024, 256, 2, BF16, None),
-]
-_FOLD_MASKS = {
-    None: lambda q, kv: None,
-    "window": lambda q, kv: ((q - kv).abs() <= 200),
-    "causal-offset": lambda q, kv: (q + 600 >= kv),
-    "causal": lambda q, kv: (q >= kv),
-}
-
-
-def _fold_module(case):
-    stride, rest, Sq, Skv, D, Hkv, dt, cfg = case
-
-    def mask(b, h, q_idx, kv_idx):
-        dilated = (q_idx - kv_idx) % stride == 0
-        other = _FOLD_MASKS[rest](q_idx, kv_idx)
-        return dilated if other is None else other & dilated
-
-    meta = (meta_tensor(2, 8, Sq, D, dtype=dt), meta_tensor(2, Hkv, Skv, D, dtype=dt),
-            meta_tensor(2, Hkv, Skv, D, dtype=dt))
-    return AttentionEngine(meta, CustomIO({}), mask_mod=mask, online_func=OnlineSoftmax(),
-                           score_mod=lambda s, c, b, h, q, k: s * D**-0.5 - (q - k).abs() * 0.01,
-                           backend="tilelang", config=cfg)
-
-
-@pytest.mark.parametrize("fold_case", FOLD_CASES, ids=lambda c: "-".join(map(str, c[:6])))
+@pytest.mark.parametrize("fold_case", FOLD_CASES, ids=fold_case_id)
 def test_folded_dilated_masks_match_reference(fold_case):
     from engine.plan.fold import row_fold
     from engine.plan.shape import KernelShape
 
     stride, _, Sq, Skv, D, Hkv, dt, _ = fold_case
     B, Hq = 2, 8
-    mod = _fold_module(fold_case)
+    mod = fold_module(fold_case)
     assert row_fold(mod.spec, KernelShape.of(mod)).stride == stride  # the case folds
     seed = torch.randint(0, 2**31 - 1, ()).item()
     g = torch.Generator(device="cuda").manual_seed(seed)

@@ -34,7 +34,8 @@ from engine.runtime.mask_tables import FORWARD_TABLES, MaskTables, forward_layou
 
 @dataclass
 class BackwardKernels:
-    """The kernels of one backward plan and their block tables, each compiled on first use."""
+    """The kernels of one backward plan and their block tables, each compiled on first use;
+    `shape` is the one they tile (a dilated mask's folded shape: BackwardPlan.fold)."""
 
     shape: KernelShape
     plan: BackwardPlan
@@ -95,9 +96,12 @@ def build_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
     compiled), also producing the gradients of the CustomIO tensors named in `custom_grads`.
     `forced`: plan decisions to force (plan_backward's keyword arguments; tests)."""
     plan = plan_backward(spec, shape, cfg, tuple(custom_grads), deterministic, **forced)
+    stride = 1
+    if plan.fold is not None:  # a dilated mask's kernels: the folded spec at its tiled shape
+        spec, shape, stride = plan.fold.spec, plan.fold.tiled, plan.fold.stride
     tables = MaskTables(spec.mask, shape, cfg.block_M, cfg.block_N,
                         lambda bc: transposed_tables(bc, shape.seqlen_q, cfg.block_M),
-                        ("LoT", "HiT", "ClsT", "OrdT"))
+                        ("LoT", "HiT", "ClsT", "OrdT"), stride)
     bk = BackwardKernels(shape, plan, Kernel(generate_backward(spec, shape, plan)), tables)
     if plan.preprocess:
         bk.preprocess = Kernel(generate_preprocess(shape))
@@ -105,9 +109,9 @@ def build_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
         bk.post = Kernel(generate_dq_postprocess(shape, cfg))
     if plan.dq_config is not None:
         dq_cfg = plan.dq_config
-        bk.dq = Kernel(generate_backward_dq(spec, shape, dq_cfg))
+        bk.dq = Kernel(generate_backward_dq(spec, shape, dq_cfg, plan.fold))
         bk.dq_tables = MaskTables(spec.mask, shape, dq_cfg.block_M, dq_cfg.block_N, forward_layout,
-                                  FORWARD_TABLES)
+                                  FORWARD_TABLES, stride)
     return bk
 
 
@@ -143,8 +147,32 @@ def launch_backward(
 
     `finals` are the forward's final row scales ([B, Hq, Sq] fp32, in spec.final_names order);
     `custom` the CustomIO tensors by name."""
-    p, dev = bk.shape, q.device
     q, k, v, o, do = (t.contiguous() for t in (q, k, v, o, do))
+    if bk.plan.fold is not None:
+        return _folded(bk, q, k, v, o, finals, do)
+    return _launch(bk, q, k, v, o, finals, do, custom)
+
+
+def _folded(bk: BackwardKernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            o: torch.Tensor, finals: list[torch.Tensor], do: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """A folded backward (engine.plan.fold): the inputs and gradients as views of the tiled
+    shape, the row scales copied into its [B, stride * Hq, S / stride] rows."""
+    t, d = bk.shape, bk.plan.fold.stride
+    q, o, do = (x.view(t.batch, t.seqlen_q, t.heads_q, -1) for x in (q, o, do))
+    k, v = (x.view(t.batch, t.seqlen_kv, t.heads_kv, -1) for x in (k, v))
+    rows = [f.detach().float().view(t.batch, -1, t.seqlen_q, d).permute(0, 3, 1, 2)
+            .reshape(t.batch, t.heads_q, t.seqlen_q) for f in finals]
+    dq, dk, dv, _ = _launch(bk, q, k, v, o, rows, do, {})
+    return (dq.view(t.batch, t.seqlen_q * d, t.heads_q // d, -1),
+            *(x.view(t.batch, t.seqlen_kv * d, t.heads_kv // d, -1) for x in (dk, dv)), {})
+
+
+def _launch(bk: BackwardKernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            o: torch.Tensor, finals: list[torch.Tensor], do: torch.Tensor,
+            custom: dict[str, torch.Tensor]
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    p, dev = bk.shape, q.device
     names = [prm.name for prm in bk.main.params if prm.name.startswith("F_")]
     rows = dict(zip(names, (f.detach().float().contiguous() for f in finals), strict=True))
     if bk.preprocess is not None:

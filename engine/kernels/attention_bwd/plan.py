@@ -18,6 +18,7 @@ from engine.plan.config import (
     consumer_register_cap,
     warp_partition,
 )
+from engine.plan.fold import RowFold, row_fold
 from engine.plan.shape import KernelShape
 
 # Preference order for the main kernel. block_N = keys per thread block (rows of every
@@ -351,6 +352,15 @@ class BackwardPlan:
     q_reads_in_ring: bool
     preprocess: bool  # Delta = rowsum(dO * O) first: the spec's `bwd` reads doosum
     dq_config: KernelConfig | None  # the deterministic mode's dQ kernel
+    # A dilated mask's rows folded into heads (engine.plan.fold): the kernels are generated
+    # for fold.spec at fold.tiled, every decision above taken there.
+    fold: RowFold | None = None
+
+
+def backward_fold(spec: TracedSpec, shape: KernelShape) -> RowFold | None:
+    """The forward's fold of a dilated mask, where the spec reads no custom inputs (their
+    reads, hoisted vectors and gradients index the problem's rows, not the folded ones)."""
+    return None if spec.customs else row_fold(spec, shape)
 
 
 def single_axis(index: tuple) -> str | None:
@@ -469,7 +479,13 @@ def plan_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
     dS K per kv block; dK, dV over the query heads of a GQA group unless the heads walk stores
     them once). Deterministic: no atomics and no dQ in the main kernel; dK and dV per query
     head, custom gradients per (b, h, key) row, dQ from the dQ kernel; every output element
-    has one writer, so runs are bitwise identical."""
+    has one writer, so runs are bitwise identical.
+
+    A dilated mask's backward is planned, and its kernels generated, for the folded spec
+    and shape (BackwardPlan.fold)."""
+    fold = backward_fold(spec, shape)
+    if fold is not None:
+        spec, shape = fold.spec, fold.tiled
     ex = BackwardExprs(spec, custom_grads, deterministic)
     split_heads = head_split(cfg)
     if warp_specialized is None:
@@ -509,4 +525,5 @@ def plan_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
         hoisted=hoisted, diagonal_tables=diagonal_tables(ex, cfg, deterministic),
         q_reads_in_ring=q_in_ring, preprocess=spec.uses_doosum,
         dq_config=default_dq_config(shape.head_dim, shape.head_dim_v) if deterministic else None,
+        fold=fold,
     )

@@ -21,7 +21,7 @@ from engine.kernels.attention_fwd.online import OnlineBody, prepare_online, resc
 from engine.kernels.attention_fwd.plan import has_partial_blocks, walks_full_run
 from engine.mask.analysis import reads_data
 from engine.plan.config import WS_CONSUMER_REGS, WS_PRODUCER_THREADS, KernelConfig
-from engine.plan.fold import row_fold
+from engine.plan.fold import index_texts, row_fold
 from engine.plan.shape import KernelShape
 
 
@@ -39,11 +39,9 @@ class _Frame:
         self.full_run = walks_full_run(self.spec, self.tiled, cfg)
         bM, bN = cfg.block_M, cfg.block_N
         self.q_row = f"bx * {bM} + i"  # the tile's row, of the tiled shape
-        self.q_idx, self.kv_idx = f"({self.q_row})", f"(kb * {bN} + j)"
-        self.q_pos, head = self.q_row, "by"  # row i's query position and head, F's index
-        if fold:
-            self.q_idx, self.kv_idx = (fold.position(x, "by") for x in (self.q_idx, self.kv_idx))
-            self.q_pos, head = self.q_idx, fold.head_of("by")
+        self.q_idx, self.kv_idx, head = index_texts(fold, f"({self.q_row})", f"(kb * {bN} + j)",
+                                                    "by")
+        self.q_pos = self.q_idx if fold else self.q_row  # row i's query position, F's index
         self.index_text = {"b": "bz", "h": head, "q": self.q_idx, "kv": self.kv_idx}
         self.clamp = {"q": f"T.min({self.q_idx}, {shape.last_text('q')})",
                       "kv": f"T.min({self.kv_idx}, {shape.last_text('kv')})"}

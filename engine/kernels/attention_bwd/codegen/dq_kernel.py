@@ -18,21 +18,25 @@ from engine.kernels.attention_bwd.codegen.tiles import (
 from engine.kernels.attention_bwd.codegen.vectors import VectorGroup, row_vectors
 from engine.kernels.attention_bwd.exprs import BackwardExprs
 from engine.plan.config import KernelConfig
+from engine.plan.fold import RowFold, index_texts
 from engine.plan.shape import KernelShape
 
 POLICY = "T.GemmWarpPolicy.FullRow"
 
 
-def generate_backward_dq(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig
-                         ) -> GeneratedKernel:
-    """TileLang source of `main`, the deterministic backward's dQ kernel."""
+def generate_backward_dq(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
+                         fold: RowFold | None = None) -> GeneratedKernel:
+    """TileLang source of `main`, the deterministic backward's dQ kernel (of a dilated mask's
+    `fold` at its tiled shape)."""
     ex = BackwardExprs(spec, ())
     d = dims(shape, cfg)
     bM, bN = d.bM, d.bN
-    q_idx, kv_idx = f"(bx * {bM} + i)", f"(kb * {bN} + j)"
-    bind, _ = binder(shape, q_idx, kv_idx, {"rawscore": "s", "dp": "dp", "p": "p"}, "i")
+    q_row, kv_row = f"(bx * {bM} + i)", f"(kb * {bN} + j)"
+    q_idx, kv_idx, head = index_texts(fold, q_row, kv_row, "by")
+    bind, _ = binder(shape, q_idx, kv_idx, {"rawscore": "s", "dp": "dp", "p": "p"}, "i",
+                     head=head)
     finals, delta = (VectorGroup(tuple(v), bM) for v in row_vectors(spec, shape, f"bx * {bM}", "by"))
-    mask = mask_text(spec, bind, q_idx, kv_idx, shape)
+    mask = mask_text(spec, bind, q_row, kv_row, shape)
     args = input_args(spec, shape, d.dt) + table_args("", shape, d.nqb, d.nkb)
     args += row_args(spec, shape)
     args.append(param("dQ", (shape.batch, d.Sq, shape.heads_q, d.D), "float32"))

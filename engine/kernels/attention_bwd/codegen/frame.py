@@ -11,6 +11,7 @@ from engine.kernels.attention_bwd.codegen.tiles import Bind, Dims, binder, dims,
 from engine.kernels.attention_bwd.codegen.vectors import VectorGroup, hoisted_vectors, row_vectors
 from engine.kernels.attention_bwd.exprs import BackwardExprs
 from engine.kernels.attention_bwd.plan import BackwardPlan
+from engine.plan.fold import index_texts
 from engine.plan.shape import KernelShape
 
 
@@ -64,14 +65,15 @@ def frame(spec: TracedSpec, shape: KernelShape, plan: BackwardPlan) -> Frame:
     d = dims(shape, cfg)
     ex = BackwardExprs(spec, plan.custom_grads, plan.deterministic)
     head = "hq" if plan.heads_loop else "by"
-    q_idx, kv_idx = f"(qb * {d.bM} + j)", f"(bx * {d.bN} + i)"
+    q_row, kv_row = f"(qb * {d.bM} + j)", f"(bx * {d.bN} + i)"
+    q_idx, kv_idx, h = index_texts(plan.fold, q_row, kv_row, head)
     st = cfg.num_stages
     ring = (f"k % {st}", st) if plan.warp_specialized else None
     hoisted, by_kv, by_q = hoisted_vectors(plan.hoisted, shape, d.bN, f"qb * {d.bM}", head,
                                            ring[0] if plan.q_reads_in_ring else None)
     finals, delta = row_vectors(spec, shape, f"qb * {d.bM}", head)
     bind, index_text = binder(shape, q_idx, kv_idx, {"rawscore": "sT", "dp": "dpT", "p": "pT"},
-                              "j", hoisted, head)
+                              "j", hoisted, h)
     if plan.warp_specialized:
         q_sh, do_sh, ds_sh = f"Q_shared[k % {st}, :, :]", f"dO_shared[k % {st}, :, :]", \
             "dsT_shared[k % 2, :, :]"
@@ -82,7 +84,7 @@ def frame(spec: TracedSpec, shape: KernelShape, plan: BackwardPlan) -> Frame:
         policy=f"T.GemmWarpPolicy.{cfg.gemm_policy}",
         tile_regs=d.bN * d.bM // cfg.threads, dq_regs=d.bM * d.D // cfg.threads,
         dk_regs=d.bN * d.D // cfg.threads, q_idx=q_idx, kv_idx=kv_idx, bind=bind,
-        index_text=index_text, mask=mask_text(spec, bind, q_idx, kv_idx, shape),
+        index_text=index_text, mask=mask_text(spec, bind, q_row, kv_row, shape),
         finals=VectorGroup(tuple(finals), d.bM, ring), delta=VectorGroup(tuple(delta), d.bM, ring),
         by_kv=VectorGroup(tuple(by_kv), d.bN),
         by_q=VectorGroup(tuple(by_q), d.bM, ring, in_registers=not plan.q_reads_in_ring),

@@ -76,9 +76,10 @@ def binder(shape: KernelShape, q_idx: str, kv_idx: str, tiles: dict[str, str], q
     return bind, index_text
 
 
-def mask_text(spec: TracedSpec, bind: Bind, q_idx: str, kv_idx: str, shape: KernelShape) -> str:
-    """What a partial block evaluates: the spec's mask and both sequence bounds."""
-    conds = [f"({kv_idx} < {shape.seqlen_kv})", f"({q_idx} < {shape.seqlen_q})"]
+def mask_text(spec: TracedSpec, bind: Bind, q_row: str, kv_row: str, shape: KernelShape) -> str:
+    """What a partial block evaluates: the spec's mask (positions as `bind` gives them) and
+    both bounds on the rows `q_row`, `kv_row` (the positions, unless the rows are folded)."""
+    conds = [f"({kv_row} < {shape.seqlen_kv})", f"({q_row} < {shape.seqlen_q})"]
     if spec.mask is not None:
         conds.insert(0, Emitter(bind).text(spec.mask))
     text = conds[0]
