@@ -299,13 +299,14 @@ def test_warp_specialised_forward_compiles(name, config, tmp_path, monkeypatch):
     assert "wait_wgmma<1>" in cuda and "wait_wgmma<0>" in cuda
 
 
-@pytest.mark.parametrize("name, rows", [("retnet", 32), ("key_gate", 32), ("sigmoid", 64),
+@pytest.mark.parametrize("name, rows", [("retnet", 32), ("key_gate", 64), ("sigmoid", 64),
                                         ("alibi", 64)])
 def test_custom_gradient_backward_keeps_its_registers(name, rows, tmp_path, monkeypatch):
-    """A custom gradient that alone reads the raw score (RetNet's log decay, the key gate)
-    takes 32-row steps: at 64 rows they spilled 2552 and 596 bytes (ptxas, D 128), and
-    RetNet's ran 4.6x slower on the H100. Sigmoid's dS reads the score anyway and ALiBi's
-    gradient does not: they keep 64 rows, where they ran faster than at 32."""
+    """A custom gradient that alone reads the raw score in the kernel (RetNet's log decay)
+    takes 32-row steps: at 64 rows it spilled 2552 bytes (ptxas, D 128) and ran 4.6x slower
+    on the H100 (the key gate's spilled 596 before it came from q . dQ instead). Sigmoid's dS
+    reads the score anyway and ALiBi's gradient does not: they keep 64 rows, where they ran
+    faster than at 32."""
     from engine.runtime.compile import compile_source
 
     monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))

@@ -54,7 +54,7 @@ CASES += [
 # afterwards; MHA stores them once in the input dtype.
 DETERMINISTIC = [("softmax_causal", 2, 128), ("alibi", 2, 128), ("sigmoid", 2, 128),
                  ("softmax_causal", 8, 128), ("softmax_causal", 2, 256), ("gemma2", 8, 256),
-                 ("alibi", 2, 256), ("dilated", 2, 128)]
+                 ("alibi", 2, 256), ("dilated", 2, 128), ("key_gate", 2, 128)]
 
 
 def _build(case, backward_config=None):
@@ -201,7 +201,7 @@ def _check_against_reference(case, backward_config=None, check=None) -> None:
         assert not math.isnan(err) and err < 2e-2, f"{what}: relative error {err:.3e}"
 
 
-@pytest.mark.parametrize("name", ["softmax_causal", "alibi", "sigmoid"])
+@pytest.mark.parametrize("name", ["softmax_causal", "alibi", "sigmoid", "key_gate"])
 def test_engine_autograd_runs_the_kernels(name, monkeypatch):
     """AttentionEngine's autograd with the kernel backward on: gradients (learnable CustomIO
     tensors included) match the reference backend's, the reference rules are never called, a

@@ -133,6 +133,89 @@ class TableGrad:
     ds_factor: float | None
 
 
+def _raw_cofactor(e: Expr) -> Expr | None:
+    """X with e == rawscore * X, read off e's structure (products, quotients, negations, sums
+    of such terms); None where e is not of that form."""
+    if e.op == "rawscore":
+        return Expr.wrap(1.0)
+    has = [_reads_score([a]) for a in e.args]
+    if e.op == "neg" and has[0]:
+        x = _raw_cofactor(e.args[0])
+        return None if x is None else -x
+    if e.op in ("mul", "div") and has[0] != has[1]:
+        if e.op == "div" and has[1]:
+            return None
+        inner, other = (e.args[0], e.args[1]) if has[0] else (e.args[1], e.args[0])
+        x = _raw_cofactor(inner)
+        return None if x is None else (x * other if e.op == "mul" else x / other)
+    if e.op in ("add", "sub") and all(has):
+        xa, xb = (_raw_cofactor(a) for a in e.args)
+        if xa is None or xb is None:
+            return None
+        return xa + xb if e.op == "add" else xa - xb
+    return None
+
+
+def _per_head(e: Expr) -> bool:
+    """Whether `e` is one value per (batch, head): constants, b, h and custom reads at them."""
+    return all(n.op == "const" or (n.op == "idx" and n.attr in ("b", "h"))
+               or (n.op == "custom" and not {"q", "kv"} & set(n.attr[2]))
+               for n in leaves([e]))
+
+
+def _positive(e: Expr) -> bool:
+    """Whether `e` is positive by its structure (positive constants, exponentials, sigmoids,
+    and their products, quotients and sums): a divisor that cannot be 0."""
+    if e.op == "const":
+        return e.dtype != "bool" and float(e.attr) > 0
+    if e.op in ("exp", "exp2", "sigmoid"):
+        return True
+    return e.op in ("mul", "div", "add") and all(_positive(a) for a in e.args)
+
+
+@dataclass(frozen=True, eq=False)
+class RowDotGrad:
+    """A custom read once per (batch, head) that scales the raw score (a per-head key gate, a
+    learned temperature): d score_mod / d read = rawscore * X, with X and d score_mod /
+    d score one value per (batch, head). Since dQ_i = sum_j dS'_ij (d score_mod / d score)
+    k_j, sum_j dS'_ij rawscore_ij = q_i . dQ_i / (d score_mod / d score), so its gradient is
+    `coef` * sum_i q_i . dQ_i per (batch, head), coef = X / (d score_mod / d score): no tile
+    reduction in the kernel. Only where d score_mod / d score cannot be 0 (a gate that is 0
+    leaves dQ 0 and its own gradient not): a sigmoid gate, exp(temperature), constants."""
+
+    name: str
+    index: tuple
+    coef: Expr
+
+    # Expressions overload ==: compare by structure.
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RowDotGrad) and (self.name, self.index, self.coef.key) == (
+            other.name, other.index, other.coef.key)
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.index, self.coef.key))
+
+
+def row_dot_grads(spec: TracedSpec, custom_grads: tuple[str, ...]
+                  ) -> tuple[RowDotGrad, ...]:
+    """The gradients of `custom_grads` that every read of theirs lets come from q . dQ."""
+    score, raw = leaf("score", ("m", "n")), leaf("rawscore", ("m", "n"))
+    dsm_ds = substitute(diff(spec.score_mod, score), {score.key: raw})
+    if not custom_grads or not _per_head(dsm_ds) or not _positive(dsm_ds):
+        return ()
+    by_name: dict[str, list[RowDotGrad | None]] = {}
+    for read, d in score_mod_derivatives(spec)[1].values():
+        if read.attr[0] not in custom_grads:
+            continue
+        x = _raw_cofactor(substitute(d, {score.key: raw})) if read.op == "custom" else None
+        ok = x is not None and _per_head(x) and not {"q", "kv"} & set(read.attr[2])
+        by_name.setdefault(read.attr[0], []).append(
+            RowDotGrad(read.attr[0], read.attr[2], x / dsm_ds) if ok else None)
+    online = spec.online_custom_reads()
+    return tuple(g for name, gs in sorted(by_name.items())
+                 if name not in online and all(gs) for g in gs)
+
+
 def _reads_score(roots: list[Expr]) -> bool:
     return any(n.op == "rawscore" for n in leaves(roots))
 

@@ -7,6 +7,8 @@ launch_backward(bk, q, k, v, o, finals, do, custom) -> (dq, dk, dv, dC) runs
     atomics over a group's heads unless one thread block walks them),
   postprocess (warp-specialised: a generated kernel turns the fragment-order dQ into rows in
     the input dtype; fp32 dK/dV sums are cast by torch).
+Gradients of custom inputs that scale the raw score per (batch, head) (a key gate) come from
+q . dQ afterwards (row_dot_grads), not from the kernels.
 The block tables are the forward's mask classification transposed: for each kv block the range
 of non-empty query blocks, and a query block's tail (rows past Sq) counts as partial.
 """
@@ -24,10 +26,12 @@ from engine.kernels.attention_bwd.codegen import (
     generate_dq_postprocess,
     generate_preprocess,
 )
+from engine.kernels.attention_bwd.exprs import RowDotGrad
 from engine.kernels.attention_bwd.plan import DQ_ROW, BackwardPlan, plan_backward
 from engine.mask.analysis import FULL, PARTIAL, BlockClasses
 from engine.plan.config import KernelConfig
 from engine.plan.shape import KernelShape
+from engine.reference.evaluate import Env, evaluate, index_tensors
 from engine.runtime.kernel import Kernel
 from engine.runtime.mask_tables import FORWARD_TABLES, MaskTables, forward_layout
 
@@ -150,7 +154,29 @@ def launch_backward(
     q, k, v, o, do = (t.contiguous() for t in (q, k, v, o, do))
     if bk.plan.fold is not None:
         return _folded(bk, q, k, v, o, finals, do)
-    return _launch(bk, q, k, v, o, finals, do, custom)
+    dq, dk, dv, cg = _launch(bk, q, k, v, o, finals, do, custom)
+    if bk.plan.row_dot_grads:
+        cg.update(row_dot_grads(bk.plan.row_dot_grads, q, dq, custom))
+    return dq, dk, dv, cg
+
+
+def row_dot_grads(grads: tuple[RowDotGrad, ...], q: torch.Tensor, dq: torch.Tensor,
+                  custom: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The gradients of custom inputs that scale the raw score per (batch, head)
+    (exprs.RowDotGrad): coef * sum_i q_i . dQ_i per (batch, head) ([B, S, Hq, D] q and dq),
+    summed into each custom tensor's layout and dtype."""
+    B, _, H, _ = q.shape
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dots = (q * dq).sum(dim=(1, 3), dtype=acc)  # [B, Hq]
+    none = torch.zeros(1, dtype=torch.long)
+    env = Env(dtype=acc, device=q.device, index=index_tensors(B, H, none, none, q.device),
+              customs={n: t.detach().to(acc) for n, t in custom.items()})
+    out: dict[str, torch.Tensor] = {}
+    for g, coef in zip(grads, evaluate([g.coef for g in grads], env), strict=True):
+        rows = (torch.broadcast_to(coef, (B, H, 1, 1)).reshape(B, H) * dots).unsqueeze(-1)
+        grad = fold_rows(rows, g.index, tuple(custom[g.name].shape))
+        out[g.name] = out[g.name] + grad if g.name in out else grad
+    return {n: t.to(custom[n].dtype) for n, t in out.items()}
 
 
 def _folded(bk: BackwardKernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from engine.dsl.expr import Expr, leaves
 from engine.ir.spec import TracedSpec
-from engine.kernels.attention_bwd.exprs import BackwardExprs
+from engine.kernels.attention_bwd.exprs import BackwardExprs, RowDotGrad, row_dot_grads
 from engine.kernels.attention_bwd.panels import H100_SMS, wave_panel
 from engine.plan.config import (
     GEMM_POLICIES,
@@ -238,7 +238,15 @@ def wants_narrow_rows(spec: TracedSpec, custom_grads: tuple[str, ...]) -> bool:
     """Whether the gradients of `custom_grads` take steps of at most NARROW_BLOCK_M query
     rows: where only such a gradient reads the raw score (its derivative tile beside S^T,
     dP^T and P^T spilled or serialised the wgmmas at 64 rows: results/NOTES.md 93-94)."""
-    return bool(custom_grads) and BackwardExprs(spec, custom_grads).only_grads_read_score
+    grads = kernel_grads(spec, custom_grads)
+    return bool(grads) and BackwardExprs(spec, grads).only_grads_read_score
+
+
+def kernel_grads(spec: TracedSpec, custom_grads: tuple[str, ...]) -> tuple[str, ...]:
+    """The gradients of `custom_grads` the kernels compute: not those that come from
+    q . dQ afterwards (row_dot_grads)."""
+    dots = {g.name for g in row_dot_grads(spec, custom_grads)}
+    return tuple(n for n in custom_grads if n not in dots)
 
 
 def default_backward_config(head_dim: int, head_dim_v: int, elem_bytes: int = 2,
@@ -352,6 +360,9 @@ class BackwardPlan:
     q_reads_in_ring: bool
     preprocess: bool  # Delta = rowsum(dO * O) first: the spec's `bwd` reads doosum
     dq_config: KernelConfig | None  # the deterministic mode's dQ kernel
+    # Gradients of custom inputs that scale the raw score per (batch, head), from q . dQ
+    # after the kernels (exprs.RowDotGrad); custom_grads are the kernels' own.
+    row_dot_grads: tuple[RowDotGrad, ...] = ()
     # A dilated mask's rows folded into heads (engine.plan.fold): the kernels are generated
     # for fold.spec at fold.tiled, every decision above taken there.
     fold: RowFold | None = None
@@ -486,6 +497,8 @@ def plan_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
     fold = backward_fold(spec, shape)
     if fold is not None:
         spec, shape = fold.spec, fold.tiled
+    dots = row_dot_grads(spec, tuple(custom_grads))
+    custom_grads = kernel_grads(spec, tuple(custom_grads))
     ex = BackwardExprs(spec, custom_grads, deterministic)
     split_heads = head_split(cfg)
     if warp_specialized is None:
@@ -525,5 +538,5 @@ def plan_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
         hoisted=hoisted, diagonal_tables=diagonal_tables(ex, cfg, deterministic),
         q_reads_in_ring=q_in_ring, preprocess=spec.uses_doosum,
         dq_config=default_dq_config(shape.head_dim, shape.head_dim_v) if deterministic else None,
-        fold=fold,
+        row_dot_grads=dots, fold=fold,
     )
