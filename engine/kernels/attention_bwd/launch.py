@@ -168,9 +168,13 @@ def row_dot_grads(grads: tuple[RowDotGrad, ...], q: torch.Tensor, dq: torch.Tens
     B, _, H, _ = q.shape
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     dots = (q * dq).sum(dim=(1, 3), dtype=acc)  # [B, Hq]
-    none = torch.zeros(1, dtype=torch.long)
+    # Nothing copied from the host and custom reads as views (Env.ranges), not gathers: either
+    # would wait for the backward's kernels (a pageable copy, a 0-dim index), and the next
+    # step's launches after them.
+    none = torch.zeros(1, dtype=torch.long, device=q.device)
     env = Env(dtype=acc, device=q.device, index=index_tensors(B, H, none, none, q.device),
-              customs={n: t.detach().to(acc) for n, t in custom.items()})
+              customs={n: t.detach().to(acc) for n, t in custom.items()},
+              ranges={"b": (0, B), "h": (1, H)})
     out: dict[str, torch.Tensor] = {}
     for g, coef in zip(grads, evaluate([g.coef for g in grads], env), strict=True):
         rows = (torch.broadcast_to(coef, (B, H, 1, 1)).reshape(B, H) * dots).unsqueeze(-1)
