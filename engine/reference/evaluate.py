@@ -145,8 +145,10 @@ def evaluate(roots: list[Expr], env: Env) -> list[torch.Tensor]:
 
 
 def _const(node: Expr, env: Env) -> torch.Tensor:
+    # torch.full, not torch.tensor: on a GPU the latter copies from the host, which waits
+    # for every kernel queued before it (the key gate's fwd+bwd: 3.17 against 2.12 ms).
     dt = {"bool": torch.bool, "int": torch.int64}.get(node.dtype, env.dtype)
-    return torch.tensor(node.attr, dtype=dt, device=env.device)
+    return torch.full((), node.attr, dtype=dt, device=env.device)
 
 
 # Elementwise functions of a float tensor, by DSL op: torch's of the same name (round halves
