@@ -161,7 +161,7 @@ def classify(
     stride: int = 1,
 ) -> BlockClasses:
     """Classify every (q block, kv block) pair as EMPTY, PARTIAL or FULL. With `stride`, the
-    rows and keys are those of a folded forward (engine.plan.fold): row i of
+    rows and keys are those of a folded kernel (engine.plan.fold): row i of
     residue r is position i * stride + r, and a block is FULL (EMPTY) only where it is for
     every residue. Such a mask reads neither b, h nor data."""
     q_lo, q_hi = _block_interval(seqlen_q, block_M)

@@ -31,7 +31,7 @@ class MaskTables:
     block_N: int
     layout: Callable[[BlockClasses], tuple[torch.Tensor, ...]]
     names: tuple[str, ...]
-    stride: int = 1  # a folded forward's (rows i of residue r are positions i * stride + r)
+    stride: int = 1  # a folded kernel's (row i of residue r is position i * stride + r)
     _cache: dict[str, tuple[torch.Tensor, ...]] = field(default_factory=dict)
 
     @cached_property

@@ -238,11 +238,11 @@ def wants_narrow_rows(spec: TracedSpec, custom_grads: tuple[str, ...]) -> bool:
     """Whether the gradients of `custom_grads` take steps of at most NARROW_BLOCK_M query
     rows: where only such a gradient reads the raw score (its derivative tile beside S^T,
     dP^T and P^T spilled or serialised the wgmmas at 64 rows: results/NOTES.md 93-94)."""
-    grads = kernel_grads(spec, custom_grads)
+    grads = kernel_custom_grads(spec, custom_grads)
     return bool(grads) and BackwardExprs(spec, grads).only_grads_read_score
 
 
-def kernel_grads(spec: TracedSpec, custom_grads: tuple[str, ...]) -> tuple[str, ...]:
+def kernel_custom_grads(spec: TracedSpec, custom_grads: tuple[str, ...]) -> tuple[str, ...]:
     """The gradients of `custom_grads` the kernels compute: not those that come from
     q . dQ afterwards (row_dot_grads)."""
     dots = {g.name for g in row_dot_grads(spec, custom_grads)}
@@ -498,7 +498,7 @@ def plan_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
     if fold is not None:
         spec, shape = fold.spec, fold.tiled
     dots = row_dot_grads(spec, tuple(custom_grads))
-    custom_grads = kernel_grads(spec, tuple(custom_grads))
+    custom_grads = kernel_custom_grads(spec, tuple(custom_grads))
     ex = BackwardExprs(spec, custom_grads, deterministic)
     split_heads = head_split(cfg)
     if warp_specialized is None:
