@@ -154,6 +154,7 @@ def test_folded_index_texts_name_the_elements_the_launcher_binds(calls):
     got = dict(zip([p.name for p in fk.kernel.params], args, strict=True))
     assert got["Q"].data_ptr() == q.data_ptr() and got["O"].data_ptr() == o.data_ptr()
     assert tuple(got["Q"].shape) == (2, 96, 8, 64) and tuple(o.shape) == (2, 192, 4, 64)
+    assert "rows folded by 2" in fk.source.splitlines()[0]  # the source says so
     f = _Frame(mod.spec, KernelShape.of(mod), fk.config)
     G = sizes["heads_q"] // sizes["heads_kv"]
     for by in range(8):
