@@ -133,6 +133,18 @@ class TableGrad:
     ds_factor: float | None
 
 
+_SCORE, _RAW = leaf("score", ("m", "n")), leaf("rawscore", ("m", "n"))
+
+
+def raw_derivatives(spec: TracedSpec) -> tuple[Expr, list[tuple[Expr, Expr]]]:
+    """d score_mod / d score, and (read, d score_mod / d read) per custom read of score_mod,
+    all over the raw score (leaf `rawscore`)."""
+    to_raw = {_SCORE.key: _RAW}
+    return (substitute(diff(spec.score_mod, _SCORE), to_raw),
+            [(read, substitute(d, to_raw))
+             for read, d in score_mod_derivatives(spec)[1].values()])
+
+
 def _raw_cofactor(e: Expr) -> Expr | None:
     """X with e == rawscore * X, read off e's structure (products, quotients, negations, sums
     of such terms); None where e is not of that form."""
@@ -199,15 +211,16 @@ class RowDotGrad:
 def row_dot_grads(spec: TracedSpec, custom_grads: tuple[str, ...]
                   ) -> tuple[RowDotGrad, ...]:
     """The gradients of `custom_grads` that every read of theirs lets come from q . dQ."""
-    score, raw = leaf("score", ("m", "n")), leaf("rawscore", ("m", "n"))
-    dsm_ds = substitute(diff(spec.score_mod, score), {score.key: raw})
-    if not custom_grads or not _per_head(dsm_ds) or not _positive(dsm_ds):
+    if not custom_grads:
+        return ()
+    dsm_ds, reads = raw_derivatives(spec)
+    if not _per_head(dsm_ds) or not _positive(dsm_ds):
         return ()
     by_name: dict[str, list[RowDotGrad | None]] = {}
-    for read, d in score_mod_derivatives(spec)[1].values():
+    for read, d in reads:
         if read.attr[0] not in custom_grads:
             continue
-        x = _raw_cofactor(substitute(d, {score.key: raw})) if read.op == "custom" else None
+        x = _raw_cofactor(d) if read.op == "custom" else None
         ok = x is not None and _per_head(x) and not {"q", "kv"} & set(read.attr[2])
         by_name.setdefault(read.attr[0], []).append(
             RowDotGrad(read.attr[0], read.attr[2], x / dsm_ds) if ok else None)
@@ -230,15 +243,11 @@ class BackwardExprs:
             why = custom_grad_problem(spec, name, deterministic)
             if why is not None:
                 raise NotImplementedError(f"backward kernel: {why}")
-        score = leaf("score", ("m", "n"))
-        raw = leaf("rawscore", ("m", "n"))
-        smod = substitute(spec.score_mod, {score.key: raw})
-        self.p = substitute(spec.fwd_recompute, {score.key: smod})
-        self.ds_mod = substitute(spec.bwd, {score.key: smod})
-        self.dsm_ds = substitute(diff(spec.score_mod, score), {score.key: raw})
-        wanted = [(read, substitute(d, {score.key: raw}))
-                  for read, d in score_mod_derivatives(spec)[1].values()
-                  if read.attr[0] in custom_grads]
+        smod = substitute(spec.score_mod, {_SCORE.key: _RAW})
+        self.p = substitute(spec.fwd_recompute, {_SCORE.key: smod})
+        self.ds_mod = substitute(spec.bwd, {_SCORE.key: smod})
+        self.dsm_ds, reads = raw_derivatives(spec)
+        wanted = [(read, d) for read, d in reads if read.attr[0] in custom_grads]
         # plain reads (name, index, d/d read), summed per key; table lookups (TableGrad),
         # summed along diagonals or added per element (the plan decides)
         self.dc_reads: list[tuple[str, tuple, Expr]] = [

@@ -245,8 +245,12 @@ def wants_narrow_rows(spec: TracedSpec, custom_grads: tuple[str, ...]) -> bool:
 def kernel_custom_grads(spec: TracedSpec, custom_grads: tuple[str, ...]) -> tuple[str, ...]:
     """The gradients of `custom_grads` the kernels compute: not those that come from
     q . dQ afterwards (row_dot_grads)."""
-    dots = {g.name for g in row_dot_grads(spec, custom_grads)}
-    return tuple(n for n in custom_grads if n not in dots)
+    return _without(custom_grads, row_dot_grads(spec, custom_grads))
+
+
+def _without(custom_grads: tuple[str, ...], dots: tuple[RowDotGrad, ...]) -> tuple[str, ...]:
+    names = {g.name for g in dots}
+    return tuple(n for n in custom_grads if n not in names)
 
 
 def default_backward_config(head_dim: int, head_dim_v: int, elem_bytes: int = 2,
@@ -498,7 +502,7 @@ def plan_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
     if fold is not None:
         spec, shape = fold.spec, fold.tiled
     dots = row_dot_grads(spec, tuple(custom_grads))
-    custom_grads = kernel_custom_grads(spec, tuple(custom_grads))
+    custom_grads = _without(tuple(custom_grads), dots)
     ex = BackwardExprs(spec, custom_grads, deterministic)
     split_heads = head_split(cfg)
     if warp_specialized is None:
