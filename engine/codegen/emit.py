@@ -8,6 +8,7 @@ since TVM refuses mixed-type arithmetic.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 
 from engine.dsl.expr import Expr
@@ -189,3 +190,55 @@ def gather_text(node: Expr, bind: Callable[[Expr], str | None], sizes: dict[str,
                 prefix: str = "C_") -> str:
     """A table lookup as `C_name[...]` (or the gradient's `dC_name[...]`), indices clamped."""
     return f"{prefix}{node.attr[0]}[{', '.join(gather_parts(node, bind, sizes))}]"
+
+
+def block_uniform(roots: list[Expr]) -> list[Expr]:
+    """The largest float subexpressions of `roots` that read an input (a custom tensor or a
+    table) but vary along no tile axis (a per-head gate's sigmoid, an ALiBi slope): one
+    value per thread block. In a tile loop each would be a global load per element, which
+    nvcc does not hoist past the kernel's stores (ALiBi's forward: 137 loads a thread)."""
+    found: dict[tuple, Expr] = {}
+    seen: set[tuple] = set()
+    stack = list(reversed(roots))
+    while stack:
+        e = stack.pop()
+        if e.key in seen:
+            continue
+        seen.add(e.key)
+        if not e.axes and e.dtype == "float" and _reads_input(e):
+            found[e.key] = e
+        else:
+            stack.extend(reversed(e.args))
+    return list(found.values())
+
+
+def _reads_input(e: Expr) -> bool:
+    stack, seen = [e], set()
+    while stack:
+        n = stack.pop()
+        if n.op in ("custom", "gather"):
+            return True
+        if n.key not in seen:
+            seen.add(n.key)
+            stack.extend(n.args)
+    return False
+
+
+def let_uniforms(roots: list[Expr], bind: Callable[[Expr], str | None]
+                 ) -> tuple[list[str], Callable[[Expr], str | None]]:
+    """Scalar lets (`uni1: T.float32 = ...`) for the block-uniform subexpressions of `roots`,
+    to write before the tile loops (over i, j) that read them, and `bind` extended to their
+    names. One whose text reads i or j is left in the loop: a kernel that packs heads into
+    rows (decode) binds h to a row's text."""
+    em = Emitter(bind)
+    names: dict[tuple, str] = {}
+    lines = []
+    for e in block_uniform(roots):
+        text = em.float_(e)
+        if re.search(r"\b[ij]\b", text):
+            continue
+        names[e.key] = f"uni{len(names) + 1}"
+        lines.append(f"{names[e.key]}: T.float32 = {text}")
+    if not names:
+        return [], bind
+    return lines, lambda n: names.get(n.key) or bind(n)

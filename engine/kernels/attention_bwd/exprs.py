@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from engine.dsl.expr import Expr, leaf, leaves, topo
 from engine.ir.diff import diff, score_mod_derivatives
-from engine.ir.rewrite import substitute
+from engine.ir.rewrite import positive, substitute
 from engine.ir.spec import TracedSpec
 
 # What the recomputed P and the user's `bwd` may read in a kernel.
@@ -175,16 +175,6 @@ def _per_head(e: Expr) -> bool:
                for n in leaves([e]))
 
 
-def _positive(e: Expr) -> bool:
-    """Whether `e` is positive by its structure (positive constants, exponentials, sigmoids,
-    and their products, quotients and sums): a divisor that cannot be 0."""
-    if e.op == "const":
-        return e.dtype != "bool" and float(e.attr) > 0
-    if e.op in ("exp", "exp2", "sigmoid"):
-        return True
-    return e.op in ("mul", "div", "add") and all(_positive(a) for a in e.args)
-
-
 @dataclass(frozen=True, eq=False)
 class RowDotGrad:
     """A custom read once per (batch, head) that scales the raw score (a per-head key gate, a
@@ -214,7 +204,7 @@ def row_dot_grads(spec: TracedSpec, custom_grads: tuple[str, ...]
     if not custom_grads:
         return ()
     dsm_ds, reads = raw_derivatives(spec)
-    if not _per_head(dsm_ds) or not _positive(dsm_ds):
+    if not _per_head(dsm_ds) or not positive(dsm_ds):
         return ()
     by_name: dict[str, list[RowDotGrad | None]] = {}
     for read, d in reads:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from engine.codegen.emit import Emitter, const_text
+from engine.codegen.emit import Emitter, const_text, let_uniforms
 from engine.codegen.source import SourceWriter
 from engine.dsl.expr import Expr, leaf, topo
 from engine.ir.rewrite import pull_out_of_max, substitute
@@ -75,6 +75,7 @@ class OnlineBody:
         self.temps: set[str] = set()
         raw = leaf("rawscore", ("m", "n"))
         self.acc_holds: Expr = raw  # which expression acc_s currently holds
+        self.acc_masked: float | None = None  # what its masked entries hold (None: unknown)
         self.bound: dict[tuple, str] = {raw.key: ACC_S}
         self.counter = 0
         self.order = topo([self.p, self.o_scale, *(e for _, e in self.updates)])
@@ -115,6 +116,9 @@ class OnlineBody:
     def _build(self) -> str:
         """The whole step: (mask once), the reductions with their row values, P, o_scale and
         the row scales' commit."""
+        lets, self.base_bind = let_uniforms([self.p, self.o_scale, *(e for _, e in self.updates)],
+                                            self.base_bind)
+        self.w.lines(lets)
         if self.mask is not None and self.mask_once_dtype is not None:
             self._mask_once(self.mask_once_dtype)
         reduces = [n for n in self.order if n.op == "reduce"]
@@ -145,15 +149,18 @@ class OnlineBody:
         be dead by then."""
         em = Emitter(self.bind)
         if self.bound.get(src.key) == ACC_S:
-            if self.mask is not None:
+            if self.mask is not None and self.acc_masked != neutral:
                 self._tile(f"acc_s[i, j] = T.if_then_else({self.mask}, acc_s[i, j], "
                            f"{const_text(neutral, 'float')})")
+                self.acc_masked = neutral
             return "acc_s"
         if any(_uses(e, self.acc_holds, src) for e in remaining):
             raise NotImplementedError("this spec needs two live score tiles; not supported yet")
         text = em.float_(src)
+        self.acc_masked = None
         if self.mask is not None:
-            text = f"T.if_then_else({self.mask}, {text}, {const_text(neutral or 0.0, 'float')})"
+            self.acc_masked = neutral or 0.0
+            text = f"T.if_then_else({self.mask}, {text}, {const_text(self.acc_masked, 'float')})"
         self._tile(f"acc_s[i, j] = {text}")
         self.bound.pop(self.acc_holds.key, None)
         self.bound[src.key] = ACC_S
@@ -173,7 +180,8 @@ class OnlineBody:
     def _emit_p(self) -> None:
         """P into the half-precision tile for the PV gemm (or, p_in_acc, into acc_s)."""
         text = Emitter(self.bind).float_(self.p)
-        if self.mask is not None:
+        # P already in acc_s with its masked entries 0 (a sum's input) needs no second select.
+        if self.mask is not None and not (text == ACC_S and self.acc_masked == 0.0):
             text = f"T.if_then_else({self.mask}, {text}, T.float32(0.0))"
         if not self.p_in_acc:
             self._tile(f"acc_s_cast[i, j] = {text}")

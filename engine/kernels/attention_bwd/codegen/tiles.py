@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.codegen.emit import Emitter, gather_text
+from engine.codegen.emit import Emitter, gather_text, let_uniforms
 from engine.codegen.source import SourceWriter
 from engine.dsl.expr import Expr
 from engine.ir.spec import TracedSpec
@@ -108,6 +108,13 @@ def ds_text(ex: BackwardExprs, em: Emitter) -> str:
     return f"({text} * {em.float_(ex.dsm_ds)})" if ex.chain_rule else text
 
 
+def _uniforms(w: SourceWriter, roots: list[Expr], bind: Bind) -> Bind:
+    """`bind` with the roots' block-uniform reads in scalars written here, before the loop."""
+    lets, bind = let_uniforms(roots, bind)
+    w.lines(lets)
+    return bind
+
+
 def _tile_loop(w: SourceWriter, shape: tuple[int, int], assigns: list[str]) -> None:
     with w.block(f"for i, j in T.Parallel({shape[0]}, {shape[1]}):"):
         w.lines(assigns)
@@ -116,6 +123,7 @@ def _tile_loop(w: SourceWriter, shape: tuple[int, int], assigns: list[str]) -> N
 def emit_p_loop(w: SourceWriter, ex: BackwardExprs, bind: Bind, shape: tuple[int, int],
                 mask: str | None, p: str, p_cast: str) -> None:
     """P over a tile into fragment `p` and its 16-bit copy `p_cast` (masked entries give 0)."""
+    bind = _uniforms(w, [ex.p], bind)
     text = _masked(Emitter(bind).float_(ex.p), mask)
     _tile_loop(w, shape, [f"{p}[i, j] = {text}", f"{p_cast}[i, j] = {p}[i, j]"])
 
@@ -123,13 +131,14 @@ def emit_p_loop(w: SourceWriter, ex: BackwardExprs, bind: Bind, shape: tuple[int
 def emit_ds_loop(w: SourceWriter, ex: BackwardExprs, bind: Bind, shape: tuple[int, int],
                  mask: str | None, ds: str) -> None:
     """dS over a tile into `ds`, P already computed (masked entries give 0)."""
+    bind = _uniforms(w, [ex.ds_mod, ex.dsm_ds], bind)
     _tile_loop(w, shape, [f"{ds}[i, j] = {_masked(ds_text(ex, Emitter(bind)), mask)}"])
 
 
 def emit_p_ds_loop(w: SourceWriter, ex: BackwardExprs, bind: Bind, shape: tuple[int, int],
                    mask: str | None, p: str, ds: str, p_cast: str | None = None) -> None:
     """P into `p` (and its 16-bit copy `p_cast`) and dS into `ds` in one loop over a tile."""
-    em = Emitter(bind)
+    em = Emitter(_uniforms(w, [ex.p, ex.ds_mod, ex.dsm_ds], bind))
     p_text, d_text = _masked(em.float_(ex.p), mask), _masked(ds_text(ex, em), mask)
     cast = [f"{p_cast}[i, j] = {p}[i, j]"] if p_cast else []
     _tile_loop(w, shape, [f"{p}[i, j] = {p_text}", *cast, f"{ds}[i, j] = {d_text}"])
