@@ -20,6 +20,7 @@ from engine.kernels.attention_bwd.codegen.tiles import (
     emit_ds_loop,
     emit_p_ds_loop,
     emit_p_loop,
+    fused_grad_read,
 )
 from engine.kernels.attention_bwd.plan import DQ_ROW, WS_CONSUMER_BARRIER, dq_chunks
 
@@ -86,7 +87,8 @@ def _emit_split_tiles(w: SourceWriter, f: Frame) -> None:
     w.line(f"T.wgmma_gemm(pT_cast, {f.do_sh}, dv, policy={f.policy})")
     w.line("T.wait_wgmma(1)")
     w.line(f"T.warpgroup_fence_operand(dpT, num_regs={f.tile_regs})")
-    emit_by_class(w, "qcls", lambda m: emit_ds_loop(w, f.ex, f.bind, tile, m, "dsT_cast"), f.mask)
+    emit_by_class(w, "qcls", lambda m: emit_ds_loop(w, f.ex, f.bind, tile, m, "dsT_cast",
+                                                           grad_tile=True), f.mask)
 
 
 def _emit_fused_tiles(w: SourceWriter, f: Frame) -> None:
@@ -94,7 +96,7 @@ def _emit_fused_tiles(w: SourceWriter, f: Frame) -> None:
     tile = (f.d.bN, f.d.bM)
     w.line(f"T.warpgroup_fence_operand(dpT, num_regs={f.tile_regs})")
     emit_by_class(w, "qcls", lambda m: emit_p_ds_loop(w, f.ex, f.bind, tile, m, "pT", "dsT_cast",
-                                                      p_cast="pT_cast"), f.mask)
+                                                      p_cast="pT_cast", grad_tile=True), f.mask)
     if not f.plan.head_split:  # (there, from shared memory: _emit_head_split_end)
         w.line(f"T.gemm(pT_cast, {f.do_sh}, dv, policy={f.policy})")
 
@@ -106,10 +108,11 @@ def _emit_custom_grad_sums(w: SourceWriter, f: Frame) -> None:
     shared memory (a small row) or into the table's gradient."""
     bN, bM = f.d.bN, f.d.bM
     for r, (_, _, d_read) in enumerate(f.ex.dc_reads):
-        em = Emitter(f.bind)
-        g_text = f"({em.float_(f.ex.ds_mod)} * {em.float_(d_read)})"
-        with w.block(f"for i, j in T.Parallel({bN}, {bM}):"):
-            w.line(f"cg_tile[i, j] = T.if_then_else({f.mask}, {g_text}, T.float32(0.0))")
+        if not fused_grad_read(f.ex):  # (else the dS loop wrote cg_tile)
+            em = Emitter(f.bind)
+            g_text = f"({em.float_(f.ex.ds_mod)} * {em.float_(d_read)})"
+            with w.block(f"for i, j in T.Parallel({bN}, {bM}):"):
+                w.line(f"cg_tile[i, j] = T.if_then_else({f.mask}, {g_text}, T.float32(0.0))")
         w.line("T.reduce_sum(cg_tile, cg_row, dim=1)")
         with w.block(f"for i in T.Parallel({bN}):"):
             w.line(f"cg_acc{r}[i] += cg_row[i]")
