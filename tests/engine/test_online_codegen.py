@@ -1,6 +1,7 @@
 """What the forward's online step and the backward's tile loops emit per element: a positive
 per-head factor of the score folded into the exponential's FFMA, inputs read once per thread
-block into scalars, and P's mask applied once in partial blocks (sources, no GPU)."""
+block into scalars, P's mask applied once in partial blocks, and a per-key custom gradient's
+tile written in the dS loop (sources, no GPU)."""
 
 from __future__ import annotations
 
@@ -111,3 +112,33 @@ def test_partial_blocks_mask_p_once():
         # the exponential is still masked, and the max's input still -inf where masked
         assert any("T.exp2(" in a and a.endswith("T.float32(0.0))") for a in _tile_assigns(src))
         assert any(a.endswith('(-T.infinity("float32")))') for a in _tile_assigns(src))
+
+
+def _backward_main(score_mod, customs, grads) -> str:
+    meta = tuple(meta_tensor(B, h, S, D, dtype=torch.bfloat16) for h in (HQ, HKV, HKV))
+    mod = AttentionEngine(meta, CustomIO(customs), score_mod=score_mod,
+                          mask_mod=lambda b, h, q, kv: q >= kv, online_func=OnlineSoftmax(),
+                          backend="tilelang")
+    return mod.backward_kernels(custom_grads=grads).main.source
+
+
+def test_one_per_key_gradient_tile_is_written_in_the_ds_loop():
+    src = _backward_main(lambda s, c, b, h, q, k: s * 0.125 + c["slope"] * (k - q),
+                         {"slope": ("heads",)}, ("slope",))
+    lines = [ln.strip() for ln in src.splitlines()]
+    ds = [n for n, ln in enumerate(lines) if ln.startswith("dsT_cast[i, j] =")]
+    assert len(ds) == 2  # full and partial blocks
+    for n in ds:
+        assert lines[n + 1].startswith("cg_tile[i, j] =")
+    full = lines[ds[0] + 1]  # full blocks: no mask, dS' as the dS loop has it
+    assert "T.if_then_else" not in full and "(dpT[i, j] - Dr[j]) * pT[i, j]" in full
+    assert sum(ln.startswith("cg_tile[i, j] =") for ln in lines) == 2
+
+
+def test_several_per_key_gradients_keep_their_own_loops():
+    src = _backward_main(lambda s, c, b, h, q, k: s * 0.125 + c["a"] * (k - q) + c["g"] * q,
+                         {"a": ("heads",), "g": ("heads",)}, ("a", "g"))
+    lines = [ln.strip() for ln in src.splitlines()]
+    loops = [n for n, ln in enumerate(lines) if ln.startswith("cg_tile[i, j] =")]
+    assert len(loops) == 2 and all("T.if_then_else" in lines[n] for n in loops)
+    assert all(not lines[n - 1].startswith("dsT_cast") for n in loops)
