@@ -155,7 +155,8 @@ def test_d256_backward_is_head_split_and_does_not_spill(name, heads_kv, tmp_path
 def test_masked_tile_choice_follows_ptxas(tmp_path, monkeypatch):
     """The register model's calibration point: sliding window's partial blocks spill at 192 x
     128 on 384 threads (the tile it skips) and not at the tile it picks; at the variants suite's
-    length, where the window (1024) is shorter than the sequence."""
+    length, where the window (1024) is shorter than the sequence. (Over 256 bytes while P was
+    masked twice, 148 since it is masked once: results/NOTES.md 108.)"""
     from engine.runtime.compile import compile_source
 
     monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
@@ -168,7 +169,7 @@ def test_masked_tile_choice_follows_ptxas(tmp_path, monkeypatch):
                                   tmp_path)
         for which, m in (("picked", picked), ("skipped", skipped))
     }
-    assert spills["picked"] == 0 and spills["skipped"] > 256, spills
+    assert spills["picked"] == 0 and spills["skipped"] > 64, spills
 
 
 def test_key_indexed_reads_are_staged_per_key_block(tmp_path, monkeypatch):
