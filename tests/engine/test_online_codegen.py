@@ -142,3 +142,20 @@ def test_several_per_key_gradients_keep_their_own_loops():
     loops = [n for n, ln in enumerate(lines) if ln.startswith("cg_tile[i, j] =")]
     assert len(loops) == 2 and all("T.if_then_else" in lines[n] for n in loops)
     assert all(not lines[n - 1].startswith("dsT_cast") for n in loops)
+
+
+def _ds_lines(name: str, seqlen: int) -> list[str]:
+    sizes = dict(SIZES, seqlen_q=seqlen, seqlen_kv=seqlen)
+    src = get_variant(name).build(**sizes, dtype=torch.bfloat16,
+                                  backend="tilelang").backward_kernels().main.source
+    return [ln.strip() for ln in src.splitlines() if ln.strip().startswith("dsT_cast[i, j] =")]
+
+
+def test_softmax_ds_takes_ps_zeros_in_partial_blocks_without_tails():
+    for name in ("softmax_causal", "neighbourhood_2d", "softcap"):
+        lines = _ds_lines(name, 1024)  # a multiple of every block: no rows past the sequence
+        assert len(lines) == 2 and not any("T.if_then_else" in ln for ln in lines), name
+    # rows past the sequence (1000 keys): their dO and Delta need not be finite
+    assert any("T.if_then_else" in ln for ln in _ds_lines("softmax_causal", 1000))
+    # dS not a product with P (sigmoid attention): the mask stays
+    assert any("T.if_then_else" in ln for ln in _ds_lines("sigmoid", 1024))

@@ -72,6 +72,11 @@ def _emit_products(w: SourceWriter, f: Frame) -> None:
     w.line(f"T.warpgroup_fence_operand(sT, num_regs={f.tile_regs})")
 
 
+def _tails(f: Frame) -> bool:
+    """Whether the step's blocks can hold rows past the sequences."""
+    return bool(f.d.Sq % f.d.bM or f.d.Skv % f.d.bN)
+
+
 def _emit_split_tiles(w: SourceWriter, f: Frame) -> None:
     """P while dP^T is in flight, dS while dV += P^T dO is."""
     tile = (f.d.bN, f.d.bM)
@@ -88,7 +93,8 @@ def _emit_split_tiles(w: SourceWriter, f: Frame) -> None:
     w.line("T.wait_wgmma(1)")
     w.line(f"T.warpgroup_fence_operand(dpT, num_regs={f.tile_regs})")
     emit_by_class(w, "qcls", lambda m: emit_ds_loop(w, f.ex, f.bind, tile, m, "dsT_cast",
-                                                           grad_tile=True), f.mask)
+                                                           grad_tile=True, tails=_tails(f)),
+                  f.mask)
 
 
 def _emit_fused_tiles(w: SourceWriter, f: Frame) -> None:
@@ -96,7 +102,8 @@ def _emit_fused_tiles(w: SourceWriter, f: Frame) -> None:
     tile = (f.d.bN, f.d.bM)
     w.line(f"T.warpgroup_fence_operand(dpT, num_regs={f.tile_regs})")
     emit_by_class(w, "qcls", lambda m: emit_p_ds_loop(w, f.ex, f.bind, tile, m, "pT", "dsT_cast",
-                                                      p_cast="pT_cast", grad_tile=True), f.mask)
+                                                      p_cast="pT_cast", grad_tile=True,
+                                                      tails=_tails(f)), f.mask)
     if not f.plan.head_split:  # (there, from shared memory: _emit_head_split_end)
         w.line(f"T.gemm(pT_cast, {f.do_sh}, dv, policy={f.policy})")
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from engine.codegen.emit import Emitter, gather_text, let_uniforms
 from engine.codegen.source import SourceWriter
-from engine.dsl.expr import Expr
+from engine.dsl.expr import Expr, topo
 from engine.ir.spec import TracedSpec
 from engine.kernels.attention_bwd.exprs import BackwardExprs
 from engine.plan.config import KernelConfig
@@ -129,26 +129,49 @@ def emit_p_loop(w: SourceWriter, ex: BackwardExprs, bind: Bind, shape: tuple[int
 
 
 def emit_ds_loop(w: SourceWriter, ex: BackwardExprs, bind: Bind, shape: tuple[int, int],
-                 mask: str | None, ds: str, grad_tile: bool = False) -> None:
+                 mask: str | None, ds: str, grad_tile: bool = False,
+                 tails: bool = True) -> None:
     """dS over a tile into `ds`, P already computed (masked entries give 0); with
-    `grad_tile`, the custom gradient's tile beside it (fused_grad_read)."""
+    `grad_tile`, the custom gradient's tile beside it (fused_grad_read); `tails`: whether
+    the blocks can hold rows past the sequences (see _ds_mask)."""
     grad = grad_tile and fused_grad_read(ex)
     em = Emitter(_uniforms(w, [ex.ds_mod, ex.dsm_ds, *_read_derivative(ex, grad)], bind))
-    _tile_loop(w, shape, [f"{ds}[i, j] = {_masked(ds_text(ex, em), mask)}",
+    _tile_loop(w, shape, [f"{ds}[i, j] = {_masked(ds_text(ex, em), _ds_mask(ex, mask, tails))}",
                           *_grad_tile(ex, em, mask, grad)])
 
 
 def emit_p_ds_loop(w: SourceWriter, ex: BackwardExprs, bind: Bind, shape: tuple[int, int],
                    mask: str | None, p: str, ds: str, p_cast: str | None = None,
-                   grad_tile: bool = False) -> None:
+                   grad_tile: bool = False, tails: bool = True) -> None:
     """P into `p` (and its 16-bit copy `p_cast`) and dS into `ds` in one loop over a tile;
-    with `grad_tile`, the custom gradient's tile beside them (fused_grad_read)."""
+    with `grad_tile`, the custom gradient's tile beside them (fused_grad_read); `tails` as
+    emit_ds_loop's."""
     grad = grad_tile and fused_grad_read(ex)
     em = Emitter(_uniforms(w, [ex.p, ex.ds_mod, ex.dsm_ds, *_read_derivative(ex, grad)], bind))
-    p_text, d_text = _masked(em.float_(ex.p), mask), _masked(ds_text(ex, em), mask)
+    p_text, d_text = _masked(em.float_(ex.p), mask), _masked(ds_text(ex, em), _ds_mask(ex, mask, tails))
     cast = [f"{p_cast}[i, j] = {p}[i, j]"] if p_cast else []
     _tile_loop(w, shape, [f"{p}[i, j] = {p_text}", *cast, f"{ds}[i, j] = {d_text}",
                           *_grad_tile(ex, em, mask, grad)])
+
+
+# Operations that keep finite operands finite: a product with P's 0 is then 0.
+_FINITE_OPS = {"const", "rawscore", "dp", "doosum", "p", "final", "custom", "idx", "add", "sub",
+               "mul", "neg", "tanh", "sigmoid", "abs"}
+
+
+def _ds_mask(ex: BackwardExprs, mask: str | None, tails: bool) -> str | None:
+    """The mask dS needs: none where dS is P (masked to 0 just before, in the P loop or the
+    same loop) times finite terms, as the softmax's P (dP - Delta) * scale: a second
+    evaluation of the mask per element in partial blocks, which nvcc does not remove. Not
+    where blocks hold rows past the sequences (`tails`): their dO and Delta rows need not
+    be finite there."""
+    x = ex.ds_mod
+    if not tails and x.op == "mul" and "p" in (x.args[0].op, x.args[1].op):
+        other = x.args[1] if x.args[0].op == "p" else x.args[0]
+        terms = [other, *([ex.dsm_ds] if ex.chain_rule else [])]
+        if all(n.op in _FINITE_OPS for n in topo(terms)):
+            return None
+    return mask
 
 
 def fused_grad_read(ex: BackwardExprs) -> bool:
