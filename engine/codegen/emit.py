@@ -11,7 +11,7 @@ import math
 import re
 from collections.abc import Callable
 
-from engine.dsl.expr import Expr
+from engine.dsl.expr import CUSTOM_READS, Expr, topo
 
 LOG2E = 1.4426950408889634
 F32 = '"float32"'
@@ -205,23 +205,11 @@ def block_uniform(roots: list[Expr]) -> list[Expr]:
         if e.key in seen:
             continue
         seen.add(e.key)
-        if not e.axes and e.dtype == "float" and _reads_input(e):
+        if not e.axes and e.dtype == "float" and any(n.op in CUSTOM_READS for n in topo([e])):
             found[e.key] = e
         else:
             stack.extend(reversed(e.args))
     return list(found.values())
-
-
-def _reads_input(e: Expr) -> bool:
-    stack, seen = [e], set()
-    while stack:
-        n = stack.pop()
-        if n.op in ("custom", "gather"):
-            return True
-        if n.key not in seen:
-            seen.add(n.key)
-            stack.extend(n.args)
-    return False
 
 
 def let_uniforms(roots: list[Expr], bind: Callable[[Expr], str | None]

@@ -12,6 +12,7 @@ from __future__ import annotations
 from engine.codegen.emit import Emitter, gather_parts, gather_text
 from engine.codegen.rings import parity
 from engine.codegen.source import SourceWriter
+from engine.dsl.expr import Expr
 from engine.kernels.attention_bwd.codegen import diagonals
 from engine.kernels.attention_bwd.codegen.fragments import dq_fragment_index
 from engine.kernels.attention_bwd.codegen.frame import Frame
@@ -20,7 +21,6 @@ from engine.kernels.attention_bwd.codegen.tiles import (
     emit_ds_loop,
     emit_p_ds_loop,
     emit_p_loop,
-    fused_grad_read,
 )
 from engine.kernels.attention_bwd.plan import DQ_ROW, WS_CONSUMER_BARRIER, dq_chunks
 
@@ -72,6 +72,15 @@ def _emit_products(w: SourceWriter, f: Frame) -> None:
     w.line(f"T.warpgroup_fence_operand(sT, num_regs={f.tile_regs})")
 
 
+def fused_grad(f: Frame) -> Expr | None:
+    """The d score_mod / d read of the one custom read whose gradient is summed per key,
+    whose tile the dS loop writes (dS' is computed there, and only partial blocks evaluate
+    the mask; a loop of its own recomputed dS' and evaluated the mask on every block); None
+    with several such reads (cg_tile is reused read by read, so they keep their own loops)
+    or none."""
+    return f.ex.dc_reads[0][2] if len(f.ex.dc_reads) == 1 else None
+
+
 def _tails(f: Frame) -> bool:
     """Whether the step's blocks can hold rows past the sequences."""
     return bool(f.d.Sq % f.d.bM or f.d.Skv % f.d.bN)
@@ -93,7 +102,7 @@ def _emit_split_tiles(w: SourceWriter, f: Frame) -> None:
     w.line("T.wait_wgmma(1)")
     w.line(f"T.warpgroup_fence_operand(dpT, num_regs={f.tile_regs})")
     emit_by_class(w, "qcls", lambda m: emit_ds_loop(w, f.ex, f.bind, tile, m, "dsT_cast",
-                                                           grad_tile=True, tails=_tails(f)),
+                                                           fused_grad(f), _tails(f)),
                   f.mask)
 
 
@@ -102,7 +111,7 @@ def _emit_fused_tiles(w: SourceWriter, f: Frame) -> None:
     tile = (f.d.bN, f.d.bM)
     w.line(f"T.warpgroup_fence_operand(dpT, num_regs={f.tile_regs})")
     emit_by_class(w, "qcls", lambda m: emit_p_ds_loop(w, f.ex, f.bind, tile, m, "pT", "dsT_cast",
-                                                      p_cast="pT_cast", grad_tile=True,
+                                                      p_cast="pT_cast", grad=fused_grad(f),
                                                       tails=_tails(f)), f.mask)
     if not f.plan.head_split:  # (there, from shared memory: _emit_head_split_end)
         w.line(f"T.gemm(pT_cast, {f.do_sh}, dv, policy={f.policy})")
@@ -115,7 +124,7 @@ def _emit_custom_grad_sums(w: SourceWriter, f: Frame) -> None:
     shared memory (a small row) or into the table's gradient."""
     bN, bM = f.d.bN, f.d.bM
     for r, (_, _, d_read) in enumerate(f.ex.dc_reads):
-        if not fused_grad_read(f.ex):  # (else the dS loop wrote cg_tile)
+        if fused_grad(f) is None:  # (else the dS loop wrote cg_tile)
             em = Emitter(f.bind)
             g_text = f"({em.float_(f.ex.ds_mod)} * {em.float_(d_read)})"
             with w.block(f"for i, j in T.Parallel({bN}, {bM}):"):

@@ -129,25 +129,22 @@ def emit_p_loop(w: SourceWriter, ex: BackwardExprs, bind: Bind, shape: tuple[int
 
 
 def emit_ds_loop(w: SourceWriter, ex: BackwardExprs, bind: Bind, shape: tuple[int, int],
-                 mask: str | None, ds: str, grad_tile: bool = False,
+                 mask: str | None, ds: str, grad: Expr | None = None,
                  tails: bool = True) -> None:
-    """dS over a tile into `ds`, P already computed (masked entries give 0); with
-    `grad_tile`, the custom gradient's tile beside it (fused_grad_read); `tails`: whether
-    the blocks can hold rows past the sequences (see _ds_mask)."""
-    grad = grad_tile and fused_grad_read(ex)
-    em = Emitter(_uniforms(w, [ex.ds_mod, ex.dsm_ds, *_read_derivative(ex, grad)], bind))
+    """dS over a tile into `ds`, P already computed (masked entries give 0); with `grad` (a
+    custom read's d score_mod / d read), that gradient's tile into cg_tile beside it;
+    `tails`: whether the blocks can hold rows past the sequences (see _ds_mask)."""
+    em = Emitter(_uniforms(w, [ex.ds_mod, ex.dsm_ds, *_grads(grad)], bind))
     _tile_loop(w, shape, [f"{ds}[i, j] = {_masked(ds_text(ex, em), _ds_mask(ex, mask, tails))}",
                           *_grad_tile(ex, em, mask, grad)])
 
 
 def emit_p_ds_loop(w: SourceWriter, ex: BackwardExprs, bind: Bind, shape: tuple[int, int],
                    mask: str | None, p: str, ds: str, p_cast: str | None = None,
-                   grad_tile: bool = False, tails: bool = True) -> None:
+                   grad: Expr | None = None, tails: bool = True) -> None:
     """P into `p` (and its 16-bit copy `p_cast`) and dS into `ds` in one loop over a tile;
-    with `grad_tile`, the custom gradient's tile beside them (fused_grad_read); `tails` as
-    emit_ds_loop's."""
-    grad = grad_tile and fused_grad_read(ex)
-    em = Emitter(_uniforms(w, [ex.p, ex.ds_mod, ex.dsm_ds, *_read_derivative(ex, grad)], bind))
+    `grad` and `tails` as emit_ds_loop's."""
+    em = Emitter(_uniforms(w, [ex.p, ex.ds_mod, ex.dsm_ds, *_grads(grad)], bind))
     p_text, d_text = _masked(em.float_(ex.p), mask), _masked(ds_text(ex, em), _ds_mask(ex, mask, tails))
     cast = [f"{p_cast}[i, j] = {p}[i, j]"] if p_cast else []
     _tile_loop(w, shape, [f"{p}[i, j] = {p_text}", *cast, f"{ds}[i, j] = {d_text}",
@@ -174,21 +171,11 @@ def _ds_mask(ex: BackwardExprs, mask: str | None, tails: bool) -> str | None:
     return mask
 
 
-def fused_grad_read(ex: BackwardExprs) -> bool:
-    """Whether the one custom read whose gradient is summed per key has its tile
-    (dS' * d score_mod / d read, into cg_tile) written in the dS loop: there dS' is already
-    computed and only partial blocks evaluate the mask (in a loop of its own it recomputed
-    dS' and evaluated the mask on every block). With several such reads cg_tile is reused
-    read by read, so they keep their own loops."""
-    return len(ex.dc_reads) == 1
+def _grads(grad: Expr | None) -> list[Expr]:
+    return [] if grad is None else [grad]
 
 
-def _read_derivative(ex: BackwardExprs, grad: bool) -> list[Expr]:
-    return [ex.dc_reads[0][2]] if grad else []
-
-
-def _grad_tile(ex: BackwardExprs, em: Emitter, mask: str | None, grad: bool) -> list[str]:
-    if not grad:
+def _grad_tile(ex: BackwardExprs, em: Emitter, mask: str | None, grad: Expr | None) -> list[str]:
+    if grad is None:
         return []
-    text = f"({em.float_(ex.ds_mod)} * {em.float_(ex.dc_reads[0][2])})"
-    return [f"cg_tile[i, j] = {_masked(text, mask)}"]
+    return [f"cg_tile[i, j] = {_masked(f'({em.float_(ex.ds_mod)} * {em.float_(grad)})', mask)}"]
