@@ -47,7 +47,7 @@ class BackwardKernels:
     tables: MaskTables
     preprocess: Kernel | None = None  # Delta, when the spec's bwd reads doosum
     post: Kernel | None = None  # fragment-order dQ into rows (warp-specialised)
-    dq: Kernel | None = None  # the deterministic mode's dQ kernel
+    dq: Kernel | None = None  # the dQ kernel (plan.dq_layout "none")
     dq_tables: MaskTables | None = None  # and its (forward-layout) tables
 
     @property
@@ -228,6 +228,9 @@ def _launch(bk: BackwardKernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             bk.main(**inputs, **tables, dQ=acc, dK=dk, dV=dv, **grads)
             dq = torch.empty_like(q)
             bk.post(acc=acc, dQ=dq)
+        elif bk.plan.dq_layout == "none":
+            bk.main(**inputs, **tables, dK=dk, dV=dv, **grads)
+            dq = _dq_kernel(bk, inputs, custom)
         else:
             dq_bhsd = z(p.batch, p.heads_q, p.seqlen_q, p.head_dim)  # the main kernel's layout
             bk.main(**inputs, **tables, dQ=dq_bhsd, dK=dk, dV=dv, **grads)
@@ -238,21 +241,32 @@ def _launch(bk: BackwardKernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return dq, dk.to(q.dtype), dv.to(q.dtype), cg  # .to: no copy when stored once
 
 
+def _dq_kernel(bk: BackwardKernels, inputs: dict, custom: dict) -> torch.Tensor:
+    """dQ [B, Sq, Hq, D] in the input dtype from the dQ kernel, which writes every element
+    once (a query block without keys writes zeros)."""
+    p, q = bk.shape, inputs["Q"]
+    dq = torch.empty(p.batch, p.seqlen_q, p.heads_q, p.head_dim, dtype=q.dtype, device=q.device)
+    bk.dq(**inputs, **bk.dq_tables.named(custom, q.device), dQ=dq)
+    return dq
+
+
 def _deterministic(bk: BackwardKernels, inputs: dict, tables: dict, custom: dict, dc: dict,
                    kv, z) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dk, dv, dq) of the atomic-free kernels: dK/dV per query head and custom gradients per
     key row from the main kernel, dQ from the dQ kernel, then fixed-order sums."""
-    p, dev = bk.shape, inputs["Q"].device
+    p = bk.shape
     G = p.heads_q // p.heads_kv
     dkh = kv(p.batch, p.seqlen_kv, p.heads_q, p.head_dim)
     dvh = kv(p.batch, p.seqlen_kv, p.heads_q, p.head_dim_v)
     rows = {f"dCrow{r}": z(p.batch, p.heads_q, p.seqlen_kv) for r in range(len(bk.custom_reads))}
     bk.main(**inputs, **tables, dK=dkh, dV=dvh, **rows)
-    dq = z(p.batch, p.seqlen_q, p.heads_q, p.head_dim)
-    bk.dq(**inputs, **bk.dq_tables.named(custom, dev), dQ=dq)
-    # Fixed-order sums: the query heads of each group, and the rows of each custom read.
-    dk = dkh.view(p.batch, p.seqlen_kv, p.heads_kv, G, p.head_dim).sum(3)
-    dv = dvh.view(p.batch, p.seqlen_kv, p.heads_kv, G, p.head_dim_v).sum(3)
+    dq = _dq_kernel(bk, inputs, custom)
+    # Fixed-order sums: the query heads of each group (none without GQA: a sum over one head
+    # would copy), and the rows of each custom read.
+    dk, dv = dkh, dvh
+    if G > 1:
+        dk = dkh.view(p.batch, p.seqlen_kv, p.heads_kv, G, p.head_dim).sum(3)
+        dv = dvh.view(p.batch, p.seqlen_kv, p.heads_kv, G, p.head_dim_v).sum(3)
     for (name, index), row in zip(bk.custom_reads, rows.values(), strict=True):
         dc[name] += fold_rows(row, index, tuple(custom[name].shape))
     return dk, dv, dq

@@ -271,11 +271,14 @@ def default_backward_config(head_dim: int, head_dim_v: int, elem_bytes: int = 2,
     )
 
 
-# The dQ kernel of the deterministic backward (forward frame: rows = queries). It holds S, dP
-# and P [block_M x block_N] in fp32 plus the dQ accumulator [block_M x D].
+# The dQ kernel (forward frame: rows = queries) of the deterministic backward and of the
+# head-split one past D 128 (separate_dq). It holds S, dP and P [block_M x block_N] in fp32
+# plus the dQ accumulator [block_M x D]. At D 256, 128 x 32 in two stages ran the dQ kernel in
+# 1.28 ms against 2.69 for 64 x 32 in one (H100, B 4 x S 4k, 8 heads; results/NOTES.md 112).
 DQ_PREFERENCE: tuple[KernelConfig, ...] = (
     KernelConfig(block_M=128, block_N=64, num_stages=2, threads=256),
     KernelConfig(block_M=64, block_N=64, num_stages=2, threads=256),
+    KernelConfig(block_M=128, block_N=32, num_stages=2, threads=256),
     KernelConfig(block_M=64, block_N=32, num_stages=1, threads=128),
 )
 
@@ -348,7 +351,8 @@ class BackwardPlan:
     # group afterwards: deterministic) or "atomic" (fp32 atomics into the kv head).
     kv_store: str
     # The main kernel's dQ: "fragment" (the accumulator's fragment order, turned into rows by
-    # the postprocess kernel), "rows" ([B, Hq, Sq, D] fp32) or "none" (the dQ kernel's).
+    # the postprocess kernel), "rows" ([B, Hq, Sq, D] fp32) or "none" (the dQ kernel's:
+    # deterministic, or separate_dq).
     dq_layout: str
     # dQ = dS K as an asynchronous wgmma beside dK (whole 64-row warpgroups over block_M).
     dq_async: bool
@@ -363,13 +367,23 @@ class BackwardPlan:
     # use them, not copied into registers each step (warp-specialised, two or more of them).
     q_reads_in_ring: bool
     preprocess: bool  # Delta = rowsum(dO * O) first: the spec's `bwd` reads doosum
-    dq_config: KernelConfig | None  # the deterministic mode's dQ kernel
+    dq_config: KernelConfig | None  # the dQ kernel's (dq_layout "none")
     # Gradients of custom inputs that scale the raw score per (batch, head), from q . dQ
     # after the kernels (exprs.RowDotGrad); custom_grads are the kernels' own.
     row_dot_grads: tuple[RowDotGrad, ...] = ()
     # A dilated mask's rows folded into heads (engine.plan.fold): the kernels are generated
     # for fold.spec at fold.tiled, every decision above taken there.
     fold: RowFold | None = None
+
+
+def separate_dq(shape: KernelShape, split_heads: bool, deterministic: bool) -> bool:
+    """dQ from the dQ kernel (each query block walks its key blocks, dQ in registers, one
+    store) instead of atomics from the main kernel: always in the deterministic mode, and in
+    the head-split schedule past D 128. There the key block is 64 (dK and dV for more keys do
+    not fit in registers), so each step adds 64 x D fp32 of dQ for 64 keys' products: at
+    D 256 those adds took 2.7 of the fused kernel's 5.2 ms, and the two kernels ran 3.96 ms
+    with their passes (H100, B 4 x S 4k, 8 heads; results/NOTES.md 112)."""
+    return deterministic or (split_heads and shape.head_dim > 128)
 
 
 def backward_fold(spec: TracedSpec, shape: KernelShape) -> RowFold | None:
@@ -531,16 +545,17 @@ def plan_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
     # 316 bytes and each block step take 6.9 us against causal's 2.5 (4.5 from the ring); one
     # (a document id) ran 7% faster in registers (4.18 against 4.49 ms, H100, S 16k).
     q_in_ring = warp_specialized and n_q_reads >= 2
+    dq_kernel = separate_dq(shape, split_heads, deterministic)
     return BackwardPlan(
         config=cfg, deterministic=deterministic, warp_specialized=warp_specialized,
         split=split, head_split=split_heads, heads_loop=heads_loop, panel=panel,
         kv_store="once" if once else "per_query_head" if deterministic else "atomic",
-        dq_layout="none" if deterministic else "fragment" if warp_specialized else "rows",
+        dq_layout="none" if dq_kernel else "fragment" if warp_specialized else "rows",
         dq_async=not deterministic and not split_heads and cfg.block_M % 64 == 0,
         custom_grads=tuple(custom_grads),
         custom_reads=tuple((name, index) for name, index, _ in ex.dc_reads),
         hoisted=hoisted, diagonal_tables=diagonal_tables(ex, cfg, deterministic),
         q_reads_in_ring=q_in_ring, preprocess=spec.uses_doosum,
-        dq_config=default_dq_config(shape.head_dim, shape.head_dim_v) if deterministic else None,
+        dq_config=default_dq_config(shape.head_dim, shape.head_dim_v) if dq_kernel else None,
         row_dot_grads=dots, fold=fold,
     )
