@@ -18,10 +18,11 @@ LLAMA3 = dict(batch=2, heads_q=32, heads_kv=8, seqlen_q=4096, seqlen_kv=4096)
 SMALL = dict(batch=2, heads_q=8, heads_kv=2, seqlen_q=1000, seqlen_kv=1000)
 
 
-def _plan(name: str, sizes=SMALL, cfg: KernelConfig | None = None, grads=(), det=False, **kw):
-    mod = VARIANTS[name].build(**sizes, head_dim=128, head_dim_v=128, dtype=torch.bfloat16,
+def _plan(name: str, sizes=SMALL, cfg: KernelConfig | None = None, grads=(), det=False,
+          d: int = 128, **kw):
+    mod = VARIANTS[name].build(**sizes, head_dim=d, head_dim_v=d, dtype=torch.bfloat16,
                                backend="tilelang")
-    cfg = cfg or default_backward_config(128, 128)
+    cfg = cfg or default_backward_config(d, d)
     return plan_backward(mod.spec, KernelShape.of(mod), cfg, grads, det, **kw)
 
 
@@ -37,6 +38,20 @@ def test_deterministic_plan_has_no_dq_and_stores_per_query_head():
     assert not plan.warp_specialized and not plan.heads_loop and plan.panel == 1
     assert (plan.kv_store, plan.dq_layout, plan.dq_async) == ("per_query_head", "none", False)
     assert plan.dq_config is not None
+
+
+def test_head_split_past_d128_takes_dq_from_the_dq_kernel():
+    """At D 256 the head-split schedule's 64-key steps would add 64 x 256 fp32 of dQ per step
+    by atomics: dQ comes from the dQ kernel (its 128 x 32 two-stage config), and dK/dV stay
+    atomics over the GQA group in fast mode. At D 128 the head split keeps its atomics."""
+    fast = _plan("softmax_causal", d=256)
+    assert fast.head_split and not fast.deterministic
+    assert (fast.dq_layout, fast.kv_store) == ("none", "atomic")
+    assert fast.dq_config == KernelConfig(128, 32, 2, 256)
+    mha = _plan("softmax", dict(SMALL, heads_kv=8), d=256)
+    assert (mha.dq_layout, mha.kv_store) == ("none", "once")
+    d128 = _plan("softmax", cfg=KernelConfig(64, 64, 2, 256, "FullCol"))
+    assert d128.head_split and (d128.dq_layout, d128.dq_config) == ("rows", None)
 
 
 def test_step_and_reads_follow_the_spec():

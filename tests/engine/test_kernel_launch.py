@@ -129,6 +129,27 @@ def test_heads_walk_stores_dk_dv_once_by_name(calls):
     assert main["dK"] is dk and main["dV"] is dv and dk.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("det, heads_kv", [(False, 2), (True, 4)])
+def test_dq_kernel_writes_dq_in_the_input_dtype(calls, det, heads_kv):
+    """At D 256 (head split) and in the deterministic mode, dQ is the dQ kernel's output, in
+    the input dtype (no fp32 buffer, no cast pass); without GQA the deterministic dK/dV are the
+    main kernel's own (no sum over one head)."""
+    sizes = {**SIZES, "heads_kv": heads_kv, "head_dim": 256, "head_dim_v": 256}
+    mod, inputs, _ = _module("softmax_causal", sizes)
+    mod.deterministic = det
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    o = torch.randn(2, 200, 4, 256, dtype=torch.bfloat16)
+    dq, dk, dv, _ = backward_kernel_call(mod.kernel_cache, mod.kernel_request(), q, k, v, o,
+                                         [torch.randn(2, 4, 200)], torch.randn_like(o), [])
+    bk = mod.backward_kernels()
+    assert bk.plan.dq_layout == "none" and bk.plan.head_split
+    runs = dict(zip((s for s, _ in calls), _by_kernel(bk.kernels(), calls), strict=True))
+    assert "dQ" not in runs[bk.main.source]
+    assert runs[bk.dq.source]["dQ"] is dq and dq.dtype == torch.bfloat16
+    if det:
+        assert runs[bk.main.source]["dK"] is dk and runs[bk.main.source]["dV"] is dv
+
+
 def test_binding_names_what_is_wrong():
     params = (param("A", (4, "S"), "float32"), param("B", ("S",), "int32"))
     a, b = torch.zeros(4, 3), torch.zeros(3, dtype=torch.int32)
