@@ -150,30 +150,6 @@ def test_dq_kernel_writes_dq_in_the_input_dtype(calls, det, heads_kv):
         assert runs[bk.main.source]["dK"] is dk and runs[bk.main.source]["dV"] is dv
 
 
-def test_fast_sums_share_one_zeroed_buffer(calls):
-    """dK/dV summed over a GQA group, dQ's accumulator and a custom gradient are views of one
-    fp32 buffer (one fill), dK and dV side by side (one cast), every other view 256-byte
-    aligned for the TMA reduce."""
-    mod, inputs, custom = _module("alibi", backward_config=KernelConfig(32, 128, 2, 256))
-    o = torch.randn(2, 200, 4, 64, dtype=torch.bfloat16)
-    dq, dk, dv, dc = backward_kernel_call(mod.kernel_cache, mod.kernel_request(), inputs["q"],
-                                          inputs["k"], inputs["v"], o, [torch.randn(2, 4, 200)],
-                                          torch.randn_like(o), custom,
-                                          custom_grads=("alibi_slopes",))
-    bk = mod.backward_kernels(custom_grads=("alibi_slopes",))
-    assert (bk.plan.kv_store, bk.plan.dq_layout) == ("atomic", "rows")
-    main = dict(zip((s for s, _ in calls), _by_kernel(bk.kernels(), calls), strict=True))[
-        bk.main.source]
-    sums = [main[n] for n in ("dK", "dV", "dQ", "dC_alibi_slopes")]
-    base = sums[0].untyped_storage().data_ptr()
-    assert all(t.dtype == torch.float32 and t.untyped_storage().data_ptr() == base for t in sums)
-    offsets = [t.storage_offset() for t in sums]
-    assert offsets[:2] == [0, sums[0].numel()] and all(x % 64 == 0 for x in offsets[2:])
-    assert dk.dtype == dv.dtype == dq.dtype == torch.bfloat16
-    assert dk.shape == inputs["k"].shape and dv.shape == inputs["v"].shape
-    assert dc["alibi_slopes"].dtype == custom[0].dtype and not dk.any()
-
-
 def test_binding_names_what_is_wrong():
     params = (param("A", (4, "S"), "float32"), param("B", ("S",), "int32"))
     a, b = torch.zeros(4, 3), torch.zeros(3, dtype=torch.int32)

@@ -210,76 +210,35 @@ def _launch(bk: BackwardKernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         bk.preprocess(O=o, dO=do, Delta=rows["Delta"])
     inputs = {"Q": q, "K": k, "V": v, "dO": do,
               **{f"C_{n}": t.detach().float().contiguous() for n, t in custom.items()}, **rows}
+    z = lambda *shape: torch.zeros(shape, dtype=torch.float32, device=dev)  # noqa: E731
+    dc = {n: z(*custom[n].shape) for n in bk.custom_grads}
+    # Stored once: each element has one writer, in the input dtype (no zeroing, no cast).
+    kv = ((lambda *shape: torch.empty(shape, dtype=q.dtype, device=dev))
+          if bk.plan.kv_store == "once" else z)
     tables = bk.tables.named(custom, dev)
     if bk.deterministic:
-        z = lambda *shape: torch.zeros(shape, dtype=torch.float32, device=dev)  # noqa: E731
-        dc = {n: z(*custom[n].shape) for n in bk.custom_grads}
-        # Stored once: each element has one writer, in the input dtype (no zeroing, no cast).
-        kv = ((lambda *shape: torch.empty(shape, dtype=q.dtype, device=dev))
-              if bk.plan.kv_store == "once" else z)
         dk, dv, dq = _deterministic(bk, inputs, tables, custom, dc, kv, z)
-        return dq, dk, dv, {n: g.to(custom[n].dtype) for n, g in dc.items()}
-    dq, dk, dv, dc = _fast(bk, inputs, tables, custom)
-    return dq, dk, dv, {n: g.to(custom[n].dtype) for n, g in dc.items()}
-
-
-def _fast(bk: BackwardKernels, inputs: dict, tables: dict, custom: dict
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """The fast mode's kernels: every fp32 sum the kernels add into (dK/dV over a GQA group,
-    dQ's accumulator, the custom gradients) is a view of one buffer zeroed by one fill, and
-    dK/dV become the input dtype by one cast (each fill or cast is a launch: tens of us of host
-    time a call at short rows, results/NOTES.md 113)."""
-    p, q = bk.shape, inputs["Q"]
-    kv_shapes = {"dK": (p.batch, p.seqlen_kv, p.heads_kv, p.head_dim),
-                 "dV": (p.batch, p.seqlen_kv, p.heads_kv, p.head_dim_v)}
-    sums = {} if bk.plan.kv_store == "once" else dict(kv_shapes)
-    bM = bk.config.block_M
-    if bk.plan.dq_layout == "fragment":
-        sums["dQ"] = (p.batch, p.heads_q, -(-p.seqlen_q // bM), bM * p.head_dim // DQ_ROW, DQ_ROW)
-    elif bk.plan.dq_layout == "rows":
-        sums["dQ"] = (p.batch, p.heads_q, p.seqlen_q, p.head_dim)  # the main kernel's layout
-    sums.update({f"dC_{n}": tuple(custom[n].shape) for n in bk.custom_grads})
-    flat, acc = zeroed_views(sums, q.device)
-    outs = {n: acc.get(n) if n in acc else torch.empty(s, dtype=q.dtype, device=q.device)
-            for n, s in kv_shapes.items()}
-    grads = {n: t for n, t in acc.items() if n.startswith("dC_")}
-    bk.main(**inputs, **tables, **outs, **({"dQ": acc["dQ"]} if "dQ" in acc else {}), **grads)
-    if bk.plan.dq_layout == "fragment":
-        dq = torch.empty_like(q)
-        bk.post(acc=acc["dQ"], dQ=dq)
-    elif bk.plan.dq_layout == "none":
-        dq = _dq_kernel(bk, inputs, custom)
     else:
-        dq = torch.empty_like(q).copy_(acc["dQ"].transpose(1, 2))  # cast and transpose at once
-    dk, dv = outs["dK"], outs["dV"]
-    if "dK" in acc:  # dK and dV lead the buffer, next to each other: one cast
-        n = dk.numel() + dv.numel()
-        dk, dv = (t.view(s) for t, s in zip(flat[:n].to(q.dtype).split([dk.numel(), dv.numel()]),
-                                            kv_shapes.values(), strict=True))
-    return dq, dk, dv, {n[3:]: t for n, t in grads.items()}
-
-
-def zeroed_views(shapes: dict[str, tuple], device: torch.device, adjacent: str = "dV"
-                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """(buffer, {name: view}): fp32 views of one buffer zeroed by one fill, in `shapes`' order,
-    each on a 256-byte boundary (TMA needs 16) but `adjacent`, which follows the view before it
-    directly (dV after dK: the two are cast together)."""
-    starts, at = [], 0
-    for name, shape in shapes.items():
-        if name != adjacent:
-            at = -(-at // 64) * 64
-        starts.append(at)
-        at += _numel(shape)
-    flat = torch.zeros(at, dtype=torch.float32, device=device)
-    return flat, {n: flat[a:a + _numel(s)].view(s) for (n, s), a in zip(shapes.items(), starts,
-                                                                         strict=True)}
-
-
-def _numel(shape: tuple) -> int:
-    out = 1
-    for n in shape:
-        out *= n
-    return out
+        dk = kv(p.batch, p.seqlen_kv, p.heads_kv, p.head_dim)
+        dv = kv(p.batch, p.seqlen_kv, p.heads_kv, p.head_dim_v)
+        grads = {f"dC_{n}": g for n, g in dc.items()}
+        if bk.plan.dq_layout == "fragment":
+            bM = bk.config.block_M
+            acc = z(p.batch, p.heads_q, -(-p.seqlen_q // bM), bM * p.head_dim // DQ_ROW, DQ_ROW)
+            bk.main(**inputs, **tables, dQ=acc, dK=dk, dV=dv, **grads)
+            dq = torch.empty_like(q)
+            bk.post(acc=acc, dQ=dq)
+        elif bk.plan.dq_layout == "none":
+            bk.main(**inputs, **tables, dK=dk, dV=dv, **grads)
+            dq = _dq_kernel(bk, inputs, custom)
+        else:
+            dq_bhsd = z(p.batch, p.heads_q, p.seqlen_q, p.head_dim)  # the main kernel's layout
+            bk.main(**inputs, **tables, dQ=dq_bhsd, dK=dk, dV=dv, **grads)
+            dq = dq_bhsd.transpose(1, 2)
+    cg = {n: g.to(custom[n].dtype) for n, g in dc.items()}
+    if dq.dtype != q.dtype:
+        dq = torch.empty_like(q).copy_(dq)  # cast (and, fast mode, transpose) in one pass
+    return dq, dk.to(q.dtype), dv.to(q.dtype), cg  # .to: no copy when stored once
 
 
 def _dq_kernel(bk: BackwardKernels, inputs: dict, custom: dict) -> torch.Tensor:
