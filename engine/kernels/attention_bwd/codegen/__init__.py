@@ -6,10 +6,11 @@ kernels mirroring the reference executor's `backward()`:
 - main.py: the main kernel (dK, dV, dQ and the custom gradients), with step.py (one step of
   its walk), tiles.py (P and dS loops), vectors.py (per-position register vectors), roles.py
   (the warp-specialised schedule's rings and roles) and frame.py (the texts they share).
-- dq_kernel.py: the deterministic mode's dQ kernel.
+- dq_kernel.py: the dQ kernel (the deterministic mode's, and the head-split schedule's past
+  D 128: plan.separate_dq), dQ in the input dtype.
 
 The launcher (launch.py beside this package) casts the automatic pipeline's dQ and sums the
-deterministic mode's per-head dK/dV.
+deterministic mode's per-head dK/dV under GQA.
 """
 
 from engine.kernels.attention_bwd.codegen.dq_kernel import generate_backward_dq
