@@ -197,6 +197,10 @@ def block_uniform(roots: list[Expr]) -> list[Expr]:
     table) but vary along no tile axis (a per-head gate's sigmoid, an ALiBi slope): one
     value per thread block. In a tile loop each would be a global load per element, which
     nvcc does not hoist past the kernel's stores (ALiBi's forward: 137 loads a thread)."""
+    reads: set[tuple] = set()  # nodes that read an input, in one pass (topo: args first)
+    for n in topo(roots):
+        if n.op in CUSTOM_READS or any(a.key in reads for a in n.args):
+            reads.add(n.key)
     found: dict[tuple, Expr] = {}
     seen: set[tuple] = set()
     stack = list(reversed(roots))
@@ -205,7 +209,7 @@ def block_uniform(roots: list[Expr]) -> list[Expr]:
         if e.key in seen:
             continue
         seen.add(e.key)
-        if not e.axes and e.dtype == "float" and any(n.op in CUSTOM_READS for n in topo([e])):
+        if not e.axes and e.dtype == "float" and e.key in reads:
             found[e.key] = e
         else:
             stack.extend(reversed(e.args))
