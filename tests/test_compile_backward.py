@@ -332,6 +332,13 @@ def test_warp_specialised_schedule_model():
     # Each per-query vector takes 512 bytes of the two-stage ring: four fit beside the tiles.
     assert ws_schedule_fits(cfg, 128, 128, n_vectors=4)
     assert not ws_schedule_fits(cfg, 128, 128, n_vectors=5)
+    # Head-split past D 128 (dQ from the dQ kernel, in either mode): K, V, the Q/dO ring and
+    # P^T and dS^T two deep take 226 KiB at D 256; two more per-query vectors fit.
+    split = default_backward_config(256, 256)
+    assert ws_schedule_fits(split, 256, 256) and ws_schedule_fits(split, 256, 256, deterministic=True)
+    assert ws_schedule_fits(split, 256, 256, n_vectors=4)
+    assert not ws_schedule_fits(split, 256, 256, n_vectors=5)
+    assert not ws_schedule_fits(KernelConfig(64, 64, 2, 256, "FullCol"), 128, 128), "dQ atomics"
     assert "warp-specialised" in _module("softmax").backward_kernels().source
     assert "warp-specialised" not in _module("softmax").backward_kernels(deterministic=True).source
     with pytest.raises(ValueError, match="warp_specialized"):

@@ -137,19 +137,21 @@ def _spill_store_bytes(cuda: str, tmp_path, serialised: list | None = None) -> i
 @pytest.mark.parametrize("name, heads_kv", [("softmax_causal", 2), ("gemma2", 8), ("alibi", 2)])
 def test_d256_backward_is_head_split_and_does_not_spill(name, heads_kv, tmp_path, monkeypatch):
     """D = 256's backward: the head-split schedule (dK/dV split by head dim over two consumer
-    warpgroups, P^T and dS^T through shared memory) and dQ from the dQ kernel (no dQ atomics
-    in the main kernel), both compiled for sm_90a without spills (ptxas: 168 registers for
-    plain softmax's main kernel), ALiBi's slope gradient included (its per-key sums add the
-    two warpgroups' halves through shared memory)."""
+    warpgroups, P^T and dS^T through shared memory), warp-specialised (a producer warp's
+    Q/dO ring, P^T and dS^T two deep, no dQ writer), and dQ from the dQ kernel (no dQ in the
+    main kernel), both compiled for sm_90a without spills (ptxas: 168 registers for plain
+    softmax's main kernel), ALiBi's slope gradient included (its per-key sums add the two
+    warpgroups' halves through shared memory)."""
     from engine.runtime.compile import compile_source
 
     monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
     mod = _module(name, D=256, Dv=256, heads_kv=heads_kv)
     assert mod.backward_problem() is None
     bk = mod.backward_kernels(custom_grads=tuple(VARIANTS[name].learnable))
-    assert bk.plan.head_split and not bk.plan.warp_specialized
+    assert bk.plan.head_split and bk.plan.warp_specialized
     src = bk.main.source
-    assert "pT_shared" in src and "GemmWarpPolicy.FullCol" in src
+    assert "pT_shared = T.alloc_shared((2, 64, 64)" in src and "GemmWarpPolicy.FullCol" in src
+    assert "T.set_max_nreg(240, 1)" in src and "dq_full" not in src
     assert "dQ" not in src and "dQ" in bk.dq.source
     for kernel_src in (src, bk.dq.source):
         assert _spill_store_bytes(compile_source(kernel_src).get_kernel_source(), tmp_path) == 0

@@ -43,15 +43,21 @@ def test_deterministic_plan_has_no_dq_and_stores_per_query_head():
 def test_head_split_past_d128_takes_dq_from_the_dq_kernel():
     """At D 256 the head-split schedule's 64-key steps would add 64 x 256 fp32 of dQ per step
     by atomics: dQ comes from the dQ kernel (its 128 x 32 two-stage config), and dK/dV stay
-    atomics over the GQA group in fast mode. At D 128 the head split keeps its atomics."""
+    atomics over the GQA group in fast mode. With no dQ to hand over, the main kernel is
+    warp-specialised in both modes. At D 128 the head split keeps its atomics and TileLang's
+    automatic pipeline."""
     fast = _plan("softmax_causal", d=256)
-    assert fast.head_split and not fast.deterministic
+    assert fast.head_split and not fast.deterministic and fast.warp_specialized
     assert (fast.dq_layout, fast.kv_store) == ("none", "atomic")
     assert fast.dq_config == KernelConfig(128, 32, 2, 256)
     mha = _plan("softmax", dict(SMALL, heads_kv=8), d=256)
     assert (mha.dq_layout, mha.kv_store) == ("none", "once")
+    assert _plan("softmax_causal", d=256, det=True).warp_specialized
     d128 = _plan("softmax", cfg=KernelConfig(64, 64, 2, 256, "FullCol"))
     assert d128.head_split and (d128.dq_layout, d128.dq_config) == ("rows", None)
+    assert not d128.warp_specialized
+    with pytest.raises(ValueError, match="head-split schedule's takes dQ from the dQ kernel"):
+        _plan("softmax", cfg=KernelConfig(64, 64, 2, 256, "FullCol"), warp_specialized=True)
 
 
 def test_step_and_reads_follow_the_spec():

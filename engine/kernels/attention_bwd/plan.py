@@ -80,22 +80,28 @@ WS_STATIC_SMEM = 1024
 def ws_shared_bytes(cfg: KernelConfig, head_dim: int, head_dim_v: int, elem_bytes: int = 2,
                     n_vectors: int = 2) -> int:
     """Shared memory of the warp-specialised schedule: K and V, the Q/dO ring (num_stages,
-    with `n_vectors` per-query fp32 vectors: finals, Delta, hoisted custom reads), two-deep
-    rings of dS^T (16-bit) and the dQ tile (fp32), and the mbarriers."""
+    with `n_vectors` per-query fp32 vectors: finals, Delta, hoisted custom reads), the
+    mbarriers and two-deep rings of the step's tiles: dS^T (16-bit) and the dQ tile (fp32),
+    or, head-split (dQ from the dQ kernel), P^T and dS^T (16-bit)."""
     bM, bN = cfg.block_M, cfg.block_N
+    tiles16, dq = (4 * bN * bM, 0) if head_split(cfg) else (2 * bN * bM, 2 * bM * head_dim)
     return (elem_bytes * (bN * (head_dim + head_dim_v)
-                          + cfg.num_stages * bM * (head_dim + head_dim_v) + 2 * bN * bM)
-            + 4 * (2 * bM * head_dim + cfg.num_stages * n_vectors * bM) + WS_STATIC_SMEM)
+                          + cfg.num_stages * bM * (head_dim + head_dim_v) + tiles16)
+            + 4 * (dq + cfg.num_stages * n_vectors * bM) + WS_STATIC_SMEM)
 
 
 def ws_schedule_fits(cfg: KernelConfig, head_dim: int, head_dim_v: int, elem_bytes: int = 2,
                      deterministic: bool = False, n_vectors: int = 2) -> bool:
-    """Whether the fast backward at `cfg` uses the warp-specialised schedule: dQ by wgmma in
-    whole 64 x 64 tiles (block_M and head_dim multiples of 64), one or two consumer
-    warpgroups, and its rings in shared memory. The deterministic mode has no dQ to hand over
-    and keeps the automatic pipeline."""
-    return (not deterministic and cfg.block_M % 64 == 0 and head_dim % 64 == 0
-            and cfg.threads in (128, 256)
+    """Whether the backward at `cfg` uses the warp-specialised schedule: one or two consumer
+    warpgroups and its rings in shared memory, and either (key split) dQ by wgmma in whole
+    64 x 64 tiles handed to a writer warp (block_M and head_dim multiples of 64; the
+    deterministic mode has no dQ to hand over and keeps the automatic pipeline) or (head
+    split) dQ from the dQ kernel (separate_dq), in either mode."""
+    if head_split(cfg):
+        form = separate_dq(head_dim, True, deterministic)
+    else:
+        form = not deterministic and cfg.block_M % 64 == 0 and head_dim % 64 == 0
+    return (form and cfg.threads in (128, 256)
             and ws_shared_bytes(cfg, head_dim, head_dim_v, elem_bytes, n_vectors)
             <= SMEM_LIMIT_BYTES)
 
@@ -171,7 +177,8 @@ def head_split(cfg: KernelConfig) -> bool:
     """Whether `cfg` runs the head-split schedule: the warps split the gemms' columns
     (FullCol), so dK and dV [block_N x D] are spread over every thread by head dim; P^T and
     dS^T, whose rows a warp then does not own whole, reach the dV and dK gemms through shared
-    memory; dQ is computed and added (fp32 atomics) in column chunks of at most 128."""
+    memory; dQ is computed and added (fp32 atomics) in column chunks of at most 128, or,
+    past D 128, comes from the dQ kernel (separate_dq)."""
     return cfg.gemm_policy == "FullCol"
 
 
@@ -340,8 +347,9 @@ class BackwardPlan:
     # The step: P while dP^T is in flight and dS while dV is (split), or P and dS in one loop
     # after both gemms (fused).
     split: bool
-    # dK/dV split by head dim over the warps, P^T and dS^T through shared memory, dQ in
-    # column chunks added by atomics (head_split; the automatic pipeline, fused step).
+    # dK/dV split by head dim over the warps, P^T and dS^T through shared memory, the fused
+    # step; dQ in column chunks added by atomics (automatic pipeline) or, past D 128, from
+    # the dQ kernel (warp-specialised where the rings fit).
     head_split: bool
     # One thread block per kv head walks the query heads of its GQA group.
     heads_loop: bool
@@ -376,14 +384,14 @@ class BackwardPlan:
     fold: RowFold | None = None
 
 
-def separate_dq(shape: KernelShape, split_heads: bool, deterministic: bool) -> bool:
+def separate_dq(head_dim: int, split_heads: bool, deterministic: bool) -> bool:
     """dQ from the dQ kernel (each query block walks its key blocks, dQ in registers, one
     store) instead of atomics from the main kernel: always in the deterministic mode, and in
     the head-split schedule past D 128. There the key block is 64 (dK and dV for more keys do
     not fit in registers), so each step adds 64 x D fp32 of dQ for 64 keys' products: at
     D 256 those adds took 2.7 of the fused kernel's 5.2 ms, and the two kernels ran 3.96 ms
     with their passes (H100, B 4 x S 4k, 8 heads; results/NOTES.md 112)."""
-    return deterministic or (split_heads and shape.head_dim > 128)
+    return deterministic or (split_heads and head_dim > 128)
 
 
 def backward_fold(spec: TracedSpec, shape: KernelShape) -> RowFold | None:
@@ -519,13 +527,14 @@ def plan_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
     custom_grads = _without(tuple(custom_grads), dots)
     ex = BackwardExprs(spec, custom_grads, deterministic)
     split_heads = head_split(cfg)
+    dq_kernel = separate_dq(shape.head_dim, split_heads, deterministic)
     if warp_specialized is None:
-        warp_specialized = (not split_heads
-                            and warp_specialized_default(spec, shape, cfg, deterministic))
-    elif warp_specialized and (deterministic or split_heads):
-        raise ValueError("warp_specialized: the deterministic backward has no dQ to hand over"
-                         if deterministic else "warp_specialized: not with the head-split "
-                         "schedule (gemm_policy FullCol)")
+        warp_specialized = warp_specialized_default(spec, shape, cfg, deterministic)
+    elif warp_specialized and split_heads and not dq_kernel:
+        raise ValueError("warp_specialized: the head-split schedule's takes dQ from the dQ "
+                         "kernel (deterministic, or head_dim > 128)")
+    elif warp_specialized and deterministic and not split_heads:
+        raise ValueError("warp_specialized: the deterministic backward has no dQ to hand over")
     if heads_loop is None:
         heads_loop = heads_loop_default(shape, cfg, warp_specialized, custom_grads)
     elif heads_loop and not heads_loop_possible(shape, warp_specialized):
@@ -545,7 +554,6 @@ def plan_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
     # 316 bytes and each block step take 6.9 us against causal's 2.5 (4.5 from the ring); one
     # (a document id) ran 7% faster in registers (4.18 against 4.49 ms, H100, S 16k).
     q_in_ring = warp_specialized and n_q_reads >= 2
-    dq_kernel = separate_dq(shape, split_heads, deterministic)
     return BackwardPlan(
         config=cfg, deterministic=deterministic, warp_specialized=warp_specialized,
         split=split, head_split=split_heads, heads_loop=heads_loop, panel=panel,

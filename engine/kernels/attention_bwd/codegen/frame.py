@@ -24,10 +24,11 @@ class Frame:
     d: Dims
     head: str  # the query head's text: hq when walking the heads, else by
     policy: str  # the gemms' warp policy
-    # fp32 registers per thread of a [bN, bM] tile, of dq and of dk (wgmma spreads them evenly)
+    # fp32 registers per thread of a [bN, bM] tile, of dq, dk and dv (wgmma spreads them evenly)
     tile_regs: int
     dq_regs: int
     dk_regs: int
+    dv_regs: int
     q_idx: str  # the query (column j) and key (row i) of fragment element [i, j]
     kv_idx: str
     bind: Bind
@@ -37,10 +38,12 @@ class Frame:
     delta: VectorGroup
     by_kv: VectorGroup  # hoisted custom reads per key, loaded once
     by_q: VectorGroup  # and per query, each step
-    # A step's Q, dO and dS^T in shared memory (the ring's stage when warp-specialised).
+    # A step's Q, dO, dS^T and (head-split) P^T in shared memory (the ring's stage when
+    # warp-specialised).
     q_sh: str
     do_sh: str
     ds_sh: str
+    p_sh: str
 
     @property
     def lo(self) -> str:
@@ -75,18 +78,19 @@ def frame(spec: TracedSpec, shape: KernelShape, plan: BackwardPlan) -> Frame:
     bind, index_text = binder(shape, q_idx, kv_idx, {"rawscore": "sT", "dp": "dpT", "p": "pT"},
                               "j", hoisted, h)
     if plan.warp_specialized:
-        q_sh, do_sh, ds_sh = f"Q_shared[k % {st}, :, :]", f"dO_shared[k % {st}, :, :]", \
-            "dsT_shared[k % 2, :, :]"
+        q_sh, do_sh, ds_sh, p_sh = f"Q_shared[k % {st}, :, :]", f"dO_shared[k % {st}, :, :]", \
+            "dsT_shared[k % 2, :, :]", "pT_shared[k % 2, :, :]"
     else:
-        q_sh, do_sh, ds_sh = "Q_shared", "dO_shared", "dsT_shared"
+        q_sh, do_sh, ds_sh, p_sh = "Q_shared", "dO_shared", "dsT_shared", "pT_shared"
     return Frame(
         spec=spec, shape=shape, plan=plan, ex=ex, d=d, head=head,
         policy=f"T.GemmWarpPolicy.{cfg.gemm_policy}",
         tile_regs=d.bN * d.bM // cfg.threads, dq_regs=d.bM * d.D // cfg.threads,
-        dk_regs=d.bN * d.D // cfg.threads, q_idx=q_idx, kv_idx=kv_idx, bind=bind,
+        dk_regs=d.bN * d.D // cfg.threads, dv_regs=d.bN * d.Dv // cfg.threads,
+        q_idx=q_idx, kv_idx=kv_idx, bind=bind,
         index_text=index_text, mask=mask_text(spec, bind, q_row, kv_row, shape),
         finals=VectorGroup(tuple(finals), d.bM, ring), delta=VectorGroup(tuple(delta), d.bM, ring),
         by_kv=VectorGroup(tuple(by_kv), d.bN),
         by_q=VectorGroup(tuple(by_q), d.bM, ring, in_registers=not plan.q_reads_in_ring),
-        q_sh=q_sh, do_sh=do_sh, ds_sh=ds_sh,
+        q_sh=q_sh, do_sh=do_sh, ds_sh=ds_sh, p_sh=p_sh,
     )

@@ -115,7 +115,7 @@ def _emit_buffers(w: SourceWriter, f: Frame) -> None:
     w.line(f'K_shared = T.alloc_shared(({bN}, {d.D}), "{dt}")')
     w.line(f'V_shared = T.alloc_shared(({bN}, {d.Dv}), "{dt}")')
     if plan.warp_specialized:
-        w.lines(ws_buffers(plan.config, d.D, d.Dv, dt))
+        w.lines(ws_buffers(plan.config, d.D, d.Dv, dt, plan.head_split))
     else:
         w.line(f'Q_shared = T.alloc_shared(({bM}, {d.D}), "{dt}")')
         w.line(f'dO_shared = T.alloc_shared(({bM}, {d.Dv}), "{dt}")')
@@ -158,7 +158,8 @@ def _emit_ws_body(w: SourceWriter, f: Frame) -> None:
     w.line("tx = T.get_thread_binding()")
     w.line(f"lo: T.int32 = {f.lo}")
     w.line(f"n: T.int32 = {f.hi} - lo")
-    emit_producer_roles(w, f.plan.config, f.d.G, f.plan.heads_loop, [f.finals, f.by_q], [f.delta])
+    emit_producer_roles(w, f.plan.config, f.d.G, f.plan.heads_loop, [f.finals, f.by_q], [f.delta],
+                        dq_writer=f.plan.dq_layout != "none")
     heads = f.d.G if f.plan.heads_loop else 1
     with w.block("else:"):
         w.line(f"T.set_max_nreg({WS_CONSUMER_REGS}, 1)")

@@ -1,6 +1,6 @@
 """The warp-specialised schedule's rings and roles: Q/dO rings filled by a producer warp, dS^T
-and dQ two deep, the mbarriers between the roles, the producer warp and the dQ writer warp,
-and the step loop each role walks."""
+and dQ (head-split: P^T and dS^T) two deep, the mbarriers between the roles, the producer warp
+and the dQ writer warp, and the step loop each role walks."""
 
 from __future__ import annotations
 
@@ -14,24 +14,26 @@ from engine.kernels.attention_bwd.plan import DQ_ROW
 from engine.plan.config import WS_PRODUCER_REGS, WS_PRODUCER_THREADS, KernelConfig
 
 
-def ws_buffers(cfg: KernelConfig, D: int, Dv: int, dt: str) -> list[str]:
+def ws_buffers(cfg: KernelConfig, D: int, Dv: int, dt: str, head_split: bool) -> list[str]:
     """Shared buffers and mbarriers: Q and dO rings (num_stages deep, filled by the producer
-    warp); dS^T and dQ two deep, so that a step writes one while the previous step's readers
-    finish the other. Full barriers count the producer (or writer) warp's 32 arrivals, empty
-    ones the consumers'."""
+    warp); two deep, so that a step writes one while the previous step's readers finish the
+    other, dS^T and the dQ tile or, head-split (dQ from the dQ kernel), P^T and dS^T. Full
+    barriers count the producer (or writer) warp's 32 arrivals, empty ones the consumers'."""
     bM, bN, st, C = cfg.block_M, cfg.block_N, cfg.num_stages, cfg.threads
-    return [
+    out = [
         f'Q_shared = T.alloc_shared(({st}, {bM}, {D}), "{dt}")',
         f'dO_shared = T.alloc_shared(({st}, {bM}, {Dv}), "{dt}")',
-        f'dsT_shared = T.alloc_shared((2, {bN}, {bM}), "{dt}")',
-        f'dq_shared = T.alloc_shared((2, {bM * D // DQ_ROW}, {DQ_ROW}), "float32")',
-        f"kv_full = {ring(32, 1)}",
-        f"q_full = {ring(32, st)}",
-        f"do_full = {ring(32, st)}",
-        f"qdo_empty = {ring(C, st)}",
-        f"dq_full = {ring(C, 2)}",
-        f"dq_empty = {ring(32, 2)}",
     ]
+    if head_split:
+        out.append(f'pT_shared = T.alloc_shared((2, {bN}, {bM}), "{dt}")')
+    out.append(f'dsT_shared = T.alloc_shared((2, {bN}, {bM}), "{dt}")')
+    if not head_split:
+        out.append(f'dq_shared = T.alloc_shared((2, {bM * D // DQ_ROW}, {DQ_ROW}), "float32")')
+    out += [f"kv_full = {ring(32, 1)}", f"q_full = {ring(32, st)}", f"do_full = {ring(32, st)}",
+            f"qdo_empty = {ring(C, st)}"]
+    if not head_split:
+        out += [f"dq_full = {ring(C, 2)}", f"dq_empty = {ring(32, 2)}"]
+    return out
 
 
 @contextmanager
@@ -62,11 +64,13 @@ def steps(w: SourceWriter, heads: int) -> Iterator[None]:
 
 
 def emit_producer_roles(w: SourceWriter, cfg: KernelConfig, G: int, heads_loop: bool,
-                        q_vectors: list[VectorGroup], do_vectors: list[VectorGroup]) -> None:
+                        q_vectors: list[VectorGroup], do_vectors: list[VectorGroup],
+                        dq_writer: bool) -> None:
     """The producer warpgroup's branch: warp 0 loads K and V once, then per step Q (with the
-    per-query vectors `q_vectors`) and dO (with `do_vectors`: Delta) into the rings; warp 1
-    is the dQ writer. Uses `lo`, `n` (the step range) and `tx`. With `heads_loop` the thread
-    block is kv head `by`'s and walks its G query heads (hq); otherwise query head `by`'s."""
+    per-query vectors `q_vectors`) and dO (with `do_vectors`: Delta) into the rings; warp 1,
+    with `dq_writer`, is the dQ writer. Uses `lo`, `n` (the step range) and `tx`. With
+    `heads_loop` the thread block is kv head `by`'s and walks its G query heads (hq);
+    otherwise query head `by`'s."""
     bM, bN, st = cfg.block_M, cfg.block_N, cfg.num_stages
     q_rows = f"qb * {bM}:(qb + 1) * {bM}"
     kv_head, head = ("by", "hq") if heads_loop else (f"by // {G}", "by")
@@ -86,6 +90,8 @@ def emit_producer_roles(w: SourceWriter, cfg: KernelConfig, G: int, heads_loop: 
                     for group in fills:
                         group.emit_fill(w)
                     w.line(f"T.mbarrier_arrive({bar}[k % {st}])")
+        if not dq_writer:
+            return
         # The writer warp: one bulk reduce-add per step (TMA cp.reduce; rows past Sq fall
         # outside the tensor and are dropped by the copy engine), waited for here, off the
         # consumers' path.

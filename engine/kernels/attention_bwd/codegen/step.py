@@ -159,12 +159,16 @@ def _emit_dq_product(w: SourceWriter, f: Frame) -> None:
 def _emit_head_split_end(w: SourceWriter, f: Frame) -> None:
     """The head-split schedule's step end (plan.head_split): P^T and dS^T to shared memory
     (the warps split their columns, so none holds whole rows for a register A operand), dV
-    and dK from there, then dQ = dS K in column chunks (a chunk's registers, not all of dQ's,
-    beside dK and dV), each added to dQ by fp32 atomics, the rows past Sq left out."""
+    and dK from there, then, unless the dQ kernel takes it, dQ = dS K in column chunks (a
+    chunk's registers, not all of dQ's, beside dK and dV), each added to dQ by fp32 atomics,
+    the rows past Sq left out."""
     d = f.d
-    w.line("T.copy(pT_cast, pT_shared)")
+    w.line(f"T.copy(pT_cast, {f.p_sh})")
     w.line(f"T.copy(dsT_cast, {f.ds_sh})")
-    w.line(f"T.gemm(pT_shared, {f.do_sh}, dv, policy={f.policy})")
+    if f.plan.warp_specialized:
+        _emit_head_split_ws_gemms(w, f)
+        return
+    w.line(f"T.gemm({f.p_sh}, {f.do_sh}, dv, policy={f.policy})")
     w.line(f"T.gemm({f.ds_sh}, {f.q_sh}, dk, policy={f.policy})")
     diagonals.emit_step(w, f)
     if f.plan.dq_layout == "none":
@@ -177,6 +181,23 @@ def _emit_head_split_end(w: SourceWriter, f: Frame) -> None:
         with w.block(f"for i, j in T.Parallel({d.bM}, {cols}):"), \
                 w.block(f"if qb * {d.bM} + i < {d.Sq}:"):
             w.line(f"T.atomic_add(dQ[bz, {f.head}, qb * {d.bM} + i, c * {cols} + j], dq[i, j])")
+
+
+def _emit_head_split_ws_gemms(w: SourceWriter, f: Frame) -> None:
+    """Warp-specialised: once every consumer's rows of P^T and dS^T are in the step's ring
+    stage (and visible to the tensor cores), the dV and dK wgmmas go out together; the Q/dO
+    stage goes back to the producer when both are done. The stage written next step is the
+    other one, which every consumer's previous wgmmas have finished reading before it passed
+    this step's barrier."""
+    w.line("T.fence_proxy_async()")
+    w.line(f"T.sync_threads({WS_CONSUMER_BARRIER}, {f.plan.config.threads})")
+    w.line(f"T.wgmma_gemm({f.p_sh}, {f.do_sh}, dv, policy={f.policy})")
+    w.line(f"T.wgmma_gemm({f.ds_sh}, {f.q_sh}, dk, policy={f.policy})")
+    diagonals.emit_step(w, f)  # beside the dV and dK wgmmas
+    w.line("T.wait_wgmma(0)")
+    w.line(f"T.warpgroup_fence_operand(dv, num_regs={f.dv_regs})")
+    w.line(f"T.warpgroup_fence_operand(dk, num_regs={f.dk_regs})")
+    w.line(f"T.mbarrier_arrive(qdo_empty[k % {f.plan.config.num_stages}])")
 
 
 def _emit_ws_step_end(w: SourceWriter, f: Frame) -> None:
