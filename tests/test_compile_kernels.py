@@ -134,10 +134,15 @@ def _spill_store_bytes(cuda: str, tmp_path, serialised: list | None = None) -> i
     return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", r.stdout + r.stderr))
 
 
-@pytest.mark.parametrize("name, heads_kv", [("softmax_causal", 2), ("gemma2", 8), ("alibi", 2)])
-def test_d256_backward_is_head_split_and_does_not_spill(name, heads_kv, tmp_path, monkeypatch):
-    """D = 256's backward: the head-split schedule (dK/dV split by head dim over two consumer
-    warpgroups, P^T and dS^T through shared memory), warp-specialised (a producer warp's
+@pytest.mark.parametrize("name, heads_kv, D, Dv", [("softmax_causal", 2, 256, 256),
+                                                   ("gemma2", 8, 256, 256),
+                                                   ("alibi", 2, 256, 256),
+                                                   ("softmax_causal", 8, 192, 128)])
+def test_d256_backward_is_head_split_and_does_not_spill(name, heads_kv, D, Dv, tmp_path,
+                                                        monkeypatch):
+    """D = 256's (and DeepSeek's D 192 / Dv 128) backward: the head-split schedule (dK/dV
+    split by head dim over two consumer warpgroups, P^T and dS^T through shared memory),
+    warp-specialised (a producer warp's
     Q/dO ring, P^T and dS^T two deep, no dQ writer), and dQ from the dQ kernel (no dQ in the
     main kernel), both compiled for sm_90a without spills (ptxas: 168 registers for plain
     softmax's main kernel), ALiBi's slope gradient included (its per-key sums add the two
@@ -145,7 +150,7 @@ def test_d256_backward_is_head_split_and_does_not_spill(name, heads_kv, tmp_path
     from engine.runtime.compile import compile_source
 
     monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
-    mod = _module(name, D=256, Dv=256, heads_kv=heads_kv)
+    mod = _module(name, D=D, Dv=Dv, heads_kv=heads_kv)
     assert mod.backward_problem() is None
     bk = mod.backward_kernels(custom_grads=tuple(VARIANTS[name].learnable))
     assert bk.plan.head_split and bk.plan.warp_specialized

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import where
-from engine.kernels.attention_bwd.plan import default_backward_config, plan_backward
+from engine.kernels.attention_bwd.plan import default_backward_config, head_split, plan_backward
 from engine.plan.config import KernelConfig
 from engine.plan.shape import KernelShape
 from engine.variants import VARIANTS
@@ -53,6 +53,9 @@ def test_head_split_past_d128_takes_dq_from_the_dq_kernel():
     mha = _plan("softmax", dict(SMALL, heads_kv=8), d=256)
     assert (mha.dq_layout, mha.kv_store) == ("none", "once")
     assert _plan("softmax_causal", d=256, det=True).warp_specialized
+    # Past D 128 the default is the head split (DeepSeek's 192 / 128 too), not at Dv alone.
+    assert head_split(default_backward_config(192, 128))
+    assert not head_split(default_backward_config(128, 256))
     d128 = _plan("softmax", cfg=KernelConfig(64, 64, 2, 256, "FullCol"))
     assert d128.head_split and (d128.dq_layout, d128.dq_config) == ("rows", None)
     assert not d128.warp_specialized

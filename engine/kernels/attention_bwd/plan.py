@@ -26,7 +26,8 @@ from engine.plan.shape import KernelShape
 # accumulators for the whole loop, so block_M stays small: at D = 128 and 256 threads,
 # 64 x 128 fits the 240 registers of a consumer (ptxas: no spills), 128 x 128 spills.
 # Last, the head-split schedule (gemm_policy FullCol: head_split_problems) for the head dims
-# whose dK/dV do not fit a key split (D = Dv = 256: (D + Dv) / 2 registers a thread).
+# whose dK/dV do not fit a key split (D = Dv = 256: (D + Dv) / 2 registers a thread); past
+# D 128 default_backward_config takes it first.
 PREFERENCE: tuple[KernelConfig, ...] = (
     KernelConfig(block_M=64, block_N=128, num_stages=2, threads=256),
     KernelConfig(block_M=32, block_N=128, num_stages=2, threads=256),
@@ -264,10 +265,17 @@ def default_backward_config(head_dim: int, head_dim_v: int, elem_bytes: int = 2,
                             spec: TracedSpec | None = None,
                             custom_grads: tuple[str, ...] = ()) -> KernelConfig:
     """The first valid config of PREFERENCE (the same for every spec: the split/fused schedule,
-    not the tile, adapts to a spec's registers); the first with at most NARROW_BLOCK_M query
-    rows a step, if any, where only a gradient of `custom_grads` reads `spec`'s raw score."""
+    not the tile, adapts to a spec's registers), the head-split ones first past D 128; the
+    first with at most NARROW_BLOCK_M query rows a step, if any, where only a gradient of
+    `custom_grads` reads `spec`'s raw score."""
     valid = [c for c in PREFERENCE
              if not backward_config_problems(c, head_dim, head_dim_v, elem_bytes)]
+    if separate_dq(head_dim, True, False):
+        # Past D 128 the head-split schedule first: there its dQ comes from the dQ kernel and
+        # its main kernel is warp-specialised. At D 192 / Dv 128 (B 2 x S 4k, 16 heads) its
+        # backward ran 1.32 ms causal and 2.30 ms not, against 1.96 and 3.26 for the 32 x 128
+        # key split (H100, same process; results/NOTES.md 114).
+        valid.sort(key=lambda c: not head_split(c))
     if spec is not None and wants_narrow_rows(spec, custom_grads):
         valid = [c for c in valid if c.block_M <= NARROW_BLOCK_M] + valid
     for cfg in valid:
