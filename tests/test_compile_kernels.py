@@ -157,6 +157,7 @@ def test_d256_backward_is_head_split_and_does_not_spill(name, heads_kv, D, Dv, t
     src = bk.main.source
     assert "pT_shared = T.alloc_shared((2, 64, 64)" in src and "GemmWarpPolicy.FullCol" in src
     assert "T.set_max_nreg(240, 1)" in src and "dq_full" not in src
+    assert "kn: T.int32 = T.min(k + 1, " in src, "the next step's products issued ahead"
     assert "dQ" not in src and "dQ" in bk.dq.source
     for kernel_src in (src, bk.dq.source):
         assert _spill_store_bytes(compile_source(kernel_src).get_kernel_source(), tmp_path) == 0

@@ -48,6 +48,7 @@ def test_head_split_past_d128_takes_dq_from_the_dq_kernel():
     automatic pipeline."""
     fast = _plan("softmax_causal", d=256)
     assert fast.head_split and not fast.deterministic and fast.warp_specialized
+    assert fast.products_ahead and not _plan("softmax_causal", LLAMA3).products_ahead
     assert (fast.dq_layout, fast.kv_store) == ("none", "atomic")
     assert fast.dq_config == KernelConfig(128, 32, 2, 256)
     mha = _plan("softmax", dict(SMALL, heads_kv=8), d=256)

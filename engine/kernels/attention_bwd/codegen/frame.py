@@ -4,7 +4,7 @@ columns j queries, so that P^T and dS^T feed the dV and dK wgmmas from registers
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.ir.spec import TracedSpec
 from engine.kernels.attention_bwd.codegen.tiles import Bind, Dims, binder, dims, mask_text
@@ -44,6 +44,17 @@ class Frame:
     do_sh: str
     ds_sh: str
     p_sh: str
+    step: str = "k"  # the step whose ring stage q_sh, do_sh and the vectors' rings name
+
+    def at_step(self, step: str) -> Frame:
+        """The warp-specialised frame with Q, dO and the per-query vectors read from `step`'s
+        ring stage (the next step's products, issued ahead: plan.products_ahead)."""
+        st = self.plan.config.num_stages
+        ring = (f"{step} % {st}", st)
+        return replace(self, step=step, q_sh=f"Q_shared[{step} % {st}, :, :]",
+                       do_sh=f"dO_shared[{step} % {st}, :, :]",
+                       finals=replace(self.finals, ring=ring), delta=replace(self.delta, ring=ring),
+                       by_q=replace(self.by_q, ring=ring))
 
     @property
     def lo(self) -> str:

@@ -23,7 +23,7 @@ from engine.kernels.attention_bwd.codegen.roles import (
     ws_buffers,
 )
 from engine.kernels.attention_bwd.codegen.signature import input_args, row_args, table_args
-from engine.kernels.attention_bwd.codegen.step import emit_step
+from engine.kernels.attention_bwd.codegen.step import emit_products_wait, emit_step, issue_products
 from engine.kernels.attention_bwd.panels import panel_order
 from engine.kernels.attention_bwd.plan import (
     DQ_ROW,
@@ -164,6 +164,10 @@ def _emit_ws_body(w: SourceWriter, f: Frame) -> None:
     with w.block("else:"):
         w.line(f"T.set_max_nreg({WS_CONSUMER_REGS}, 1)")
         w.lines(["T.clear(dk)", "T.clear(dv)", "T.mbarrier_wait_parity(kv_full[0], 0)"])
+        if f.plan.products_ahead:  # the first step's, issued here (step.py)
+            with w.block("if n > 0:"):
+                issue_products(w, f.at_step("0"))
+            emit_products_wait(w, f)
         with per_head(w, heads):
             w.lines([f"T.clear(cg_acc{r})" for r in range(len(f.ex.dc_reads))])
             _emit_table_rows_clear(w, f)

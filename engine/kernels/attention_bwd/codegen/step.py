@@ -26,7 +26,10 @@ from engine.kernels.attention_bwd.plan import DQ_ROW, WS_CONSUMER_BARRIER, dq_ch
 
 
 def emit_step(w: SourceWriter, f: Frame) -> None:
-    _emit_products(w, f)
+    if f.plan.products_ahead:  # (issued by the previous step, or before the loop, and waited for)
+        _emit_class(w, f)
+    else:
+        _emit_products(w, f)
     if f.plan.split:
         _emit_split_tiles(w, f)
     else:
@@ -43,15 +46,28 @@ def emit_step(w: SourceWriter, f: Frame) -> None:
         _emit_pipelined_step_end(w, f)
 
 
+def _emit_class(w: SourceWriter, f: Frame) -> None:
+    w.line(f'qcls: T.int32 = T.Cast("int32", ClsT[{f.d.mb}, {f.d.mh}, bx, qb])')
+
+
 def _emit_products(w: SourceWriter, f: Frame) -> None:
-    """The block's class, Q and dO (a ring stage, or copied), the per-query vectors, and the
-    S^T and dP^T wgmmas (Delta loaded where the schedule has registers for it)."""
-    ws, split, st = f.plan.warp_specialized, f.plan.split, f.plan.config.num_stages
+    """The block's class, then the step's products, waited for (all but dP^T's with the split
+    step)."""
     # The block's class is read once, ahead of the gemms: a global load at each branch would
     # sit behind a gemm's wait (its asm has a memory clobber) with its whole latency exposed.
-    w.line(f'qcls: T.int32 = T.Cast("int32", ClsT[{f.d.mb}, {f.d.mh}, bx, qb])')
+    _emit_class(w, f)
+    issue_products(w, f)
+    w.line(f"T.wait_wgmma({1 if f.plan.split else 0})")
+    # Keep nvcc from reading an accumulator before the wait that completes it.
+    w.line(f"T.warpgroup_fence_operand(sT, num_regs={f.tile_regs})")
+
+
+def issue_products(w: SourceWriter, f: Frame) -> None:
+    """Q and dO (step f.step's ring stage, or copied), the per-query vectors, and the S^T and
+    dP^T wgmmas (Delta loaded where the schedule has registers for it); not waited for."""
+    ws, split, st = f.plan.warp_specialized, f.plan.split, f.plan.config.num_stages
     if ws:
-        w.line(f"T.mbarrier_wait_parity(q_full[k % {st}], {parity(st)})")
+        w.line(f"T.mbarrier_wait_parity(q_full[{f.step} % {st}], {parity(st, f.step)})")
     else:
         w.line(f"T.copy(Q[bz, {f.q_rows}, by, :], Q_shared)")
         w.line(f"T.copy(dO[bz, {f.q_rows}, by, :], dO_shared)")
@@ -62,14 +78,11 @@ def _emit_products(w: SourceWriter, f: Frame) -> None:
     w.line(f"T.wgmma_gemm(K_shared, {f.q_sh}, sT, transpose_B=True, policy={f.policy}, "
            "clear_accum=True)")
     if ws:
-        w.line(f"T.mbarrier_wait_parity(do_full[k % {st}], {parity(st)})")
+        w.line(f"T.mbarrier_wait_parity(do_full[{f.step} % {st}], {parity(st, f.step)})")
         if not split:
             f.delta.emit_load(w)
     w.line(f"T.wgmma_gemm(V_shared, {f.do_sh}, dpT, transpose_B=True, policy={f.policy}, "
            "clear_accum=True)")
-    w.line(f"T.wait_wgmma({1 if split else 0})")
-    # Keep nvcc from reading an accumulator before the wait that completes it.
-    w.line(f"T.warpgroup_fence_operand(sT, num_regs={f.tile_regs})")
 
 
 def fused_grad(f: Frame) -> Expr | None:
@@ -185,19 +198,32 @@ def _emit_head_split_end(w: SourceWriter, f: Frame) -> None:
 
 def _emit_head_split_ws_gemms(w: SourceWriter, f: Frame) -> None:
     """Warp-specialised: once every consumer's rows of P^T and dS^T are in the step's ring
-    stage (and visible to the tensor cores), the dV and dK wgmmas go out together; the Q/dO
-    stage goes back to the producer when both are done. The stage written next step is the
-    other one, which every consumer's previous wgmmas have finished reading before it passed
-    this step's barrier."""
+    stage (and visible to the tensor cores), the dV and dK wgmmas go out together, and right
+    behind them the next step's S^T and dP^T (plan.products_ahead; the last step repeats its
+    own, on the stage it still holds); one wait for all four, then the Q/dO stage goes back
+    to the producer. The P^T/dS^T stage written next step is the other one, which every
+    consumer's previous wgmmas have finished reading before it passed this step's barrier.
+    (Waiting for the next step's products at its top instead, with wgmmas in flight across
+    the loop's back edge, ptxas serialised every wgmma.)"""
     w.line("T.fence_proxy_async()")
     w.line(f"T.sync_threads({WS_CONSUMER_BARRIER}, {f.plan.config.threads})")
     w.line(f"T.wgmma_gemm({f.p_sh}, {f.do_sh}, dv, policy={f.policy})")
     w.line(f"T.wgmma_gemm({f.ds_sh}, {f.q_sh}, dk, policy={f.policy})")
     diagonals.emit_step(w, f)  # beside the dV and dK wgmmas
-    w.line("T.wait_wgmma(0)")
+    last = "n * " + str(f.d.G) + " - 1" if f.plan.heads_loop else "n - 1"
+    w.line(f"kn: T.int32 = T.min(k + 1, {last})")
+    issue_products(w, f.at_step("kn"))
+    emit_products_wait(w, f)
     w.line(f"T.warpgroup_fence_operand(dv, num_regs={f.dv_regs})")
     w.line(f"T.warpgroup_fence_operand(dk, num_regs={f.dk_regs})")
     w.line(f"T.mbarrier_arrive(qdo_empty[k % {f.plan.config.num_stages}])")
+
+
+def emit_products_wait(w: SourceWriter, f: Frame) -> None:
+    """Every wgmma in flight waited for, S^T and dP^T fenced (products issued ahead)."""
+    w.line("T.wait_wgmma(0)")
+    w.line(f"T.warpgroup_fence_operand(sT, num_regs={f.tile_regs})")
+    w.line(f"T.warpgroup_fence_operand(dpT, num_regs={f.tile_regs})")
 
 
 def _emit_ws_step_end(w: SourceWriter, f: Frame) -> None:
