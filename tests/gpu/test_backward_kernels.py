@@ -169,6 +169,9 @@ HEADS_LOOP = [
     ("softcap", BF16, 2, 8, 2, 1000, 300, 128, 128),  # fused loop, Sq > Skv
     ("softmax", BF16, 2, 16, 2, 640, 640, 128, 128),  # GQA 8
     ("dilated", BF16, 2, 8, 2, 1000, 1000, 128, 128),  # folded rows: head hq's residue
+    # The warp-specialised head split (its next step's products issued ahead, across heads)
+    ("gemma2", BF16, 1, 8, 4, 1000, 1000, 256, 256),
+    ("softmax_causal", FP16, 2, 8, 2, 777, 777, 192, 128),
 ]
 
 
