@@ -2,7 +2,8 @@
 walking the heads, kv head, batch). K and V stay in shared memory; the block walks the query
 blocks [LoT, HiT) that the mask analysis found non-empty for its kv block (step.py), then
 stores dK, dV and the custom gradients. Two schedules (plan.warp_specialized): explicit
-producer, dQ-writer and consumer roles (roles.py), or TileLang's automatic pipeline."""
+producer, dQ-writer (none where the dQ kernel takes dQ) and consumer roles (roles.py), or
+TileLang's automatic pipeline."""
 
 from __future__ import annotations
 

@@ -210,8 +210,8 @@ def _emit_head_split_ws_gemms(w: SourceWriter, f: Frame) -> None:
     w.line(f"T.wgmma_gemm({f.p_sh}, {f.do_sh}, dv, policy={f.policy})")
     w.line(f"T.wgmma_gemm({f.ds_sh}, {f.q_sh}, dk, policy={f.policy})")
     diagonals.emit_step(w, f)  # beside the dV and dK wgmmas
-    last = "n * " + str(f.d.G) + " - 1" if f.plan.heads_loop else "n - 1"
-    w.line(f"kn: T.int32 = T.min(k + 1, {last})")
+    steps = f"n * {f.d.G}" if f.plan.heads_loop else "n"  # (k counts on across the heads)
+    w.line(f"kn: T.int32 = T.min(k + 1, {steps} - 1)")
     issue_products(w, f.at_step("kn"))
     emit_products_wait(w, f)
     w.line(f"T.warpgroup_fence_operand(dv, num_regs={f.dv_regs})")
