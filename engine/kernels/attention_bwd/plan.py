@@ -361,10 +361,6 @@ class BackwardPlan:
     head_split: bool
     # One thread block per kv head walks the query heads of its GQA group.
     heads_loop: bool
-    # A step issues the next step's S^T and dP^T wgmmas right behind its own dV and dK and
-    # waits once (the warp-specialised head split): main kernel 2.16 -> 2.07-2.09 ms at
-    # D 256, B 4 x S 4k (results/NOTES.md 114).
-    products_ahead: bool
     # Groups per panel of the launch order (1: the plain grid).
     panel: int
     # Where dK/dV go: "once" (input dtype, one writer each), "per_query_head" (fp32, summed per
@@ -394,6 +390,13 @@ class BackwardPlan:
     # A dilated mask's rows folded into heads (engine.plan.fold): the kernels are generated
     # for fold.spec at fold.tiled, every decision above taken there.
     fold: RowFold | None = None
+
+    @property
+    def products_ahead(self) -> bool:
+        """Whether a step issues the next step's S^T and dP^T wgmmas right behind its own dV
+        and dK and waits once: the warp-specialised head split (main kernel 2.16 -> 2.07-2.09
+        ms at D 256, B 4 x S 4k; results/NOTES.md 114)."""
+        return self.warp_specialized and self.head_split
 
 
 def separate_dq(head_dim: int, split_heads: bool, deterministic: bool) -> bool:
@@ -568,8 +571,7 @@ def plan_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
     q_in_ring = warp_specialized and n_q_reads >= 2
     return BackwardPlan(
         config=cfg, deterministic=deterministic, warp_specialized=warp_specialized,
-        split=split, head_split=split_heads, heads_loop=heads_loop,
-        products_ahead=warp_specialized and split_heads, panel=panel,
+        split=split, head_split=split_heads, heads_loop=heads_loop, panel=panel,
         kv_store="once" if once else "per_query_head" if deterministic else "atomic",
         dq_layout="none" if dq_kernel else "fragment" if warp_specialized else "rows",
         dq_async=not deterministic and not split_heads and cfg.block_M % 64 == 0,
