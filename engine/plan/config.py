@@ -24,6 +24,8 @@ SCHEDULES = ("auto", "overlap", "pingpong")
 SMEM_LIMIT_BYTES = 227 * 1024
 MAX_REGS_PER_THREAD = 255
 REGS_PER_SM = 64 * 1024
+# Streaming multiprocessors of an H100 SXM (and H200): the thread blocks of one wave.
+H100_SMS = 132
 
 
 # Warp-specialised kernels written out explicitly (the backward's and the forward's
@@ -95,7 +97,10 @@ class KernelConfig:
     depth of the K/V shared-memory pipeline; threads: consumer threads per block (a producer
     warpgroup is added by TileLang's warp specialisation); gemm_policy: how warps split the
     score tile; swizzle_panel: rasterisation panel width in blocks (0 disables rasterisation);
-    schedule: the forward's pipeline (SCHEDULES; the other kinds take "auto").
+    schedule: the forward's pipeline (SCHEDULES; the other kinds take "auto"); persistent:
+    the forward's warp-specialised schedules with one thread block per SM walking the tiles
+    in turn, so that the producer loads the next tile while the consumers finish this one
+    (the other kinds take False).
     """
 
     block_M: int = 128
@@ -105,13 +110,16 @@ class KernelConfig:
     gemm_policy: str = "FullRow"
     swizzle_panel: int = 0
     schedule: str = "auto"
+    persistent: bool = False
 
     def to_dict(self) -> dict:
-        # The schedule only where it is not TileLang's pipeline: tune files written before
-        # it existed read back as they were written.
+        # The schedule and persistence only where they are not the defaults: tune files
+        # written before they existed read back as they were written.
         data = dataclasses.asdict(self)
         if self.schedule == "auto":
             del data["schedule"]
+        if not self.persistent:
+            del data["persistent"]
         return data
 
     @classmethod
@@ -123,4 +131,5 @@ class KernelConfig:
             f"M{self.block_M}_N{self.block_N}_s{self.num_stages}_t{self.threads}"
             f"_{self.gemm_policy}_sw{self.swizzle_panel}"
             + ("" if self.schedule == "auto" else f"_{self.schedule}")
+            + ("_persistent" if self.persistent else "")
         )

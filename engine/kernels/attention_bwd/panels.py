@@ -13,8 +13,7 @@ against 0.52 ms)."""
 
 from __future__ import annotations
 
-# Streaming multiprocessors of an H100 SXM: the thread blocks of one wave.
-H100_SMS = 132
+from engine.plan.config import H100_SMS
 
 
 def wave_panel(n_blocks: int) -> int:

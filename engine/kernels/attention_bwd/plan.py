@@ -9,9 +9,10 @@ from dataclasses import dataclass
 from engine.dsl.expr import Expr, leaves
 from engine.ir.spec import TracedSpec
 from engine.kernels.attention_bwd.exprs import BackwardExprs, RowDotGrad, row_dot_grads
-from engine.kernels.attention_bwd.panels import H100_SMS, wave_panel
+from engine.kernels.attention_bwd.panels import wave_panel
 from engine.plan.config import (
     GEMM_POLICIES,
+    H100_SMS,
     SMEM_LIMIT_BYTES,
     ConfigError,
     KernelConfig,
@@ -131,6 +132,9 @@ def backward_config_problems(
     if cfg.schedule != "auto":
         out.append(f"schedule={cfg.schedule!r}: the backward's schedules come from its plan "
                    "(expected 'auto')")
+    if cfg.persistent:
+        out.append("persistent=True: only the forward's warp-specialised schedules walk tiles "
+                   "persistently (expected False)")
     if cfg.threads not in (128, 256, 384):
         out.append(f"threads={cfg.threads}: expected 128, 256 or 384 (whole warpgroups)")
         return out

@@ -15,12 +15,12 @@ from engine.ir.spec import TracedSpec
 from engine.kernels.attention_decode.codegen import generate_split
 from engine.kernels.attention_decode.merge import generate_merge
 from engine.kernels.attention_decode.plan import (
-    H100_SMS,
     DecodeConfig,
     DecodePlan,
     DecodeShape,
     plan_decode,
 )
+from engine.plan.config import H100_SMS
 from engine.runtime.kernel import Kernel
 from engine.runtime.persistent import kept
 

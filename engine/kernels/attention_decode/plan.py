@@ -17,10 +17,9 @@ from dataclasses import dataclass
 from engine.ir.merge import TracedMerge
 from engine.ir.spec import TracedSpec
 from engine.mask.key_range import KeyRange, key_range
-from engine.plan.config import SMEM_LIMIT_BYTES, ConfigError, config_from_dict
+from engine.plan.config import H100_SMS, SMEM_LIMIT_BYTES, ConfigError, config_from_dict
 from engine.problem import Problem
 
-H100_SMS = 132
 MAX_SPLITS = 64  # the merge walks the splits serially per row
 MIN_CHUNK = 8  # auto_splits' shortest split, in key blocks
 

@@ -20,7 +20,7 @@ from engine.kernels.attention_fwd import ws
 from engine.kernels.attention_fwd.online import OnlineBody, prepare_online, rescales
 from engine.kernels.attention_fwd.plan import has_partial_blocks, walks_full_run
 from engine.mask.analysis import reads_data
-from engine.plan.config import WS_CONSUMER_REGS, WS_PRODUCER_THREADS, KernelConfig
+from engine.plan.config import H100_SMS, WS_CONSUMER_REGS, WS_PRODUCER_THREADS, KernelConfig
 from engine.plan.fold import index_texts, row_fold
 from engine.plan.shape import KernelShape
 
@@ -122,19 +122,53 @@ def generate_forward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig) ->
     # Masked rows differ in length: the longest of a head's query blocks start first (for a
     # causal mask, the last ones), so that the shortest make the grid's tail.
     reverse = f.full_run
-    with w.indented(), w.block(f"with T.Kernel({grid_q}, {f.tiled.heads_q}, {shape.b_text}, "
-                               f"threads={threads}) as ({'bxr' if reverse else 'bx'}, by, bz):"):
-        if reverse:
+    tiles = _tile_walk(f, grid_q, reverse)
+    if tiles.persistent:
+        grid, names = f"{tiles.blocks}", "pid"
+    else:
+        grid, names = f"{grid_q}, {f.tiled.heads_q}, {shape.b_text}", \
+            f"({'bxr' if reverse else 'bx'}, by, bz)"
+    with w.indented(), w.block(f"with T.Kernel({grid}, threads={threads}) as {names}:"):
+        if reverse and not tiles.persistent:
             w.line(f"bx: T.int32 = {grid_q} - 1 - bxr")
         _emit_buffers(w, f, full.temps | (partial.temps if partial else set()))
         if f.ws:
-            _emit_ws_body(w, f, full, partial)
+            _emit_ws_body(w, f, full, partial, tiles)
         else:
             w.line(f"T.copy({_q_tile(f)}, Q_shared)")
             _emit_state_init(w, f)
             _emit_key_loop(w, f, full, partial)
             _emit_epilogue(w, f)
     return GeneratedKernel(w.text(), tuple(params))
+
+
+def _tile_walk(f: _Frame, grid_q: str, reverse: bool) -> ws.TileWalk:
+    """The persistent walk's tiles (query block fastest, then head, then batch: the grid's
+    order) over one thread block per SM, or the plain grid's one tile a block."""
+    if not f.cfg.persistent:
+        return ws.TileWalk(False, f.cfg.num_stages)
+    heads, b = f.tiled.heads_q, f.shape.b_text
+    count = f"{grid_q} * {heads} * {b}"
+    blocks = H100_SMS
+    if count.replace(" * ", "").isdigit():  # static: no more blocks than tiles
+        count = str(int(grid_q) * heads * int(b))
+        blocks = min(blocks, int(count))
+    q_block = f"tile % {grid_q}"
+    header = [f"bz: T.int32 = tile // ({grid_q} * {heads})",
+              f"by: T.int32 = tile // {grid_q} % {heads}",
+              f"bx: T.int32 = {f'{grid_q} - 1 - {q_block}' if reverse else q_block}",
+              *_key_range_lines(f)]
+    return ws.TileWalk(True, f.cfg.num_stages, count, blocks, tuple(header))
+
+
+def _key_range_lines(f: _Frame) -> list[str]:
+    """A tile's key blocks: [lo, lo + n), and the full run [fs, fs + nf) where walked."""
+    lines = [f"lo: T.int32 = Lo[{f.table_index}, bx]",
+             f"n: T.int32 = Hi[{f.table_index}, bx] - lo"]
+    if f.full_run:
+        lines += [f"fs: T.int32 = Fs[{f.table_index}, bx]",
+                  f"nf: T.int32 = Fe[{f.table_index}, bx] - fs"]
+    return lines
 
 
 def signature(f: _Frame) -> list[KernelParam]:
@@ -246,30 +280,35 @@ def _emit_key_loop(w: SourceWriter, f: _Frame, full: OnlineBody, partial: Online
         w.line(f"T.gemm(acc_s_cast, V_shared, acc_o, policy={policy})")
 
 
-def _emit_ws_body(w: SourceWriter, f: _Frame, full: OnlineBody, partial: OnlineBody | None
-                  ) -> None:
+def _emit_ws_body(w: SourceWriter, f: _Frame, full: OnlineBody, partial: OnlineBody | None,
+                  tiles: ws.TileWalk) -> None:
     """The warp-specialised schedule (ws.py): the producer warp's branch, then the
-    consumers' state, key loop and epilogue."""
+    consumers' state, key loop and epilogue, for each of the block's tiles."""
     cfg = f.cfg
     order = ws.KeyOrder(f.full_run)
     w.line("tx = T.get_thread_binding()")
-    w.line(f"lo: T.int32 = Lo[{f.table_index}, bx]")
-    w.line(f"n: T.int32 = Hi[{f.table_index}, bx] - lo")
-    if order.full_run:
-        w.line(f"fs: T.int32 = Fs[{f.table_index}, bx]")
-        w.line(f"nf: T.int32 = Fe[{f.table_index}, bx] - fs")
-    ws.emit_producer(w, _q_tile(f), _kv_tile(f, "K"), _kv_tile(f, "V"), cfg.num_stages, order)
+    if tiles.persistent:
+        w.line("cnt[0] = 0")
+    else:
+        w.lines(_key_range_lines(f))
+    ws.emit_producer(w, _q_tile(f), _kv_tile(f, "K"), _kv_tile(f, "V"), order, tiles)
     with w.block("else:"):
         w.line(f"T.set_max_nreg({WS_CONSUMER_REGS}, 1)")
-        _emit_state_init(w, f)
         loop = ws.ConsumerLoop(w, full, partial,
                                f"Cls[{f.table_index}, bx, kb]" if partial else None, cfg,
-                               f.shape.head_dim_v, order)
-        policy = f"policy=T.GemmWarpPolicy.{cfg.gemm_policy}"
-        loop.emit(lambda st: f"T.wgmma_gemm(Q_shared, K_shared[{st}, :, :], acc_s, "
-                             f"transpose_B=True, {policy}, clear_accum=True)",
-                  lambda st: f"T.wgmma_gemm(acc_s_cast, V_shared[{st}, :, :], acc_o, {policy})")
-        _emit_epilogue(w, f)
+                               f.shape.head_dim_v, order, tiles)
+        if tiles.persistent:  # the turns go on from tile to tile
+            loop.start()
+        with tiles.each(w):
+            _emit_state_init(w, f)
+            if not tiles.persistent:
+                loop.start()
+            policy = f"policy=T.GemmWarpPolicy.{cfg.gemm_policy}"
+            loop.emit(lambda st: f"T.wgmma_gemm(Q_shared, K_shared[{st}, :, :], acc_s, "
+                                 f"transpose_B=True, {policy}, clear_accum=True)",
+                      lambda st: f"T.wgmma_gemm(acc_s_cast, V_shared[{st}, :, :], acc_o, "
+                                 f"{policy})")
+            _emit_epilogue(w, f)
 
 
 def _emit_epilogue(w: SourceWriter, f: _Frame) -> None:
@@ -281,6 +320,8 @@ def _emit_epilogue(w: SourceWriter, f: _Frame) -> None:
         w.line(f"acc_o[i, j] = T.if_then_else(T.isnan({o_text}), T.float32(0.0), {o_text})"
                if o_text != "acc_o[i, j]" else "acc_o[i, j] = acc_o[i, j]")
     stage = ws.o_stage(f.cfg, f.shape.head_dim, f.shape.head_dim_v) if f.ws else "O_shared"
+    if f.cfg.persistent:  # the last tile's O store has read the stage (its issuer waits)
+        w.line(f"T.sync_threads({ws.EPILOGUE_BARRIER}, {f.cfg.threads})")
     w.line(f"T.copy(acc_o, {stage})")
     if f.ws:  # the stores seen by the copy engine, then every consumer's rows in
         w.line("T.fence_proxy_async()")

@@ -29,8 +29,9 @@ REG_OVERHEAD = 48
 
 def o_staged_in_q(cfg: KernelConfig, head_dim: int, head_dim_v: int) -> bool:
     """Whether O goes out through Q's shared tile: in the warp-specialised schedule, where
-    they have one shape (every Q K^T has finished by then)."""
-    return cfg.schedule != "auto" and head_dim == head_dim_v
+    they have one shape (every Q K^T has finished by then), unless it is persistent (the
+    producer then loads the next tile's Q while this tile's O goes out)."""
+    return cfg.schedule != "auto" and not cfg.persistent and head_dim == head_dim_v
 
 
 def has_partial_blocks(spec: TracedSpec, shape: KernelShape, block_N: int) -> bool:
@@ -134,7 +135,11 @@ def _schedule_problems(cfg: KernelConfig) -> list[str]:
     if cfg.schedule not in SCHEDULES:
         return [f"schedule={cfg.schedule!r}: expected one of {SCHEDULES}"]
     if cfg.schedule == "auto":
-        return []
+        return ["persistent=True: expected a warp-specialised schedule ('overlap' or "
+                "'pingpong'), not 'auto'"] if cfg.persistent else []
+    if cfg.persistent and cfg.swizzle_panel:
+        return [f"persistent=True walks the tiles in order: expected swizzle_panel=0, not "
+                f"{cfg.swizzle_panel}"]
     if (cfg.block_M, cfg.threads, cfg.gemm_policy) != (128, 256, "FullRow"):
         return [f"schedule={cfg.schedule!r}: expected block_M=128, threads=256 and FullRow "
                 f"(two consumer warpgroups of 64 rows), not block_M={cfg.block_M}, "

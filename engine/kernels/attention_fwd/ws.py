@@ -10,6 +10,11 @@ fp32 tile until then, since the previous P is the running gemm's operand). With 
 the two warpgroups also take turns issuing their gemms (named barriers 2 and 3), so that one's
 exponentials run beside the other's gemms. (As compiled, ptxas puts the wait for P V right
 after the row max, so the exponentials run after it: results/NOTES.md, 89.)
+
+With `KernelConfig.persistent` a grid of one thread block per SM walks the tiles in turn
+(TileWalk): the rings keep counting across tiles, the consumers hand Q back once a tile's last
+Q K^T is in, and the producer loads the next tile's Q, K and V while they finish this one's
+P V and write its O (short rows, such as ViT's, spend most of a tile there).
 """
 
 from __future__ import annotations
@@ -31,20 +36,79 @@ TURN_BARRIERS = (2, 3)
 
 def ws_buffers(cfg: KernelConfig, D: int, Dv: int, dt: str) -> list[str]:
     """Q (also O's staging: o_stage), the K and V rings and their mbarriers: full ones count
-    the producer warp's 32 arrivals, empty ones every consumer thread's."""
+    the producer warp's 32 arrivals, empty ones every consumer thread's; persistent, also Q's
+    empty barrier and the count of steps walked (each thread's own)."""
     bM, bN, st, C = cfg.block_M, cfg.block_N, cfg.num_stages, cfg.threads
     lines = [f'Q_shared = T.alloc_shared(({bM}, {D}), "{dt}")',
              f'K_shared = T.alloc_shared(({st}, {bN}, {D}), "{dt}")',
              f'V_shared = T.alloc_shared(({st}, {bN}, {Dv}), "{dt}")']
     if not o_staged_in_q(cfg, D, Dv):
         lines.append(f'O_shared = T.alloc_shared(({bM}, {Dv}), "{dt}")')
-    return lines + [f"q_full = {ring(32, 1)}", f"k_full = {ring(32, st)}",
-                    f"v_full = {ring(32, st)}", f"k_empty = {ring(C, st)}",
-                    f"v_empty = {ring(C, st)}"]
+    lines += [f"q_full = {ring(32, 1)}", f"k_full = {ring(32, st)}",
+              f"v_full = {ring(32, st)}", f"k_empty = {ring(C, st)}",
+              f"v_empty = {ring(C, st)}"]
+    if cfg.persistent:
+        lines += [f"q_empty = {ring(C, 1)}", 'cnt = T.alloc_local((1,), "int32")']
+    return lines
 
 
 def o_stage(cfg: KernelConfig, D: int, Dv: int) -> str:
     return "Q_shared" if o_staged_in_q(cfg, D, Dv) else "O_shared"
+
+
+@dataclass(frozen=True)
+class TileWalk:
+    """How a thread block meets its tiles: the one its grid position names, or (persistent)
+    tiles pid, pid + blocks, ... of `count`, each opened by `header` (the lines that name its
+    indices bx, by, bz and its key range lo, n). A tile's steps k take ring stage k % stages
+    in either case: a persistent tile starts on stage 0 (the rings are padded to whole rounds
+    of stages at each tile's end, `emit_padding`), its parities flipped by `ph`, the parity of
+    the rounds its block walked before (ptxas spilled with the stage counted on instead)."""
+
+    persistent: bool
+    stages: int = 1
+    count: str = ""
+    blocks: int = 0
+    header: tuple[str, ...] = ()
+
+    def stage(self, step: str) -> str:
+        """The ring stage of the tile's `step`."""
+        return "0" if step == "0" else f"{step} % {self.stages}"
+
+    def phase(self, step: str) -> str:
+        """The mbarrier parity of the tile's `step`."""
+        own = "0" if step == "0" else parity(self.stages, step)
+        if not self.persistent:
+            return own
+        return "ph" if step == "0" else f"{own} ^ ph"
+
+    @property
+    def q_parity(self) -> str:
+        return "(it % 2)" if self.persistent else "0"
+
+    @contextmanager
+    def each(self, w: SourceWriter) -> Iterator[None]:
+        if not self.persistent:
+            yield
+            return
+        st = self.stages
+        with w.block(f"for it in T.serial(T.ceildiv({self.count} - pid, {self.blocks})):"):
+            w.lines([f"tile: T.int32 = pid + it * {self.blocks}", *self.header,
+                     "c0: T.int32 = cnt[0]", f"ph: T.int32 = (c0 // {st}) % 2"])
+            yield
+            w.line(f"cnt[0] = c0 + T.ceildiv(n, {st}) * {st}")
+
+    def emit_padding(self, w: SourceWriter, wait: str, arrive: str, flip: str = "") -> None:
+        """The tile's ring positions past its last step, to the end of the round: waited on
+        `wait` (full or empty) and passed on to `arrive`, both rings, with no load."""
+        if not self.persistent or self.stages == 1:
+            return
+        st = self.stages
+        with w.block(f"for k in T.serial(n, T.ceildiv(n, {st}) * {st}):"):
+            for ring_name in ("k", "v"):
+                w.line(f"T.mbarrier_wait_parity({ring_name}_{wait}[{self.stage('k')}], "
+                       f"{self.phase('k')}{flip})")
+                w.line(f"T.mbarrier_arrive({ring_name}_{arrive}[{self.stage('k')}])")
 
 
 @dataclass(frozen=True)
@@ -75,33 +139,39 @@ class KeyOrder:
         return f"lo + ({j} - nf) + nf * T.Cast(\"int32\", lo + ({j} - nf) >= fs)"
 
 
-def emit_producer(w: SourceWriter, q_src: str, k_src: str, v_src: str, stages: int,
-                  order: KeyOrder) -> None:
-    """Warp 0 of the producer warpgroup: Q, then per step the K and V stages, each once the
-    consumers have freed it. `k_src`/`v_src` are slices at key block `kb`."""
+def emit_producer(w: SourceWriter, q_src: str, k_src: str, v_src: str, order: KeyOrder,
+                  tiles: TileWalk) -> None:
+    """Warp 0 of the producer warpgroup: per tile Q (once the consumers have handed the last
+    one back), then per step the K and V stages, each once the consumers have freed it.
+    `k_src`/`v_src` are slices at key block `kb`."""
+    stage, phase = tiles.stage("k"), tiles.phase("k")
     with w.block(f"if tx < {WS_PRODUCER_THREADS}:"):
         w.line(f"T.set_max_nreg({WS_PRODUCER_REGS}, 0)")
-        with w.block("if tx < 32:"):
+        with w.block("if tx < 32:"), tiles.each(w):
+            if tiles.persistent:
+                w.line(f"T.mbarrier_wait_parity(q_empty[0], {tiles.q_parity} ^ 1)")
             w.line(f"T.tma_copy({q_src}, Q_shared, barrier=q_full[0])")
             w.line("T.mbarrier_arrive(q_full[0])")
             with w.block("for k in T.serial(n):"):
                 w.line(f"kb: T.int32 = {order.kb('k')}")
                 for name, src in (("k", k_src), ("v", v_src)):
-                    w.line(f"T.mbarrier_wait_parity({name}_empty[k % {stages}], "
-                           f"{parity(stages)} ^ 1)")
-                    w.line(f"T.tma_copy({src}, {name.upper()}_shared[k % {stages}, :, :], "
-                           f"barrier={name}_full[k % {stages}])")
-                    w.line(f"T.mbarrier_arrive({name}_full[k % {stages}])")
+                    w.line(f"T.mbarrier_wait_parity({name}_empty[{stage}], {phase} ^ 1)")
+                    w.line(f"T.tma_copy({src}, {name.upper()}_shared[{stage}, :, :], "
+                           f"barrier={name}_full[{stage}])")
+                    w.line(f"T.mbarrier_arrive({name}_full[{stage}])")
+            tiles.emit_padding(w, "empty", "full", " ^ 1")
 
 
 class ConsumerLoop:
     """The consumers' walk over the key blocks [lo, lo + n) at `cfg`. `cls_text`: the block
-    class of key block kb (None: every block takes the full body)."""
+    class of key block kb (None: every block takes the full body); `tiles`: where the ring
+    positions count from, and whether Q and the last V stage go back to the producer."""
 
     def __init__(self, w: SourceWriter, full: OnlineBody, partial: OnlineBody | None,
-                 cls_text: str | None, cfg: KernelConfig, head_dim_v: int, order: KeyOrder):
+                 cls_text: str | None, cfg: KernelConfig, head_dim_v: int, order: KeyOrder,
+                 tiles: TileWalk):
         self.w, self.full, self.partial, self.cls_text = w, full, partial, cls_text
-        self.order = order
+        self.order, self.tiles = order, tiles
         self.st, self.pingpong, self.consumers = cfg.num_stages, cfg.schedule == "pingpong", \
             cfg.threads
         self.bM, self.Dv = cfg.block_M, head_dim_v
@@ -109,20 +179,29 @@ class ConsumerLoop:
         self.tile_regs = cfg.block_M * cfg.block_N // cfg.threads
         self.o_regs = cfg.block_M * head_dim_v // cfg.threads
 
+    def stage(self, step: str) -> str:
+        return self.tiles.stage(step)
+
+    def phase(self, step: str) -> str:
+        return self.tiles.phase(step)
+
+    def start(self) -> None:
+        """Once per thread block: with ping-pong the first warpgroup takes the first turn."""
+        if self.pingpong:
+            with self.w.block(f"if tx < {WS_PRODUCER_THREADS + 128}:"):
+                self.w.line(f"T.named_barrier_arrive({TURN_BARRIERS[0]}, {self.consumers})")
+
     def emit(self, qk: Callable[[str], str], pv: Callable[[str], str]) -> None:
         """`qk(stage)`/`pv(stage)`: the gemm statements reading that ring stage."""
-        w, st = self.w, self.st
-        if self.pingpong:  # the first warpgroup takes the first turn
-            with w.block(f"if tx < {WS_PRODUCER_THREADS + 128}:"):
-                w.line(f"T.named_barrier_arrive({TURN_BARRIERS[0]}, {self.consumers})")
-        w.line("T.mbarrier_wait_parity(q_full[0], 0)")
+        w, last = self.w, "(n - 1)"
+        w.line(f"T.mbarrier_wait_parity(q_full[0], {self.tiles.q_parity})")
         with w.block("if n > 0:"):
             w.line(f"kb: T.int32 = {self.order.first_kb}")
             self._class()
-            w.line("T.mbarrier_wait_parity(k_full[0], 0)")
+            w.line(f"T.mbarrier_wait_parity(k_full[{self.stage('0')}], {self.phase('0')})")
             with self._turn():
-                w.line(qk("0"))
-            self._wait_scores(0, "0")
+                w.line(qk(self.stage("0")))
+            self._wait_scores(0, self.stage("0"))
             self._by_class(lambda body: self._body(body, first=True))
             if self.order.full_run:  # steps 1 .. nf - 1: the full run, the unmasked body
                 with w.block("for kk in T.serial(T.max(nf, 1) - 1):"):
@@ -134,20 +213,30 @@ class ConsumerLoop:
             with w.block(f"for kk in {loop}:"):
                 self._steps_head(kb, classed=True)
                 self._by_class(lambda body: self._step(body, qk, pv))
-            w.line(f"T.mbarrier_wait_parity(v_full[(n - 1) % {st}], {parity(st, '(n - 1)')})")
+            self._hand_back_q()  # every Q K^T of the tile is in
+            w.line(f"T.mbarrier_wait_parity(v_full[{self.stage(last)}], {self.phase(last)})")
             with self._turn():
-                w.line(pv(f"(n - 1) % {st}"))
+                w.line(pv(self.stage(last)))
             self._wait_output()
+            if self.tiles.persistent:
+                w.line(f"T.mbarrier_arrive(v_empty[{self.stage(last)}])")
+        if self.tiles.persistent:
+            with w.block("else:"):
+                self._hand_back_q()
+        self.tiles.emit_padding(w, "full", "empty")
+
+    def _hand_back_q(self) -> None:
+        if self.tiles.persistent:
+            self.w.line("T.mbarrier_arrive(q_empty[0])")
 
     def _steps_head(self, kb: str, classed: bool) -> None:
         """Step k = kk + 1 at key block `kb`: its class read (`classed`), then the waits for
         its K and the previous block's V."""
-        st = self.st
         self.w.lines(["k: T.int32 = kk + 1", f"kb: T.int32 = {kb}"])
         if classed:
             self._class()
-        self.w.line(f"T.mbarrier_wait_parity(k_full[k % {st}], {parity(st)})")
-        self.w.line(f"T.mbarrier_wait_parity(v_full[kk % {st}], {parity(st, 'kk')})")
+        self.w.line(f"T.mbarrier_wait_parity(k_full[{self.stage('k')}], {self.phase('k')})")
+        self.w.line(f"T.mbarrier_wait_parity(v_full[{self.stage('kk')}], {self.phase('kk')})")
 
     def _class(self) -> None:
         # Read ahead of the gemms: a global load at the branch would wait behind them.
@@ -196,9 +285,9 @@ class ConsumerLoop:
               ) -> None:
         """Block k's Q K^T and block k-1's P V issued, block k's online step."""
         with self._turn():
-            self.w.line(qk(f"k % {self.st}"))
-            self.w.line(pv(f"kk % {self.st}"))
-        self._wait_scores(1, f"k % {self.st}")
+            self.w.line(qk(self.stage("k")))
+            self.w.line(pv(self.stage("kk")))
+        self._wait_scores(1, self.stage("k"))
         self._body(body, first=False)
 
     def _body(self, body: OnlineBody, first: bool) -> None:
@@ -212,7 +301,7 @@ class ConsumerLoop:
         if not first:
             if not serial:
                 self._wait_output()
-            w.line(f"T.mbarrier_arrive(v_empty[kk % {self.st}])")
+            w.line(f"T.mbarrier_arrive(v_empty[{self.stage('kk')}])")
             if rescales(body.o_scale):
                 with w.block(f"for i, j in T.Parallel({self.bM}, {self.Dv}):"):
                     w.line("acc_o[i, j] *= o_scale_f[i]")
