@@ -1,6 +1,7 @@
 """The forward kernel: TileLang source generated from a TracedSpec and a KernelConfig.
 
-One thread block computes block_M query rows of one (batch, query head). It loads its Q tile
+One thread block computes block_M query rows of one (batch, query head) (with the persistent
+walk, ws.TileWalk, such tiles one after another). It loads its Q tile
 once (TMA), then walks the non-empty key blocks [lo, hi) given by the mask analysis: for each,
 S = Q K^T (wgmma), the spec's score_mod and online_fwd (row reductions, new row scales,
 o_scale: online.py), O = O * o_scale + P V (wgmma). Only blocks the mask analysis marks partial
@@ -147,12 +148,12 @@ def _tile_walk(f: _Frame, grid_q: str, reverse: bool) -> ws.TileWalk:
     order) over one thread block per SM, or the plain grid's one tile a block."""
     if not f.cfg.persistent:
         return ws.TileWalk(False, f.cfg.num_stages)
-    heads, b = f.tiled.heads_q, f.shape.b_text
-    count = f"{grid_q} * {heads} * {b}"
-    blocks = H100_SMS
-    if count.replace(" * ", "").isdigit():  # static: no more blocks than tiles
-        count = str(int(grid_q) * heads * int(b))
-        blocks = min(blocks, int(count))
+    heads = f.tiled.heads_q
+    if f.shape.dynamic:  # runtime lengths: the tiles counted in the kernel
+        count, blocks = f"{grid_q} * {heads} * {f.shape.b_text}", H100_SMS
+    else:  # no more blocks than tiles
+        tiles = int(grid_q) * heads * f.shape.batch
+        count, blocks = str(tiles), min(H100_SMS, tiles)
     q_block = f"tile % {grid_q}"
     header = [f"bz: T.int32 = tile // ({grid_q} * {heads})",
               f"by: T.int32 = tile // {grid_q} % {heads}",

@@ -243,8 +243,8 @@ def default_forward_config(head_dim: int, head_dim_v: int, elem_bytes: int = 2,
     """The first valid config of PREFERENCE; with `spec`, the first whose partial blocks also
     keep within the consumer's registers (the first valid one if none does), the
     warp-specialised schedule only where ws_by_default says so (and its persistent walk
-    where persistent_by_default does), and neither with `dynamic` shapes (runtime lengths). With a short `seqlen_q` (a few blocks), the first of those
-    that pads the rows least."""
+    where persistent_by_default does), and neither with `dynamic` shapes (runtime lengths).
+    With a short `seqlen_q` (a few blocks), the first of those that pads the rows least."""
     ops = spec.masked_block_ops() if spec is not None else 0
     ws = not dynamic and (spec is None or ws_by_default(spec))
     persistent = ws and (spec is None or persistent_by_default(spec))
