@@ -108,7 +108,8 @@ def test_bad_arguments_and_timer_errors():
 SPACE = {
     "template": "attention_fwd",
     "params": {"block_M": [64, 128, 192], "block_N": [64, 128], "num_stages": [2],
-               "threads": [256, 384], "schedule": ["auto", "overlap"]},
+               "threads": [256, 384], "schedule": ["auto", "overlap"],
+               "persistent": [False, True]},
 }
 
 
@@ -133,7 +134,7 @@ def test_study_whose_best_is_only_noise_records_the_baseline(tmp_path, caplog):
     default = default_forward_config(128, 128)
     obj = FakeObjective(PROBLEM, flat=True, noise=0.08)
     with caplog.at_level("INFO", logger="attnbench.tune.publish"):
-        res = run_study(obj, parse_space(SPACE), _opts(tmp_path))
+        res = run_study(obj, parse_space(SPACE), _opts(tmp_path, trials=8))
     assert res.confirmation is not None, "the lucky winner must not be the default itself"
     assert res.confirmation["faster"] is False
     assert KernelConfig.from_dict(res.confirmation["winner_config"]) != default
@@ -146,7 +147,7 @@ def test_study_whose_best_is_only_noise_records_the_baseline(tmp_path, caplog):
 
 def test_study_with_a_real_winner_writes_it_with_both_figures(tmp_path):
     obj = FakeObjective(PROBLEM, noise=0.01)
-    res = run_study(obj, parse_space(SPACE), _opts(tmp_path))
+    res = run_study(obj, parse_space(SPACE), _opts(tmp_path, trials=8))
     cfg, meta = _entry(tmp_path)
     assert meta["outcome"] == "tuned" and cfg.to_dict() == res.confirmation["winner_config"]
     conf = meta["confirm"]

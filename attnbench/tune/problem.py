@@ -106,6 +106,17 @@ class Problem(Sizes):
     def elem_bytes(self) -> int:
         return elem_bytes(self.dtype)
 
+    def engine_default(self, spec=None):
+        """The kind's default config for this problem (and `spec`, its TracedSpec, when
+        known; at its shape where the kind's default depends on it): what the engine runs
+        without a tune entry. ValueError where no config fits."""
+        kind = self.kind
+        if kind.at_shape is not None:
+            return kind.at_shape(self.shape(), self.dtype)
+        rows = {"seqlen_q": self.seqlen_q} if kind.default_rows else {}
+        return kind.default(self.head_dim, self.head_dim_v, self.elem_bytes, spec=spec,
+                            **self.validity_args(), **rows)
+
     def shape(self) -> dict[str, int]:
         """The sizes as tune files key them (decode: with the page size; linear: with the
         value heads)."""

@@ -84,6 +84,9 @@ def _entry(result: TuneResult, objective: Objective, best, cfg: KernelConfig, la
         "tflops": flops / (latency_ms * 1e-3) / 1e12,
         "default_config": baseline.to_dict(),  # the baseline: what the engine ran before
         "default_latency_ms": baseline_ms,
+        # what the engine runs without an entry: the entry holds while that stays the same
+        # (engine.tuning.select.is_current)
+        "engine_default": _engine_default(objective),
         "outcome": outcome,  # "tuned": a confirmed winner; "baseline": the engine's choice kept
         "trial_latency_ms": best.value,  # the study's best trial, as the search timed it
         "confirm": result.confirmation,  # the A/B rounds (None: the winner was the baseline)
@@ -93,6 +96,18 @@ def _entry(result: TuneResult, objective: Objective, best, cfg: KernelConfig, la
         "trials": result.evaluated,
         "best_trial": best.number,
     }
+
+
+def _engine_default(objective: Objective) -> dict | None:
+    """The engine's default for the objective's spec, or None where the objective knows no
+    spec (the engine's default depends on it) or no config fits."""
+    spec = objective.traced_spec()
+    if spec is None:
+        return None
+    try:
+        return objective.problem.engine_default(spec).to_dict()
+    except ValueError:
+        return None
 
 
 def _config_of(entry, config_type: type) -> KernelConfig | None:

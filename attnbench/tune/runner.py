@@ -152,14 +152,8 @@ def default_config(problem, space: SearchSpace, spec=None) -> KernelConfig | Non
 
     if problem.template not in KINDS:
         return None
-    kind = KINDS[problem.template]
     try:
-        if kind.at_shape is not None:
-            cfg = kind.at_shape(problem.shape(), problem.dtype)
-        else:
-            rows = {"seqlen_q": problem.seqlen_q} if kind.default_rows else {}
-            cfg = kind.default(problem.head_dim, problem.head_dim_v, problem.elem_bytes,
-                               spec=spec, **problem.validity_args(), **rows)
+        cfg = problem.engine_default(spec)
     except ValueError:
         return None
     if not space.contains(cfg):

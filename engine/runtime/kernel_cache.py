@@ -29,29 +29,41 @@ log = logging.getLogger("engine")
 
 
 def forward_config(req: KernelRequest) -> KernelConfig:
-    """The module's config (checked), else its tune file's entry (the nearest tuned shape),
-    else the default; a missing or unreadable tune file means the default."""
+    """The module's config (checked), else its tune file's entry (the nearest tuned shape)
+    unless the entry is stale (tuning.select.is_current), else the default; a missing or
+    unreadable tune file means the default."""
     p = req.problem
     if req.options.config is not None:
         return check_config(req.options.config, p.head_dim, p.head_dim_v)
+    # An entry is judged by the default as the tuner records it at the entry's shape
+    # (unfolded spec, static rows), whatever this request then runs.
+    return tuned_config(req, ATTENTION_FWD, default_at=lambda shape: ATTENTION_FWD.default(
+        p.head_dim, p.head_dim_v, spec=req.spec, seqlen_q=shape["seqlen_q"])) \
+        or forward_default(req)
+
+
+def forward_default(req: KernelRequest) -> KernelConfig:
+    """The forward's default config for the request."""
+    p = req.problem
     # dynamic shapes: one kernel for every length, so the length cannot pick the tile
     dynamic = bool(req.options.dynamic_shapes)
     fold = row_fold(req.spec, req.shape)  # a dilated mask's kernel tiles shorter rows
     spec, rows = (fold.spec, fold.tiled.seqlen_q) if fold else (req.spec, p.seqlen_q)
-    return tuned_config(req, ATTENTION_FWD) or ATTENTION_FWD.default(
-        p.head_dim, p.head_dim_v, spec=spec, seqlen_q=None if dynamic else rows,
-        dynamic=dynamic)
+    return ATTENTION_FWD.default(p.head_dim, p.head_dim_v, spec=spec,
+                                 seqlen_q=None if dynamic else rows, dynamic=dynamic)
 
 
 def backward_config(req: KernelRequest, config: KernelConfig | None = None,
                     custom_grads: tuple[str, ...] = ()) -> KernelConfig:
     """`config`, else the module's backward config, else the tune file's, else the default
     (for the gradients of `custom_grads` too). The tuner times the backward without custom
-    gradients, so its entry is passed over where they need narrower steps than it has."""
+    gradients, so its entry is passed over where they need narrower steps than it has, and
+    where it is stale (tuning.select.is_current: confirmed against another default)."""
     p, spec = req.problem, req.spec
     cfg = config or req.options.backward_config
     if cfg is None:
-        cfg = tuned_config(req, ATTENTION_BWD)
+        cfg = tuned_config(req, ATTENTION_BWD, default_at=lambda shape: ATTENTION_BWD.default(
+            p.head_dim, p.head_dim_v, spec=spec))
         if cfg is not None and cfg.block_M > NARROW_BLOCK_M \
                 and wants_narrow_rows(spec, tuple(custom_grads)):
             log.info("engine: tuned backward config %s has %d-row steps; the gradients of %s "

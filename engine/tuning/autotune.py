@@ -22,7 +22,7 @@ import torch
 from engine.kernels.registry import ATTENTION_FWD, KernelKind
 from engine.plan.request import KernelRequest
 from engine.tuning import tune_file
-from engine.tuning.select import problem_shape, tuned_entry
+from engine.tuning.select import is_current, problem_shape, tuned_entry
 
 log = logging.getLogger("engine")
 
@@ -103,8 +103,13 @@ def find_tuner() -> Tuner | None:
 
 
 def has_exact_entry(req: KernelRequest, gpu: str) -> bool:
+    """Whether the tune file holds this shape's forward, and it is current (a stale entry is
+    tuned again)."""
     hit = tuned_entry(req, ATTENTION_FWD, gpu)
-    return hit is not None and bool(hit[1].get("exact"))
+    p = req.problem
+    return hit is not None and bool(hit[1].get("exact")) and is_current(
+        hit[1], ATTENTION_FWD.default(p.head_dim, p.head_dim_v, spec=req.spec,
+                                      seqlen_q=p.seqlen_q))
 
 
 def ensure_tuned(

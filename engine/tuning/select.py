@@ -4,7 +4,8 @@ shape), the nearest tuned shape when the exact one is missing (see tune_file.loo
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import logging
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -12,6 +13,8 @@ import torch
 from engine.dtypes import short_dtype_name
 from engine.problem import Problem
 from engine.tuning import tune_file
+
+log = logging.getLogger("engine")
 
 if TYPE_CHECKING:
     from engine.kernels.registry import KernelKind
@@ -63,7 +66,46 @@ def tuned_entry(req: KernelRequest, kind: KernelKind, gpu: str | None = None,
 
 
 def tuned_config(req: KernelRequest, kind: KernelKind,
-                 shape: Mapping[str, int] | None = None) -> Any:
-    """The request's tuned config of `kind` as the engine runs it (for_shape), or None."""
+                 shape: Mapping[str, int] | None = None,
+                 default_at: Callable[[Mapping[str, int]], Any] | None = None) -> Any:
+    """The request's tuned config of `kind` as the engine runs it (for_shape), or None; with
+    `default_at` (the kind's default at an entry's shape, as the tuner records it), None too
+    where the entry is stale (`is_current`)."""
     hit = tuned_entry(req, kind, shape=shape)
-    return for_shape(hit[0], bool(hit[1].get("exact"))) if hit is not None else None
+    if hit is None:
+        return None
+    if default_at is not None and not is_current(hit[1], default_at(hit[1]["shape"])):
+        return None
+    return for_shape(hit[0], bool(hit[1].get("exact")))
+
+
+_told: set[tuple[str, str]] = set()
+
+
+def is_current(meta: Mapping[str, Any], default: Any) -> bool:
+    """Whether a tune entry still holds: it records the engine's default when it was tuned
+    (`engine_default`; older entries: `default_config`, the baseline it was confirmed
+    against), and a winner measured against a default the engine no longer runs says
+    nothing about the current one (results/NOTES.md 115-117: entries of 2026-11-22 kept the
+    causal forward on the automatic pipeline after the warp-specialised default came).
+    Entries without that record hold, as do those whose tuner knew no spec (`engine_default`
+    None). A stale one is announced once per entry."""
+    recorded = meta["engine_default"] if "engine_default" in meta else meta.get("default_config")
+    if recorded is None:
+        return True
+    try:
+        current = type(default).from_dict(dict(recorded)) == default
+    except (TypeError, ValueError):
+        current = False
+    key = (str(meta.get("study", "")), str(meta.get("shape", "")))
+    if not current and key not in _told:
+        _told.add(key)
+        log.warning("tune entry of %s at %s was confirmed against the default %s; the "
+                    "engine's default is now %s, which runs instead (re-tune with "
+                    "`attnbench tune` to compare them)", meta.get("study", "?"),
+                    shape_text(meta.get("shape")), recorded, default.key())
+    return current
+
+
+def shape_text(shape: Any) -> str:
+    return tune_file.shape_tag(shape) if isinstance(shape, Mapping) else str(shape)
