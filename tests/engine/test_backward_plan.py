@@ -112,7 +112,7 @@ def test_tuned_backward_entry_gives_way_to_narrow_custom_gradient_steps(monkeypa
     from engine.runtime import kernel_cache
 
     tuned = KernelConfig(64, 128, 2, 256)
-    monkeypatch.setattr(kernel_cache, "tuned_config", lambda req, kind: tuned)
+    monkeypatch.setattr(kernel_cache, "tuned_config", lambda req, kind, **kw: tuned)
     mod = VARIANTS["retnet"].build(**SMALL, head_dim=128, head_dim_v=128, dtype=torch.bfloat16,
                                    backend="tilelang")
     req = mod.kernel_request()
