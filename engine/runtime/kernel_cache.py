@@ -6,6 +6,7 @@ new kernels; `KernelCache.clear` drops them (after tuning wrote a new tune-file 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping
 
 from engine.dtypes import KERNEL_DTYPES, elem_bytes
 from engine.ir.merge import TracedMerge
@@ -35,11 +36,16 @@ def forward_config(req: KernelRequest) -> KernelConfig:
     p = req.problem
     if req.options.config is not None:
         return check_config(req.options.config, p.head_dim, p.head_dim_v)
-    # An entry is judged by the default as the tuner records it at the entry's shape
-    # (unfolded spec, static rows), whatever this request then runs.
-    return tuned_config(req, ATTENTION_FWD, default_at=lambda shape: ATTENTION_FWD.default(
-        p.head_dim, p.head_dim_v, spec=req.spec, seqlen_q=shape["seqlen_q"])) \
+    return tuned_config(req, ATTENTION_FWD, default_at=recorded_forward_default(req)) \
         or forward_default(req)
+
+
+def recorded_forward_default(req: KernelRequest) -> Callable[[Mapping[str, int]], KernelConfig]:
+    """The forward's default at a tune entry's shape as the tuner records it (unfolded spec,
+    static rows), whatever this request then runs: what an entry is judged by."""
+    p = req.problem
+    return lambda shape: ATTENTION_FWD.default(p.head_dim, p.head_dim_v, spec=req.spec,
+                                               seqlen_q=shape["seqlen_q"])
 
 
 def forward_default(req: KernelRequest) -> KernelConfig:

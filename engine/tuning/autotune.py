@@ -21,6 +21,7 @@ import torch
 
 from engine.kernels.registry import ATTENTION_FWD, KernelKind
 from engine.plan.request import KernelRequest
+from engine.runtime.kernel_cache import recorded_forward_default
 from engine.tuning import tune_file
 from engine.tuning.select import is_current, problem_shape, tuned_entry
 
@@ -106,10 +107,8 @@ def has_exact_entry(req: KernelRequest, gpu: str) -> bool:
     """Whether the tune file holds this shape's forward, and it is current (a stale entry is
     tuned again)."""
     hit = tuned_entry(req, ATTENTION_FWD, gpu)
-    p = req.problem
     return hit is not None and bool(hit[1].get("exact")) and is_current(
-        hit[1], ATTENTION_FWD.default(p.head_dim, p.head_dim_v, spec=req.spec,
-                                      seqlen_q=p.seqlen_q))
+        hit[1], recorded_forward_default(req)(hit[1]["shape"]))
 
 
 def ensure_tuned(
