@@ -172,18 +172,11 @@ class ConsumerLoop:
                  tiles: TileWalk):
         self.w, self.full, self.partial, self.cls_text = w, full, partial, cls_text
         self.order, self.tiles = order, tiles
-        self.st, self.pingpong, self.consumers = cfg.num_stages, cfg.schedule == "pingpong", \
-            cfg.threads
+        self.pingpong, self.consumers = cfg.schedule == "pingpong", cfg.threads
         self.bM, self.Dv = cfg.block_M, head_dim_v
         # registers a thread holds of the score tile and of O (for the operand fences)
         self.tile_regs = cfg.block_M * cfg.block_N // cfg.threads
         self.o_regs = cfg.block_M * head_dim_v // cfg.threads
-
-    def stage(self, step: str) -> str:
-        return self.tiles.stage(step)
-
-    def phase(self, step: str) -> str:
-        return self.tiles.phase(step)
 
     def start(self) -> None:
         """Once per thread block: with ping-pong the first warpgroup takes the first turn."""
@@ -198,10 +191,10 @@ class ConsumerLoop:
         with w.block("if n > 0:"):
             w.line(f"kb: T.int32 = {self.order.first_kb}")
             self._class()
-            w.line(f"T.mbarrier_wait_parity(k_full[{self.stage('0')}], {self.phase('0')})")
+            w.line(f"T.mbarrier_wait_parity(k_full[{self.tiles.stage('0')}], {self.tiles.phase('0')})")
             with self._turn():
-                w.line(qk(self.stage("0")))
-            self._wait_scores(0, self.stage("0"))
+                w.line(qk(self.tiles.stage("0")))
+            self._wait_scores(0, self.tiles.stage("0"))
             self._by_class(lambda body: self._body(body, first=True))
             if self.order.full_run:  # steps 1 .. nf - 1: the full run, the unmasked body
                 with w.block("for kk in T.serial(T.max(nf, 1) - 1):"):
@@ -214,12 +207,12 @@ class ConsumerLoop:
                 self._steps_head(kb, classed=True)
                 self._by_class(lambda body: self._step(body, qk, pv))
             self._hand_back_q()  # every Q K^T of the tile is in
-            w.line(f"T.mbarrier_wait_parity(v_full[{self.stage(last)}], {self.phase(last)})")
+            w.line(f"T.mbarrier_wait_parity(v_full[{self.tiles.stage(last)}], {self.tiles.phase(last)})")
             with self._turn():
-                w.line(pv(self.stage(last)))
+                w.line(pv(self.tiles.stage(last)))
             self._wait_output()
             if self.tiles.persistent:
-                w.line(f"T.mbarrier_arrive(v_empty[{self.stage(last)}])")
+                w.line(f"T.mbarrier_arrive(v_empty[{self.tiles.stage(last)}])")
         if self.tiles.persistent:
             with w.block("else:"):
                 self._hand_back_q()
@@ -235,8 +228,8 @@ class ConsumerLoop:
         self.w.lines(["k: T.int32 = kk + 1", f"kb: T.int32 = {kb}"])
         if classed:
             self._class()
-        self.w.line(f"T.mbarrier_wait_parity(k_full[{self.stage('k')}], {self.phase('k')})")
-        self.w.line(f"T.mbarrier_wait_parity(v_full[{self.stage('kk')}], {self.phase('kk')})")
+        self.w.line(f"T.mbarrier_wait_parity(k_full[{self.tiles.stage('k')}], {self.tiles.phase('k')})")
+        self.w.line(f"T.mbarrier_wait_parity(v_full[{self.tiles.stage('kk')}], {self.tiles.phase('kk')})")
 
     def _class(self) -> None:
         # Read ahead of the gemms: a global load at the branch would wait behind them.
@@ -285,9 +278,9 @@ class ConsumerLoop:
               ) -> None:
         """Block k's Q K^T and block k-1's P V issued, block k's online step."""
         with self._turn():
-            self.w.line(qk(self.stage("k")))
-            self.w.line(pv(self.stage("kk")))
-        self._wait_scores(1, self.stage("k"))
+            self.w.line(qk(self.tiles.stage("k")))
+            self.w.line(pv(self.tiles.stage("kk")))
+        self._wait_scores(1, self.tiles.stage("k"))
         self._body(body, first=False)
 
     def _body(self, body: OnlineBody, first: bool) -> None:
@@ -301,7 +294,7 @@ class ConsumerLoop:
         if not first:
             if not serial:
                 self._wait_output()
-            w.line(f"T.mbarrier_arrive(v_empty[{self.stage('kk')}])")
+            w.line(f"T.mbarrier_arrive(v_empty[{self.tiles.stage('kk')}])")
             if rescales(body.o_scale):
                 with w.block(f"for i, j in T.Parallel({self.bM}, {self.Dv}):"):
                     w.line("acc_o[i, j] *= o_scale_f[i]")

@@ -51,8 +51,8 @@ class Frame:
         ring stage (the next step's products, issued ahead: plan.products_ahead)."""
         st = self.plan.config.num_stages
         ring = (f"{step} % {st}", st)
-        return replace(self, step=step, q_sh=f"Q_shared[{step} % {st}, :, :]",
-                       do_sh=f"dO_shared[{step} % {st}, :, :]",
+        q_sh, do_sh = _qdo_stage(step, st)
+        return replace(self, step=step, q_sh=q_sh, do_sh=do_sh,
                        finals=replace(self.finals, ring=ring), delta=replace(self.delta, ring=ring),
                        by_q=replace(self.by_q, ring=ring))
 
@@ -74,6 +74,11 @@ class Frame:
         return f"qb * {self.d.bM}:(qb + 1) * {self.d.bM}"
 
 
+def _qdo_stage(step: str, stages: int) -> tuple[str, str]:
+    """Q's and dO's ring stage of `step` (warp-specialised)."""
+    return f"Q_shared[{step} % {stages}, :, :]", f"dO_shared[{step} % {stages}, :, :]"
+
+
 def frame(spec: TracedSpec, shape: KernelShape, plan: BackwardPlan) -> Frame:
     cfg = plan.config
     d = dims(shape, cfg)
@@ -89,8 +94,8 @@ def frame(spec: TracedSpec, shape: KernelShape, plan: BackwardPlan) -> Frame:
     bind, index_text = binder(shape, q_idx, kv_idx, {"rawscore": "sT", "dp": "dpT", "p": "pT"},
                               "j", hoisted, h)
     if plan.warp_specialized:
-        q_sh, do_sh, ds_sh, p_sh = f"Q_shared[k % {st}, :, :]", f"dO_shared[k % {st}, :, :]", \
-            "dsT_shared[k % 2, :, :]", "pT_shared[k % 2, :, :]"
+        (q_sh, do_sh), ds_sh, p_sh = _qdo_stage("k", st), "dsT_shared[k % 2, :, :]", \
+            "pT_shared[k % 2, :, :]"
     else:
         q_sh, do_sh, ds_sh, p_sh = "Q_shared", "dO_shared", "dsT_shared", "pT_shared"
     return Frame(
