@@ -326,6 +326,7 @@ def test_persistent_forward_compiles_without_spills(name, config, tmp_path, monk
     src = _module(name, config=config, batch=8).kernel_source
     assert "with T.Kernel(132, threads=384) as pid:" in src
     assert "q_empty" in src and "O_shared" in src
+    assert ("Walk[" in src) == (name == "softmax_causal")  # the host deals unequal rows
     cuda = compile_source(src).get_kernel_source()
     assert _spill_store_bytes(cuda, tmp_path) == 0
 

@@ -26,6 +26,9 @@ MAX_REGS_PER_THREAD = 255
 REGS_PER_SM = 64 * 1024
 # Streaming multiprocessors of an H100 SXM (and H200): the thread blocks of one wave.
 H100_SMS = 132
+# The part of the H100's 50 MB L2 that one section of a persistent walk's K and V may fill
+# (the rest streams Q, O and the tables).
+L2_SECTION_BYTES = 32 * 1024 * 1024
 
 
 # Warp-specialised kernels written out explicitly (the backward's and the forward's

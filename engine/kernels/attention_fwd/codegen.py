@@ -17,7 +17,7 @@ from engine.codegen.rings import pass_configs_line
 from engine.codegen.source import SourceWriter, write_header
 from engine.dsl.expr import Expr, topo
 from engine.ir.spec import TracedSpec
-from engine.kernels.attention_fwd import ws
+from engine.kernels.attention_fwd import walk, ws
 from engine.kernels.attention_fwd.online import OnlineBody, prepare_online, rescales
 from engine.kernels.attention_fwd.plan import has_partial_blocks, walks_full_run
 from engine.mask.analysis import reads_data
@@ -144,22 +144,24 @@ def generate_forward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig) ->
 
 
 def _tile_walk(f: _Frame, grid_q: str, reverse: bool) -> ws.TileWalk:
-    """The persistent walk's tiles (query block fastest, then head, then batch: the grid's
-    order) over one thread block per SM, or the plain grid's one tile a block."""
+    """The persistent walk's tiles over one thread block per SM (walk.py: in grid order, or
+    from the host's table where a mask makes rows differ in length), or the plain grid's one
+    tile a block."""
     if not f.cfg.persistent:
         return ws.TileWalk(False, f.cfg.num_stages)
-    heads = f.tiled.heads_q
-    if f.shape.dynamic:  # runtime lengths: the tiles counted in the kernel
-        count, blocks = f"{grid_q} * {heads} * {f.shape.b_text}", H100_SMS
-    else:  # no more blocks than tiles
-        tiles = int(grid_q) * heads * f.shape.batch
-        count, blocks = str(tiles), min(H100_SMS, tiles)
-    q_block = f"tile % {grid_q}"
-    header = [f"bz: T.int32 = tile // ({grid_q} * {heads})",
-              f"by: T.int32 = tile // {grid_q} % {heads}",
-              f"bx: T.int32 = {f'{grid_q} - 1 - {q_block}' if reverse else q_block}",
-              *_key_range_lines(f)]
-    return ws.TileWalk(True, f.cfg.num_stages, count, blocks, tuple(header))
+    t = f.tiled
+    if walk.walks_table(f.spec, t, f.cfg):
+        blocks, _ = walk.table_blocks(t, f.cfg.block_M)
+        order = walk.table_order(blocks, grid_q, t.heads_q)
+    else:
+        if f.shape.dynamic:  # runtime lengths: the tiles counted in the kernel
+            count, blocks = f"{grid_q} * {t.heads_q} * {f.shape.b_text}", H100_SMS
+        else:  # no more blocks than tiles
+            tiles = int(grid_q) * t.heads_q * f.shape.batch
+            count, blocks = str(tiles), min(H100_SMS, tiles)
+        order = walk.grid_order(count, blocks, grid_q, t.heads_q, reverse)
+    return ws.TileWalk(True, f.cfg.num_stages, order.trips, order.tile, blocks,
+                       (*order.indices, *_key_range_lines(f)))
 
 
 def _key_range_lines(f: _Frame) -> list[str]:
@@ -189,6 +191,8 @@ def signature(f: _Frame) -> list[KernelParam]:
         param("Hi", (*lead, nqb), "int32"),
         param("Cls", (*lead, nqb, nkb), "int8"),
         *([param(n, (*lead, nqb), "int32") for n in ("Fs", "Fe")] if f.full_run else []),
+        *([param("Walk", (sum(walk.table_blocks(t, cfg.block_M)) + 1,), "int32")]
+          if walk.walks_table(f.spec, t, cfg) else []),
         param("O", (Bt, t.sq_text, t.heads_q, shape.head_dim_v), dt),
         *(param(f"F_{name}", (Bt, Hq, Sq), "float32") for name in f.spec.final_names),
     ]

@@ -4,10 +4,12 @@ first use, called by name with the mask's tables and freshly allocated outputs."
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from engine.ir.spec import TracedSpec
+from engine.kernels.attention_fwd import walk
 from engine.kernels.attention_fwd.codegen import generate_forward
 from engine.kernels.attention_fwd.plan import walks_full_run
 from engine.plan.config import KernelConfig
@@ -49,8 +51,12 @@ def build_forward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig) -> Fo
     kspec, tiled = (fold.spec, fold.tiled) if fold else (spec, shape)
     layout, names = (ws_forward_layout, WS_FORWARD_TABLES) if walks_full_run(kspec, tiled, cfg) \
         else (forward_layout, FORWARD_TABLES)
+    extra = None
+    if walk.walks_table(kspec, tiled, cfg):
+        blocks, _ = walk.table_blocks(tiled, cfg.block_M)
+        extra, names = partial(walk.walk_table, shape=tiled, blocks=blocks), (*names, "Walk")
     tables = MaskTables(kspec.mask, tiled, cfg.block_M, cfg.block_N, layout, names,
-                        fold.stride if fold else 1)
+                        fold.stride if fold else 1, extra=extra)
     return ForwardKernel(shape, cfg, Kernel(generate_forward(spec, shape, cfg)), tables,
                          tuple(spec.final_names), tiled if fold else None)
 

@@ -59,15 +59,17 @@ def o_stage(cfg: KernelConfig, D: int, Dv: int) -> str:
 @dataclass(frozen=True)
 class TileWalk:
     """How a thread block meets its tiles: the one its grid position names, or (persistent)
-    tiles pid, pid + blocks, ... of `count`, each opened by `header` (the lines that name its
-    indices bx, by, bz and its key range lo, n). A tile's steps k take ring stage k % stages
+    `trips` of them over `blocks` thread blocks, the it-th numbered `tile` and opened by
+    `header` (the lines that name its indices bx, by, bz and its key range lo, n; the
+    codegen's walk decides the order). A tile's steps k take ring stage k % stages
     in either case: a persistent tile starts on stage 0 (the rings are padded to whole rounds
     of stages at each tile's end, `emit_padding`), its parities flipped by `ph`, the parity of
     the rounds its block walked before (ptxas spilled with the stage counted on instead)."""
 
     persistent: bool
     stages: int = 1
-    count: str = ""
+    trips: str = ""
+    tile: str = ""
     blocks: int = 0
     header: tuple[str, ...] = ()
 
@@ -92,8 +94,8 @@ class TileWalk:
             yield
             return
         st = self.stages
-        with w.block(f"for it in T.serial(T.ceildiv({self.count} - pid, {self.blocks})):"):
-            w.lines([f"tile: T.int32 = pid + it * {self.blocks}", *self.header,
+        with w.block(f"for it in T.serial({self.trips}):"):
+            w.lines([f"tile: T.int32 = {self.tile}", *self.header,
                      "c0: T.int32 = cnt[0]", f"ph: T.int32 = (c0 // {st}) % 2"])
             yield
             w.line(f"cnt[0] = c0 + T.ceildiv(n, {st}) * {st}")

@@ -1,0 +1,109 @@
+"""The persistent walk's order: which tiles a thread block takes, and in what order.
+
+Without a mask every tile walks the same keys, and block pid takes tiles pid, pid + blocks,
+... in the grid's order (query block fastest), counted in the kernel. Where a mask makes
+tiles differ in length, a fixed deal in grid order gave some SMs the long tiles of every head
+(the H100: causal at 16k 0.60x FA3, NOTES 116). There the host lists each block's tiles in a
+table (`walk_table`): sections of heads whose K and V fit in L2 one after another, each
+section's tiles longest first, and every tile to the block that would be free first (as a
+tile counter taken by whichever block finishes first would hand them out, with no counter to
+reset between launches).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+
+from engine.ir.spec import TracedSpec
+from engine.mask.analysis import BlockClasses
+from engine.plan.config import H100_SMS, L2_SECTION_BYTES, KernelConfig
+from engine.plan.shape import KernelShape
+
+# A tile's cost beyond its key blocks (its Q load, epilogue and store), in key blocks.
+TILE_OVERHEAD_BLOCKS = 1
+
+
+@dataclass(frozen=True)
+class WalkOrder:
+    """A walk's texts: `trips` (a block's tile count), `tile` (its it-th tile's number in
+    grid order) and `indices` (the lines naming that tile's bz, by and bx)."""
+
+    trips: str
+    tile: str
+    indices: tuple[str, ...]
+
+
+def walks_table(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig) -> bool:
+    """Whether the persistent walk takes its tiles from the host's table: rows of unequal
+    length (a mask) at static lengths (the table is built for them)."""
+    return cfg.persistent and spec.mask is not None and not shape.dynamic
+
+
+def grid_indices(grid_q: str, heads: int, reverse: bool) -> tuple[str, ...]:
+    """Tile `tile` in grid order: query block fastest (from the last where `reverse`), then
+    head, then batch."""
+    q_block = f"tile % {grid_q}"
+    return (f"bz: T.int32 = tile // ({grid_q} * {heads})",
+            f"by: T.int32 = tile // {grid_q} % {heads}",
+            f"bx: T.int32 = {f'{grid_q} - 1 - {q_block}' if reverse else q_block}")
+
+
+def grid_order(count: str, blocks: int, grid_q: str, heads: int, reverse: bool) -> WalkOrder:
+    """Tiles pid, pid + blocks, ... of `count` in grid order."""
+    return WalkOrder(f"T.ceildiv({count} - pid, {blocks})", f"pid + it * {blocks}",
+                     grid_indices(grid_q, heads, reverse))
+
+
+def table_order(blocks: int, grid_q: str, heads: int) -> WalkOrder:
+    """Block pid's tiles from `Walk` (walk_table's layout: offsets, then the tiles)."""
+    return WalkOrder("Walk[pid + 1] - Walk[pid]", f"Walk[{blocks + 1} + Walk[pid] + it]",
+                     grid_indices(grid_q, heads, False))
+
+
+def table_blocks(shape: KernelShape, block_M: int) -> tuple[int, int]:
+    """(blocks, tiles) of a table walk at `shape` (the tiled one): no more blocks than
+    tiles."""
+    tiles = -(-shape.seqlen_q // block_M) * shape.heads_q * shape.batch
+    return min(H100_SMS, tiles), tiles
+
+
+def l2_section(heads: int, group: int, kv_head_bytes: int, budget: int = L2_SECTION_BYTES) -> int:
+    """The most query heads (a divisor of `heads`) whose K and V fit `budget` bytes of L2:
+    `group` query heads share one KV head's `kv_head_bytes`."""
+    fit = max(1, budget // max(1, kv_head_bytes)) * group
+    return max(d for d in range(1, heads + 1) if heads % d == 0 and d <= fit)
+
+
+def walk_table(bc: BlockClasses, shape: KernelShape, blocks: int) -> torch.Tensor:
+    """Each block's tiles (grid numbers), int32: blocks + 1 offsets, then the tiles, block by
+    block. `bc` classifies the tiled `shape`'s blocks."""
+    lo, hi = bc.loop_bounds()
+    b, h = shape.batch, shape.heads_q
+    cost = (hi - lo).expand(b, h, -1).to(torch.int64) + TILE_OVERHEAD_BLOCKS
+    grid_q = cost.shape[-1]
+    section = l2_section(h, h // shape.heads_kv,
+                         shape.seqlen_kv * (shape.head_dim + shape.head_dim_v) * 2)
+    # per section: its tiles from the last query block, heads fastest, then longest first
+    number = torch.arange(b * h * grid_q).view(b, h // section, section, grid_q)
+    number = number.flip(-1).transpose(-1, -2).reshape(-1, grid_q * section)
+    order = cost.reshape(-1)[number].argsort(dim=-1, descending=True, stable=True)
+    tiles = number.gather(-1, order).reshape(-1)
+    return _deal(tiles.tolist(), cost.reshape(-1)[tiles].tolist(), blocks)
+
+
+def _deal(tiles: list[int], costs: list[int], blocks: int) -> torch.Tensor:
+    """`tiles` in turn, each to the block that would be free first (the lowest block among
+    equals)."""
+    free = [(0, pid) for pid in range(blocks)]
+    taken: list[list[int]] = [[] for _ in range(blocks)]
+    for tile, cost in zip(tiles, costs, strict=True):
+        load, pid = heapq.heappop(free)
+        taken[pid].append(tile)
+        heapq.heappush(free, (load + cost, pid))
+    offsets = [0]
+    for own in taken:
+        offsets.append(offsets[-1] + len(own))
+    return torch.tensor(offsets + [t for own in taken for t in own], dtype=torch.int32)

@@ -1,0 +1,76 @@
+"""The persistent walk's order (engine/kernels/attention_fwd/walk.py): every tile dealt once,
+the blocks' work balanced, sections of heads that share L2, and the kernel reading the
+host's table where a mask makes rows differ in length."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels.attention_fwd import walk
+from engine.plan.config import KernelConfig
+from engine.variants import VARIANTS
+
+WALK = KernelConfig(128, 128, 2, 256, schedule="overlap", persistent=True)
+
+
+def _module(name: str, dynamic: bool = False, **shape):
+    sizes = dict(batch=1, heads_q=16, heads_kv=16, seqlen_q=16384, seqlen_kv=16384,
+                 head_dim=128, head_dim_v=128)
+    mod = VARIANTS[name].build(**{**sizes, **shape}, dtype=torch.bfloat16,
+                               backend="reference", config=WALK)
+    mod.dynamic_shapes = dynamic
+    return mod
+
+
+def _dealt(mod) -> tuple[list[list[int]], torch.Tensor]:
+    """Each block's tiles (grid numbers) from the forward's Walk table, and the key blocks of
+    every tile (batch, head, query block)."""
+    fk = mod.forward_kernel()
+    tables = fk.tables.named({}, torch.device("cpu"))
+    table, s = tables["Walk"].tolist(), fk.shape
+    blocks = min(132, -(-s.seqlen_q // 128) * s.heads_q * s.batch)
+    own = [table[blocks + 1 + table[p]:blocks + 1 + table[p + 1]] for p in range(blocks)]
+    keys = (tables["Hi"] - tables["Lo"]).expand(s.batch, s.heads_q, -1)
+    return own, keys
+
+
+@pytest.mark.parametrize("name,shape", [
+    ("softmax_causal", {}),
+    ("softmax_causal", dict(batch=3, heads_q=8, heads_kv=2, seqlen_q=3000, seqlen_kv=3000)),
+    ("sliding_window", dict(batch=2, seqlen_q=4096, seqlen_kv=4096)),
+    ("softmax_causal", dict(batch=1, heads_q=2, heads_kv=2, seqlen_q=1024, seqlen_kv=1024)),
+])
+def test_every_tile_dealt_once_and_blocks_balanced(name, shape):
+    own, keys = _dealt(_module(name, **shape))
+    tiles = [t for mine in own for t in mine]
+    assert sorted(tiles) == list(range(keys.numel())), "each tile exactly once"
+    work = [sum(int(keys.reshape(-1)[t]) + walk.TILE_OVERHEAD_BLOCKS for t in mine)
+            for mine in own]
+    if len(tiles) > 4 * len(own):  # many tiles a block: the deal evens them out
+        assert max(work) <= 1.05 * sum(work) / len(work), work
+
+
+def test_causal_tiles_go_longest_first_within_l2_sections():
+    """16k, D 128: one head's K and V are 8 MB, four heads to a 32 MB section; the first
+    wave of blocks takes section 0's last query blocks (the longest rows)."""
+    mod = _module("softmax_causal")
+    assert walk.l2_section(16, 1, 16384 * 256 * 2) == 4
+    own, _ = _dealt(mod)
+    grid_q = 128
+    first = [mine[0] for mine in own]
+    assert {t // grid_q for t in first} == {0, 1, 2, 3}  # (batch 0) heads 0-3
+    assert min(t % grid_q for t in first) >= grid_q - 33  # the longest 33 query blocks
+    assert walk.l2_section(32, 4, 4096 * 256 * 2) == 32  # GQA: heads share a KV head's bytes
+    assert walk.l2_section(6, 1, 1 << 30) == 1
+
+
+def test_kernel_reads_the_table_only_for_masked_static_walks():
+    causal = _module("softmax_causal").kernel_source
+    assert "for it in T.serial(Walk[pid + 1] - Walk[pid]):" in causal
+    assert "tile: T.int32 = Walk[133 + Walk[pid] + it]" in causal
+    assert "Walk: T.Tensor((2181), \"int32\")" in causal  # 132 + 1 offsets, 2048 tiles
+    plain = _module("softmax").kernel_source
+    assert "Walk" not in plain and "T.ceildiv(2048 - pid, 132)" in plain
+    dynamic = _module("softmax_causal", dynamic=True)
+    assert "Walk" not in dynamic.kernel_source
