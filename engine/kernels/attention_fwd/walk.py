@@ -70,10 +70,10 @@ def table_blocks(shape: KernelShape, block_M: int) -> tuple[int, int]:
     return min(H100_SMS, tiles), tiles
 
 
-def l2_section(heads: int, group: int, kv_head_bytes: int, budget: int = L2_SECTION_BYTES) -> int:
-    """The most query heads (a divisor of `heads`) whose K and V fit `budget` bytes of L2:
-    `group` query heads share one KV head's `kv_head_bytes`."""
-    fit = max(1, budget // max(1, kv_head_bytes)) * group
+def l2_section(heads: int, group: int, kv_head_bytes: int, budget: int | None = None) -> int:
+    """The most query heads (a divisor of `heads`) whose K and V fit `budget` bytes of L2
+    (L2_SECTION_BYTES by default): `group` query heads share one KV head's `kv_head_bytes`."""
+    fit = max(1, (budget or L2_SECTION_BYTES) // max(1, kv_head_bytes)) * group
     return max(d for d in range(1, heads + 1) if heads % d == 0 and d <= fit)
 
 
