@@ -26,9 +26,11 @@ MAX_REGS_PER_THREAD = 255
 REGS_PER_SM = 64 * 1024
 # Streaming multiprocessors of an H100 SXM (and H200): the thread blocks of one wave.
 H100_SMS = 132
-# The part of the H100's 50 MB L2 that one section of a persistent walk's K and V may fill
-# (the rest streams Q, O and the tables).
-L2_SECTION_BYTES = 32 * 1024 * 1024
+# The K and V bytes one section of a persistent walk's heads may read (walk.py): few heads
+# at a time. On the H100 (causal D 128, interleaved, NOTES 118) 2 MB beat 4, 8 and 32 MB by
+# 3-6% at 8k-16k, where the forward runs at its 700 W cap (clocks 1.3-1.6 GHz) and HBM
+# traffic costs clock; at 1k-2k every budget ran within 5%.
+L2_SECTION_BYTES = 2 * 1024 * 1024
 
 
 # Warp-specialised kernels written out explicitly (the backward's and the forward's

@@ -189,7 +189,7 @@ PREFERENCE: tuple[KernelConfig, ...] = (
     # The overlap's persistent walk (one block per SM, the next tile loaded while this one
     # finishes), where persistent_by_default allows it: on the H100 (same process, against
     # the plain grid or the tuned entries then in the tune file) ViT-S/16 0.140 -> 0.105 ms,
-    # 32/8 heads D 128 at 2k 7% faster, at 8k within 1% (NOTES 116).
+    # 32/8 heads D 128 at 2k 7% faster, at 8k within 1% (NOTES 116); masked, NOTES 118.
     KernelConfig(128, 128, 2, 256, schedule="overlap", persistent=True),
     # The warp-specialised overlap (FlashAttention-3's intra-warpgroup schedule): on the H100
     # D = 256 went from 0.73-0.75x to 0.83-0.92x FA3; at D = 128 it is within run-to-run
@@ -225,12 +225,13 @@ def ws_by_default(spec: TracedSpec) -> bool:
 
 
 def persistent_by_default(spec: TracedSpec) -> bool:
-    """The persistent walk by default: where the warp-specialised schedule is the default,
-    the spec reads no custom input and has no mask, so every tile walks the same keys. A
-    causal mask's tiles differ in length, and the walk deals them out in a fixed order: on
-    the H100 the causal forward at 16k (16 heads) ran 0.60x FA3 with it against about 0.8x
-    on the plain grid, whose blocks the hardware hands out as SMs free (NOTES 116)."""
-    return ws_by_default(spec) and not spec.customs and spec.mask is None
+    """The persistent walk by default: where the warp-specialised schedule is the default and
+    the spec reads no custom input. Masked tiles come from the host's table (walk.py). On the
+    H100, interleaved in one process against the plain grid (NOTES 118): causal 1.17x at 1k,
+    1.10x at 2k, 1.01-1.06x at 8k, even at 16k (power-capped there); sliding window 1.13x,
+    neighbourhood_2d 1.27x, dilated 1.13x, soft-cap 1.07x; prefix-LM 0.94-0.96x (left to the
+    tuner). ALiBi's and the key gate's per-head reads spilled with the walk (NOTES 116)."""
+    return ws_by_default(spec) and not spec.customs
 
 
 # Rows spanning fewer blocks of the preferred tile than this take the least padded tile.
