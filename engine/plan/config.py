@@ -26,11 +26,12 @@ MAX_REGS_PER_THREAD = 255
 REGS_PER_SM = 64 * 1024
 # Streaming multiprocessors of an H100 SXM (and H200): the thread blocks of one wave.
 H100_SMS = 132
-# The K and V bytes one section of a persistent walk's heads may read (walk.py): few heads
-# at a time. On the H100 (causal D 128, interleaved, NOTES 118) 2 MB beat 4, 8 and 32 MB by
-# 3-6% at 8k-16k, where the forward runs at its 700 W cap (clocks 1.3-1.6 GHz) and HBM
-# traffic costs clock; at 1k-2k every budget ran within 5%.
-L2_SECTION_BYTES = 2 * 1024 * 1024
+# The K and V bytes one section of a persistent walk's heads may read (walk.py): as many
+# heads as fit two thirds of the H100's 50 MB L2. Against 2 MB (one head a section past 1k),
+# timed as attnbench times (same process, interleaved; NOTES 118): causal D 128 at 2k and 4k
+# 12% and 4% faster, at 16k within noise; an earlier sweep had 2 MB 5% ahead at 8k, within
+# the spread of those power-capped rows.
+L2_SECTION_BYTES = 32 * 1024 * 1024
 
 
 # Warp-specialised kernels written out explicitly (the backward's and the forward's

@@ -55,17 +55,16 @@ def test_every_tile_dealt_once_and_blocks_balanced(name, shape):
 
 
 def test_causal_tiles_go_longest_first_within_l2_sections():
-    """16k, D 128: one head's K and V are 8 MB, over the 2 MB budget, so each head is a
-    section; the first wave of 132 blocks takes head 0's 128 tiles and head 1's 4 longest."""
+    """16k, D 128: one head's K and V are 8 MB, four heads to a 32 MB section; the first
+    wave of 132 blocks takes section 0's 33 longest query blocks of each head."""
     mod = _module("softmax_causal")
-    assert walk.l2_section(16, 1, 16384 * 256 * 2) == 1
+    assert walk.l2_section(16, 1, 16384 * 256 * 2) == 4
     own, _ = _dealt(mod)
     grid_q = 128
-    first = sorted(mine[0] for mine in own)
-    assert first[:grid_q] == list(range(grid_q))  # (batch 0) head 0, every query block
-    assert [t - grid_q for t in first[grid_q:]] == [124, 125, 126, 127]  # head 1's longest
-    assert walk.l2_section(16, 1, 16384 * 256 * 2, budget=32 << 20) == 4
-    assert walk.l2_section(32, 4, 4096 * 256 * 2, budget=32 << 20) == 32  # GQA: shared KV
+    first = [mine[0] for mine in own]
+    assert sorted(first) == sorted(h * grid_q + x for h in range(4) for x in range(95, 128))
+    assert walk.l2_section(16, 1, 16384 * 256 * 2, budget=2 << 20) == 1
+    assert walk.l2_section(32, 4, 4096 * 256 * 2) == 32  # GQA: heads share a KV head's bytes
     assert walk.l2_section(6, 1, 1 << 30) == 1
 
 
