@@ -233,7 +233,7 @@ def persistent_by_default(spec: TracedSpec) -> bool:
     1.27x, dilated 1.13x, soft-cap 1.07x, Mistral's window at 16k 0.97x, prefix-LM 0.95x
     (left to the tuner). ALiBi's and the key gate's per-head reads spilled with the walk
     (NOTES 116)."""
-    return ws_by_default(spec) and not spec.customs
+    return ws_by_default(spec)
 
 
 # Rows spanning fewer blocks of the preferred tile than this take the least padded tile.
