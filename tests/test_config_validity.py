@@ -87,19 +87,18 @@ def test_masked_blocks_pick_tiles_with_register_headroom():
     from engine.variants import VARIANTS
 
     big, mid = KernelConfig(192, 128, 2, 384), KernelConfig(128, 128, 2, 256, "FullRow", 8)
-    ws = KernelConfig(128, 128, 2, 256, schedule="overlap")
     walk = KernelConfig(128, 128, 2, 256, schedule="overlap", persistent=True)
     assert masked_body_fits(big, 128, 128, 2) and not masked_body_fits(big, 128, 128, 3)
     assert masked_body_fits(mid, 128, 128, 6)
     # The warp-specialised schedule for online softmaxes that read no tensor per query or
     # key; ReLU and sigmoid (no softmax to overlap), RetNet (no rescaled output) and specs
     # that read per-query or per-key data (document ids) keep TileLang's pipeline, heavier
-    # partial blocks on 128 rows. Without a custom input the schedule walks its tiles
+    # partial blocks on 128 rows. The warp-specialised schedule walks its tiles
     # persistently.
     expect = {"softmax": walk, "sigmoid": big, "relu": big, "softmax_causal": walk,
-              "sliding_window": walk, "document": mid, "prefix_lm": walk, "alibi": ws,
+              "sliding_window": walk, "document": mid, "prefix_lm": walk, "alibi": walk,
               "softcap": walk, "retnet": mid, "neighbourhood_2d": walk, "gemma2": walk,
-              "key_gate": ws,
+              "key_gate": walk,
               "t5_bias": KernelConfig(128, 64, 2, 256)}
     for name, cfg in expect.items():
         spec = VARIANTS[name].build(batch=1, heads_q=4, heads_kv=4, seqlen_q=256, seqlen_kv=256,
@@ -185,16 +184,16 @@ def test_persistent_walk_validity():
         KernelConfig(64, 128, 2, 256, persistent=True), 128, 128))
 
 
-def test_persistent_walk_default_without_custom_inputs():
-    """The warp-specialised specs without a custom input walk persistently by default, masked
-    ones included (their tiles dealt by the host's table); ALiBi's per-head slopes spilled
-    with the walk, and the document mask is not warp-specialised."""
+def test_persistent_walk_default_follows_the_warp_specialised_schedule():
+    """The warp-specialised specs walk persistently by default, masked ones and per-head
+    custom reads included (masked tiles dealt by the host's table); the document mask and
+    sigmoid are not warp-specialised."""
     import torch
 
     from engine.kernels.attention_fwd.plan import persistent_by_default
     from engine.variants import VARIANTS
 
-    want = {"softmax": True, "softmax_causal": True, "alibi": False, "softcap": True,
+    want = {"softmax": True, "softmax_causal": True, "alibi": True, "softcap": True,
             "sliding_window": True, "document": False, "sigmoid": False}
     for name, expected in want.items():
         spec = VARIANTS[name].build(batch=1, heads_q=4, heads_kv=4, seqlen_q=256, seqlen_kv=256,

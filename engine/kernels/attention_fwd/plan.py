@@ -225,14 +225,13 @@ def ws_by_default(spec: TracedSpec) -> bool:
 
 
 def persistent_by_default(spec: TracedSpec) -> bool:
-    """The persistent walk by default: where the warp-specialised schedule is the default and
-    the spec reads no custom input. Masked tiles come from the host's table (walk.py). On the
-    H100, against the plain grid in one process (NOTES 118): causal D 128 1.17x at 1k,
-    1.13-1.21x at 2k, 1.08x at 4k; at 8k-16k, where the forward runs at its power cap,
-    within +-5% (the sign changed between runs); sliding window 1.11x, neighbourhood_2d
-    1.27x, dilated 1.13x, soft-cap 1.07x, Mistral's window at 16k 0.97x, prefix-LM 0.95x
-    (left to the tuner). ALiBi's and the key gate's per-head reads spilled with the walk
-    (NOTES 116)."""
+    """The persistent walk by default wherever the warp-specialised schedule is the default;
+    masked tiles come from the host's table (walk.py). On the H100, against the plain grid in
+    one process (NOTES 118): causal D 128 1.17x at 1k, 1.13-1.21x at 2k, 1.08x at 4k; at
+    8k-16k, where the forward runs at its power cap, within +-5% (the sign changed between
+    runs); sliding window 1.11x, neighbourhood_2d 1.27x, dilated 1.13x, soft-cap 1.07x,
+    ALiBi 1.07-1.20x; Mistral's window at 16k 0.97x, prefix-LM 0.95x and the key gate 0.95x
+    (left to the tuner)."""
     return ws_by_default(spec)
 
 
