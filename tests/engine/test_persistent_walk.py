@@ -77,3 +77,21 @@ def test_kernel_reads_the_table_only_for_masked_static_walks():
     assert "Walk" not in plain and "T.ceildiv(2048 - pid, 132)" in plain
     dynamic = _module("softmax_causal", dynamic=True)
     assert "Walk" not in dynamic.kernel_source
+
+
+def test_data_mask_deals_each_batch_by_its_documents():
+    """A mask that reads data (document ids per batch): the table follows the ids, rebuilt
+    when they change in place, and still deals every tile once."""
+    mod = _module("document", batch=2, heads_q=4, heads_kv=4, seqlen_q=2048, seqlen_kv=2048)
+    fk = mod.forward_kernel()
+    ids = torch.zeros(2, 2048)
+    ids[0, 1024:] = 1  # batch 0: two documents; batch 1: one
+    first = fk.tables.named({"doc_ids": ids}, torch.device("cpu"))
+    keys = (first["Hi"] - first["Lo"]).expand(2, 4, -1)
+    assert keys[0, 0, -1] == 8 and keys[1, 0, -1] == 16  # the last row's keys per batch
+    blocks = 2 * 4 * 16
+    table = first["Walk"].tolist()
+    assert sorted(table[blocks + 1:]) == list(range(blocks))
+    ids[1, 512:] = 1  # in place: the tables (and the deal) are rebuilt
+    again = fk.tables.named({"doc_ids": ids}, torch.device("cpu"))
+    assert not torch.equal(again["Walk"], first["Walk"])
