@@ -200,3 +200,17 @@ def test_persistent_walk_default_follows_the_warp_specialised_schedule():
                                     head_dim=128, head_dim_v=128, dtype=torch.bfloat16,
                                     backend="reference").spec
         assert persistent_by_default(spec) is expected, name
+    # Masked rows past MASKED_WALK_ROWS take the plain grid (the walk's gain is per tile);
+    # unmasked ones walk at every length.
+    from engine.kernels.attention_fwd.plan import MASKED_WALK_ROWS, default_forward_config
+
+    def default(name: str, rows: int) -> KernelConfig:
+        spec = VARIANTS[name].build(batch=1, heads_q=4, heads_kv=4, seqlen_q=256, seqlen_kv=256,
+                                    head_dim=128, head_dim_v=128, dtype=torch.bfloat16,
+                                    backend="reference").spec
+        return default_forward_config(128, 128, spec=spec, seqlen_q=rows)
+
+    assert default("softmax_causal", MASKED_WALK_ROWS).persistent
+    long_causal = default("softmax_causal", 2 * MASKED_WALK_ROWS)
+    assert long_causal == KernelConfig(128, 128, 2, 256, schedule="overlap")
+    assert default("softmax", 2 * MASKED_WALK_ROWS).persistent

@@ -224,15 +224,22 @@ def ws_by_default(spec: TracedSpec) -> bool:
     return rescales(spec.o_scale) and not per_element
 
 
-def persistent_by_default(spec: TracedSpec) -> bool:
-    """The persistent walk by default wherever the warp-specialised schedule is the default;
-    masked tiles come from the host's table (walk.py). On the H100, against the plain grid in
-    one process (NOTES 118): causal D 128 1.17x at 1k, 1.13-1.21x at 2k, 1.08x at 4k; at
-    8k-16k, where the forward runs at its power cap, within +-5% (the sign changed between
-    runs); sliding window 1.11x, neighbourhood_2d 1.27x, dilated 1.13x, soft-cap 1.07x,
-    ALiBi 1.07-1.20x; Mistral's window at 16k 0.97x, prefix-LM 0.95x and the key gate 0.95x
+# Masked rows longer than this take the plain grid: the walk hides a fixed cost per tile (its
+# Q load and epilogue under the previous tile), a smaller share of longer rows. On the H100,
+# causal D 128 against the grid in one process (NOTES 118): 1.17x at 1k, 1.1-1.2x at 2k,
+# 1.04-1.08x at 4k, 0.96-1.05x at 8k; at 16k 0.95-0.99x in three probes, Mistral's window 0.97x.
+MASKED_WALK_ROWS = 8192
+
+
+def persistent_by_default(spec: TracedSpec, seqlen_q: int | None = None) -> bool:
+    """The persistent walk by default wherever the warp-specialised schedule is the default,
+    masked specs up to MASKED_WALK_ROWS query rows (`seqlen_q`; any where unknown); masked
+    tiles come from the host's table (walk.py). On the H100, against the plain grid in one
+    process (NOTES 118), at 4k: sliding window 1.11x, neighbourhood_2d 1.27x, dilated 1.13x,
+    soft-cap 1.07x, ALiBi 1.07-1.20x (1.10-1.20x at 1k); prefix-LM and the key gate 0.95x
     (left to the tuner)."""
-    return ws_by_default(spec)
+    long_rows = seqlen_q is not None and seqlen_q > MASKED_WALK_ROWS
+    return ws_by_default(spec) and not (spec.mask is not None and long_rows)
 
 
 # Rows spanning fewer blocks of the preferred tile than this take the least padded tile.
@@ -249,7 +256,7 @@ def default_forward_config(head_dim: int, head_dim_v: int, elem_bytes: int = 2,
     With a short `seqlen_q` (a few blocks), the first of those that pads the rows least."""
     ops = spec.masked_block_ops() if spec is not None else 0
     ws = not dynamic and (spec is None or ws_by_default(spec))
-    persistent = ws and (spec is None or persistent_by_default(spec))
+    persistent = ws and (spec is None or persistent_by_default(spec, seqlen_q))
     valid = [c for c in PREFERENCE if not config_problems(c, head_dim, head_dim_v, elem_bytes)
              and (c.schedule == "auto" or ws) and (not c.persistent or persistent)]
     if not valid:
