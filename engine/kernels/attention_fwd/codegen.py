@@ -150,16 +150,13 @@ def _tile_walk(f: _Frame, grid_q: str, reverse: bool) -> ws.TileWalk:
     if not f.cfg.persistent:
         return ws.TileWalk(False, f.cfg.num_stages)
     t = f.tiled
-    if walk.walks_table(f.spec, t, f.cfg):
-        blocks, _ = walk.table_blocks(t, f.cfg.block_M)
-        order = walk.table_order(blocks, grid_q, t.heads_q)
+    if f.shape.dynamic:  # runtime lengths: the tiles counted in the kernel
+        count, blocks = f"{grid_q} * {t.heads_q} * {f.shape.b_text}", H100_SMS
     else:
-        if f.shape.dynamic:  # runtime lengths: the tiles counted in the kernel
-            count, blocks = f"{grid_q} * {t.heads_q} * {f.shape.b_text}", H100_SMS
-        else:  # no more blocks than tiles
-            tiles = int(grid_q) * t.heads_q * f.shape.batch
-            count, blocks = str(tiles), min(H100_SMS, tiles)
-        order = walk.grid_order(count, blocks, grid_q, t.heads_q, reverse)
+        blocks, tiles = walk.static_blocks(t, f.cfg.block_M)
+        count = str(tiles)
+    order = walk.table_order(blocks, grid_q, t.heads_q) if walk.walks_table(f.spec, t, f.cfg) \
+        else walk.grid_order(count, blocks, grid_q, t.heads_q, reverse)
     return ws.TileWalk(True, f.cfg.num_stages, order.trips, order.tile, blocks,
                        (*order.indices, *_key_range_lines(f)))
 
@@ -191,7 +188,7 @@ def signature(f: _Frame) -> list[KernelParam]:
         param("Hi", (*lead, nqb), "int32"),
         param("Cls", (*lead, nqb, nkb), "int8"),
         *([param(n, (*lead, nqb), "int32") for n in ("Fs", "Fe")] if f.full_run else []),
-        *([param("Walk", (sum(walk.table_blocks(t, cfg.block_M)) + 1,), "int32")]
+        *([param("Walk", (sum(walk.static_blocks(t, cfg.block_M)) + 1,), "int32")]
           if walk.walks_table(f.spec, t, cfg) else []),
         param("O", (Bt, t.sq_text, t.heads_q, shape.head_dim_v), dt),
         *(param(f"F_{name}", (Bt, Hq, Sq), "float32") for name in f.spec.final_names),

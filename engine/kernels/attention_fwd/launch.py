@@ -53,7 +53,7 @@ def build_forward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig) -> Fo
         else (forward_layout, FORWARD_TABLES)
     extra = None
     if walk.walks_table(kspec, tiled, cfg):
-        blocks, _ = walk.table_blocks(tiled, cfg.block_M)
+        blocks, _ = walk.static_blocks(tiled, cfg.block_M)
         extra, names = partial(walk.walk_table, shape=tiled, blocks=blocks), (*names, "Walk")
     tables = MaskTables(kspec.mask, tiled, cfg.block_M, cfg.block_N, layout, names,
                         fold.stride if fold else 1, extra=extra)

@@ -63,9 +63,9 @@ def table_order(blocks: int, grid_q: str, heads: int) -> WalkOrder:
                      grid_indices(grid_q, heads, False))
 
 
-def table_blocks(shape: KernelShape, block_M: int) -> tuple[int, int]:
-    """(blocks, tiles) of a table walk at `shape` (the tiled one): no more blocks than
-    tiles."""
+def static_blocks(shape: KernelShape, block_M: int) -> tuple[int, int]:
+    """(blocks, tiles) of a persistent walk at `shape` (the tiled one, static lengths): no
+    more blocks than tiles."""
     tiles = -(-shape.seqlen_q // block_M) * shape.heads_q * shape.batch
     return min(H100_SMS, tiles), tiles
 
