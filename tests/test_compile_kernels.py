@@ -311,24 +311,31 @@ def test_warp_specialised_forward_compiles(name, config, tmp_path, monkeypatch):
     assert "wait_wgmma<1>" in cuda and "wait_wgmma<0>" in cuda
 
 
+_OVERLAP_WALK = KernelConfig(128, 128, 2, 256, schedule="overlap", persistent=True)
+
+
 @pytest.mark.parametrize("name,config", [
     ("softmax_causal", KernelConfig(128, 128, 2, 256, schedule="pingpong", persistent=True)),
-    ("softmax", KernelConfig(128, 128, 2, 256, schedule="overlap", persistent=True)),
+    ("softmax", _OVERLAP_WALK),
+    ("key_gate", _OVERLAP_WALK),  # a per-head read: written per step, C7511
+    ("prefix_lm", _OVERLAP_WALK),  # an `|` mask: short-circuited, C7511
 ])
 def test_persistent_forward_compiles_without_spills(name, config, tmp_path, monkeypatch):
     """The persistent walk: one thread block per SM (the grid is the SM count, not the
     tiles), Q handed back through its own barrier, O staged apart from Q; no spills (with
     the ring stage counted on from tile to tile instead of padded, ptxas spilled 120 bytes
-    here)."""
+    here) and no wgmma serialised (the key gate and prefix-LM were, before their per-head
+    reads went to the tile's start and `|` stopped short-circuiting)."""
     from engine.runtime.compile import compile_source
 
     monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
     src = _module(name, config=config, batch=8).kernel_source
     assert "with T.Kernel(132, threads=384) as pid:" in src
     assert "q_empty" in src and "O_shared" in src
-    assert ("Walk[" in src) == (name == "softmax_causal")  # the host deals unequal rows
+    assert ("Walk[" in src) == (name != "softmax")  # the host deals unequal rows
     cuda = compile_source(src).get_kernel_source()
-    assert _spill_store_bytes(cuda, tmp_path) == 0
+    serialised: list[str] = []
+    assert _spill_store_bytes(cuda, tmp_path, serialised) == 0 and not serialised, serialised
 
 
 @pytest.mark.parametrize("name, rows", [("retnet", 32), ("key_gate", 64), ("sigmoid", 64),

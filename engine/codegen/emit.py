@@ -122,7 +122,11 @@ class Emitter:
         if op == "and":
             return f"T.And({self.text(a[0])}, {self.text(a[1])})"
         if op == "or":
-            return f"T.Or({self.text(a[0])}, {self.text(a[1])})"
+            # Both sides, no short-circuit: nvcc branched per element on `||` inside the
+            # online step, and with the persistent walk ptxas then serialised prefix-LM's
+            # wgmmas (C7511). The operands are comparisons, free of effects.
+            x, y = (f'T.Cast("int32", {self.text(v)})' for v in a)
+            return f"(T.bitwise_or({x}, {y}) != 0)"
         if op == "not":
             return f"T.Not({self.text(a[0])})"
         if op == "neg":

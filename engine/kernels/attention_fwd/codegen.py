@@ -11,14 +11,14 @@ scales (e.g. lse) for the backward.
 
 from __future__ import annotations
 
-from engine.codegen.emit import Emitter, const_text, gather_text
+from engine.codegen.emit import Emitter, const_text, gather_text, let_uniforms
 from engine.codegen.params import GeneratedKernel, KernelParam, custom_param, param
 from engine.codegen.rings import pass_configs_line
 from engine.codegen.source import SourceWriter, write_header
 from engine.dsl.expr import Expr, topo
 from engine.ir.spec import TracedSpec
 from engine.kernels.attention_fwd import walk, ws
-from engine.kernels.attention_fwd.online import OnlineBody, prepare_online, rescales
+from engine.kernels.attention_fwd.online import OnlineBody, prepare_online, rescales, step_roots
 from engine.kernels.attention_fwd.plan import has_partial_blocks, walks_full_run
 from engine.mask.analysis import reads_data
 from engine.plan.config import H100_SMS, WS_CONSUMER_REGS, WS_PRODUCER_THREADS, KernelConfig
@@ -52,6 +52,12 @@ class _Frame:
         self.staged: dict[tuple, str] = {}
         self.per_key: dict[tuple, tuple[str, str]] = {}
         self._place_custom_reads()
+        # Reads that are one value per (batch, head) (a gate's sigmoid, ALiBi's slope), as
+        # scalars written once per tile: written in each step, their global load and math
+        # sat between the scores' wait and the row max, and held registers there that made
+        # ptxas serialise the key gate's wgmmas with the persistent walk (C7511).
+        self.online = prepare_online(self.spec)
+        self.uniform_lets, self.step_bind = let_uniforms(step_roots(self.online), self.bind)
 
     def _place_custom_reads(self) -> None:
         """Custom reads indexed by the query position only are staged once per query block in
@@ -198,8 +204,7 @@ def signature(f: _Frame) -> list[KernelParam]:
 def _online_bodies(f: _Frame) -> tuple[OnlineBody, OnlineBody | None]:
     """The online step for full blocks, and for partial ones (None when no block is partial)."""
     spec, shape, bM, bN = f.spec, f.shape, f.cfg.block_M, f.cfg.block_N
-    online = prepare_online(spec)
-    full = OnlineBody(online, f.bind, None, bM, bN, p_in_acc=f.ws)
+    full = OnlineBody(f.online, f.step_bind, None, bM, bN, p_in_acc=f.ws, own_uniforms=False)
     # A dynamic length may leave a key tail: the bound is then always part of the mask (it
     # costs nothing in full blocks, which the class table sends to the unmasked body).
     if not has_partial_blocks(spec, f.tiled, bN):
@@ -212,7 +217,8 @@ def _online_bodies(f: _Frame) -> tuple[OnlineBody, OnlineBody | None]:
     # index-only masks are cheaper to recompute inline (measured on the H100: causal 4k
     # 516 vs 452 TFLOP/s inline vs once, document 61 vs 104).
     once = shape.dtype if reads_data(spec.mask) else None
-    return full, OnlineBody(online, f.bind, mask, bM, bN, once, p_in_acc=f.ws)
+    return full, OnlineBody(f.online, f.step_bind, mask, bM, bN, once, p_in_acc=f.ws,
+                            own_uniforms=False)
 
 
 def _emit_buffers(w: SourceWriter, f: _Frame, temps: set[str]) -> None:
@@ -245,12 +251,14 @@ def _kv_tile(f: _Frame, name: str) -> str:
 
 
 def _emit_state_init(w: SourceWriter, f: _Frame) -> None:
-    """The output accumulator, the staged custom reads and the row scales."""
+    """The output accumulator, the staged custom reads, the block-uniform reads and the row
+    scales."""
     bM = f.cfg.block_M
     w.line("T.fill(acc_o, 0)")
     for key, buf in f.staged.items():
         with w.block(f"for i in T.Parallel({bM}):"):
             w.line(f"{buf}[i] = {f.custom_global(f.customs_1d[key])}")
+    w.lines(f.uniform_lets)
     for name, init in f.spec.online_init:
         w.line(f"T.fill(rs_{name}, {const_text(init, 'float')})")
 

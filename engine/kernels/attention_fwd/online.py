@@ -56,19 +56,29 @@ def _uses(expr: Expr, target: Expr, stop: Expr) -> bool:
     return False
 
 
+def step_roots(online: tuple[Expr, list[tuple[str, Expr]], Expr]) -> list[Expr]:
+    """What one online step computes: P, the output's rescale and the row scales' updates."""
+    p, updates, o_scale = online
+    return [p, o_scale, *(e for _, e in updates)]
+
+
 class OnlineBody:
     """The statements of one online step (`source`). `mask`: the partial blocks' condition
     (None: full blocks); `mask_once_dtype`: evaluate it once into acc_s_cast (of that dtype)
     and read it back. `p_in_acc`: P stays in acc_s (float32) for the caller to cast, as the
     overlapped schedule needs while the previous P is still an operand (not with the mask
-    evaluated once, which uses acc_s_cast). `temps`: the row fragments the statements need
-    (the caller allocates)."""
+    evaluated once, which uses acc_s_cast). `own_uniforms`: the step writes its block-uniform
+    reads itself (False: the caller wrote them once per tile, `let_uniforms` over
+    `step_roots`, and `base_bind` names them). `temps`: the row fragments the statements
+    need (the caller allocates)."""
 
     def __init__(self, online: tuple[Expr, list[tuple[str, Expr]], Expr],
                  base_bind: Callable[[Expr], str | None], mask: str | None, bM: int, bN: int,
-                 mask_once_dtype: str | None = None, p_in_acc: bool = False):
+                 mask_once_dtype: str | None = None, p_in_acc: bool = False,
+                 own_uniforms: bool = True):
         self.p, self.updates, self.o_scale = online
         self.base_bind, self.mask, self.bM, self.bN = base_bind, mask, bM, bN
+        self.own_uniforms = own_uniforms
         self.mask_once_dtype = mask_once_dtype
         self.p_in_acc = p_in_acc and not (mask is not None and mask_once_dtype is not None)
         self.w = SourceWriter()
@@ -78,7 +88,7 @@ class OnlineBody:
         self.acc_masked: float | None = None  # what its masked entries hold (None: unknown)
         self.bound: dict[tuple, str] = {raw.key: ACC_S}
         self.counter = 0
-        self.order = topo([self.p, self.o_scale, *(e for _, e in self.updates)])
+        self.order = topo(step_roots(online))
         self.needed = self._needed_rows()
         self.source = self._build()
 
@@ -116,9 +126,10 @@ class OnlineBody:
     def _build(self) -> str:
         """The whole step: (mask once), the reductions with their row values, P, o_scale and
         the row scales' commit."""
-        lets, self.base_bind = let_uniforms([self.p, self.o_scale, *(e for _, e in self.updates)],
-                                            self.base_bind)
-        self.w.lines(lets)
+        if self.own_uniforms:
+            lets, self.base_bind = let_uniforms(step_roots((self.p, self.updates, self.o_scale)),
+                                                self.base_bind)
+            self.w.lines(lets)
         if self.mask is not None and self.mask_once_dtype is not None:
             self._mask_once(self.mask_once_dtype)
         reduces = [n for n in self.order if n.op == "reduce"]
