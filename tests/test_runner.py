@@ -121,6 +121,44 @@ def test_inaccurate_impl_fails(variants, tmp_path):
     assert off["status"] == "failed" and off["rel_err"] == pytest.approx(0.1, rel=1e-3)
 
 
+@pytest.mark.parametrize("slow", [True, False])
+def test_a_rejected_speed_fails_after_one_call(variants, tmp_path, slow):
+    """An implementation whose own check rejects its speed (flex's fallback path: 0.9-4 s a
+    call) fails on one timed call instead of the full measurement's dozens; one it accepts is
+    measured as usual and checked again on the median."""
+    class Checked(FakeImpl):
+        def prepare(self, case, variant, inputs, needs_grad):
+            p = super().prepare(case, variant, inputs, needs_grad)
+            f, self.forward_calls = p.forward, 0
+
+            def forward():
+                self.forward_calls += 1
+                return f()
+
+            p.forward = forward
+            p.verify = lambda tflops, flops: "implausibly slow" if slow else None
+            return p
+
+    impls = {"base": FakeImpl("base"), "checked": Checked("checked")}
+    measured = []
+
+    def counting_measure(fn, **kw):
+        measured.append(kw["repeats"])
+        return measure(fn, **kw)
+
+    rows = make_runner(small_suite(impls, "base", modes=("fwd",), variants=("softmax",)), impls,
+                       variants, tmp_path, measure=counting_measure).run().rows
+    row = [r for r in rows if r["impl"] == "checked"][0]
+    if slow:
+        assert row["status"] == "failed" and row["reason"].startswith("implausibly slow")
+        assert "one call timed" in row["reason"] and row["repeats"] == 1
+        assert row["latency_ms"] > 0 and row["rel_err"] < 1e-4
+        assert impls["checked"].forward_calls == 2  # the accuracy check's and the timed one
+        assert measured == [3]  # the baseline's measurement only
+    else:
+        assert row["status"] == "ok" and row["repeats"] == 3 and measured == [3, 3]
+
+
 def test_interrupted_run_keeps_finished_cases(variants, tmp_path):
     impls = {"base": FakeImpl("base", "interrupt")}
     runner = make_runner(small_suite(impls, "base"), impls, variants, tmp_path)

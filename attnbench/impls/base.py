@@ -123,8 +123,9 @@ class Prepared:
     compile_s: float = math.nan
     # exception -> skip reason when the backend refused the call (else None: an error row)
     refusal: Callable[[BaseException], str | None] = lambda exc: None  # noqa: E731
-    # (tflops, flops) -> reason to fail the row (e.g. a compiled path that fell back), or None
-    verify: Callable[[float, float], str | None] = lambda tflops, flops: None  # noqa: E731
+    # (tflops, flops) -> reason to fail the row (e.g. a compiled path that fell back), or None;
+    # None: nothing to check. Checked on one call first, then on the measured median.
+    verify: Callable[[float, float], str | None] | None = None
     # (dq, dk, dv) of `leaves` -> the common layout's; None: `to_common` on each. For an
     # implementation whose leaves are a mapping of the case's q, k, v (fla's Mamba2: q and k
     # broadcast over heads, v * dt), the chain rule back to them.
