@@ -314,13 +314,17 @@ def test_warp_specialised_forward_compiles(name, config, tmp_path, monkeypatch):
 _OVERLAP_WALK = KernelConfig(128, 128, 2, 256, schedule="overlap", persistent=True)
 
 
-@pytest.mark.parametrize("name,config", [
-    ("softmax_causal", KernelConfig(128, 128, 2, 256, schedule="pingpong", persistent=True)),
-    ("softmax", _OVERLAP_WALK),
-    ("key_gate", _OVERLAP_WALK),  # a per-head read: written per step, C7511
-    ("prefix_lm", _OVERLAP_WALK),  # an `|` mask: short-circuited, C7511
+_LLAMA3_4K = dict(batch=2, heads_q=32, heads_kv=8, seqlen_q=4096, seqlen_kv=4096)
+
+
+@pytest.mark.parametrize("name,config,shape", [
+    ("softmax_causal", KernelConfig(128, 128, 2, 256, schedule="pingpong", persistent=True),
+     dict(batch=8)),
+    ("softmax", _OVERLAP_WALK, dict(batch=8)),
+    ("key_gate", _OVERLAP_WALK, dict(batch=8)),  # a per-head read: written per step, C7511
+    ("prefix_lm", _OVERLAP_WALK, _LLAMA3_4K),  # an `|` mask: short-circuited, C7511
 ])
-def test_persistent_forward_compiles_without_spills(name, config, tmp_path, monkeypatch):
+def test_persistent_forward_compiles_without_spills(name, config, shape, tmp_path, monkeypatch):
     """The persistent walk: one thread block per SM (the grid is the SM count, not the
     tiles), Q handed back through its own barrier, O staged apart from Q; no spills (with
     the ring stage counted on from tile to tile instead of padded, ptxas spilled 120 bytes
@@ -329,7 +333,7 @@ def test_persistent_forward_compiles_without_spills(name, config, tmp_path, monk
     from engine.runtime.compile import compile_source
 
     monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
-    src = _module(name, config=config, batch=8).kernel_source
+    src = _module(name, config=config, **shape).kernel_source
     assert "with T.Kernel(132, threads=384) as pid:" in src
     assert "q_empty" in src and "O_shared" in src
     assert ("Walk[" in src) == (name != "softmax")  # the host deals unequal rows
