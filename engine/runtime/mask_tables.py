@@ -32,8 +32,9 @@ class MaskTables:
     layout: Callable[[BlockClasses], tuple[torch.Tensor, ...]]
     names: tuple[str, ...]
     stride: int = 1  # a folded kernel's (row i of residue r is position i * stride + r)
-    # a table of its own shape after the expanded ones (the persistent walk's), named last
-    extra: Callable[[BlockClasses], torch.Tensor] | None = None
+    # a table of its own shape after the expanded ones (the persistent walk's), named last,
+    # built from the layout's tables by name
+    extra: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None = None
     _cache: dict[str, tuple[torch.Tensor, ...]] = field(default_factory=dict)
 
     @cached_property
@@ -59,9 +60,10 @@ class MaskTables:
         s = self.shape
         bc = classify(self.mask, s.batch, s.heads_q, s.seqlen_q, s.seqlen_kv, self.block_M,
                       self.block_N, customs if self.data_dependent else None, self.stride)
-        tables = [t.expand(s.mask_batch, s.mask_heads, *t.shape[2:]) for t in self.layout(bc)]
+        layout = self.layout(bc)
+        tables = [t.expand(s.mask_batch, s.mask_heads, *t.shape[2:]) for t in layout]
         if self.extra is not None:
-            tables.append(self.extra(bc))
+            tables.append(self.extra(dict(zip(self.names, layout, strict=False))))
         # a blocking copy: the tables are on the device before the caller's kernels read them
         return tuple(t.contiguous().to(device) for t in tables)
 

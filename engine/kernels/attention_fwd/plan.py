@@ -236,8 +236,8 @@ def persistent_by_default(spec: TracedSpec, seqlen_q: int | None = None) -> bool
     masked specs up to MASKED_WALK_ROWS query rows (`seqlen_q`; any where unknown); masked
     tiles come from the host's table (walk.py). On the H100, against the plain grid in one
     process (NOTES 118), at 4k: sliding window 1.11x, neighbourhood_2d 1.27x, dilated 1.13x,
-    soft-cap 1.07x, ALiBi 1.07-1.20x (1.10-1.20x at 1k); prefix-LM and the key gate 0.95x
-    (left to the tuner)."""
+    soft-cap 1.07x, ALiBi 1.07-1.20x (1.10-1.20x at 1k); prefix-LM 1.08x and the key gate
+    1.16x once ptxas no longer serialised their wgmmas (NOTES 119)."""
     long_rows = seqlen_q is not None and seqlen_q > MASKED_WALK_ROWS
     return ws_by_default(spec) and not (spec.mask is not None and long_rows)
 

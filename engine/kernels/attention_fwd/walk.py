@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 
 from engine.ir.spec import TracedSpec
-from engine.mask.analysis import BlockClasses
 from engine.plan.config import H100_SMS, L2_SECTION_BYTES, KernelConfig
 from engine.plan.shape import KernelShape
 
@@ -77,10 +76,11 @@ def l2_section(heads: int, group: int, kv_head_bytes: int, budget: int | None = 
     return max(d for d in range(1, heads + 1) if heads % d == 0 and d <= fit)
 
 
-def walk_table(bc: BlockClasses, shape: KernelShape, blocks: int) -> torch.Tensor:
+def walk_table(tables: dict[str, torch.Tensor], shape: KernelShape, blocks: int
+               ) -> torch.Tensor:
     """Each block's tiles (grid numbers), int32: blocks + 1 offsets, then the tiles, block by
-    block. `bc` classifies the tiled `shape`'s blocks."""
-    lo, hi = bc.loop_bounds()
+    block. `tables`: the forward's mask tables of the tiled `shape` (its key ranges Lo, Hi)."""
+    lo, hi = tables["Lo"], tables["Hi"]
     b, h = shape.batch, shape.heads_q
     cost = (hi - lo).expand(b, h, -1).to(torch.int64) + TILE_OVERHEAD_BLOCKS
     grid_q = cost.shape[-1]
