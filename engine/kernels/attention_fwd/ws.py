@@ -187,6 +187,7 @@ class ConsumerLoop:
         # acc_s_cast. (Deferred there too, ALiBi's walk spilled 212 bytes.)
         self.deferred = full.p_in_acc and (partial is None or (order.full_run
                                                                 and partial.p_in_acc))
+        self.deferred &= self.o_regs <= 64  # at Dv 256, ptxas serialised the wgmmas (C7511)
 
     def start(self) -> None:
         """Once per thread block: with ping-pong the first warpgroup takes the first turn."""
@@ -211,7 +212,7 @@ class ConsumerLoop:
                     self._retire("kk > 0", "(kk - 1)")
                     self._steps_head("fs + k", classed=False)
                     self._step(self.full, qk, pv, defer=self.deferred)
-                self._retire("nf > 1", "(nf - 2)")
+                self._retire("nf > 1", "(nf - 2)", rescale=True)
                 loop, kb = "T.serial(T.max(nf, 1) - 1, n - 1)", self.order.rest_kb("k")
             else:
                 loop, kb = "T.serial(n - 1)", self.order.kb("k")
@@ -223,7 +224,7 @@ class ConsumerLoop:
                 self._by_class(lambda body: self._step(body, qk, pv,
                                                        defer=self.deferred and unclassed))
             if unclassed:
-                self._retire("n > 1", "(n - 2)")
+                self._retire("n > 1", "(n - 2)", rescale=True)
             self._hand_back_q()  # every Q K^T of the tile is in
             w.line(f"T.mbarrier_wait_parity(v_full[{self.tiles.stage(last)}], {self.tiles.phase(last)})")
             with self._turn():
@@ -276,14 +277,19 @@ class ConsumerLoop:
         self.w.line(f"T.warpgroup_fence_operand(acc_s, num_regs={self.tile_regs})")
         self.w.line(f"T.mbarrier_arrive(k_empty[{stage}])")
 
-    def _retire(self, after_first: str, v_step: str) -> None:
+    def _retire(self, after_first: str, v_step: str, rescale: bool = False) -> None:
         """The previous step retired, where `after_first` (it was not the first): its P V
-        waited for, V's stage of step `v_step` freed and O rescaled; then its P cast."""
+        waited for and V's stage of step `v_step` freed; then its P cast, and O rescaled if
+        `rescale` (else the next step does so between its two gemms' issue)."""
         if not self.deferred:
             return
+        # Unconditional (there is nothing to wait for after the first step): behind a
+        # branch, ptxas took O as possibly still a running gemm's at the rescale and
+        # serialised every wgmma (C7514).
+        self._wait_output()
         with self.w.block(f"if {after_first}:"):
-            self._wait_output()
             self.w.line(f"T.mbarrier_arrive(v_empty[{self.tiles.stage(v_step)}])")
+        if rescale:
             self._rescale(self.full)
         self.w.line("T.copy(acc_s, acc_s_cast)")
 
@@ -313,6 +319,8 @@ class ConsumerLoop:
         """Block k's Q K^T and block k-1's P V issued, block k's online step."""
         with self._turn():
             self.w.line(qk(self.tiles.stage("k")))
+            if defer:  # the previous step's rescale, while Q K^T runs (FA3's order)
+                self._rescale(self.full)
             self.w.line(pv(self.tiles.stage("kk")))
         self._wait_scores(1, self.tiles.stage("k"))
         self._body(body, first=False, defer=defer)
@@ -323,6 +331,9 @@ class ConsumerLoop:
         w = self.w
         if defer:
             w.line(body.source)
+            if first and rescales(body.o_scale):  # O is still 0: the next step's rescale
+                with w.block(f"for i in T.Parallel({self.bM}):"):  # must not make it NaN
+                    w.line("o_scale_f[i] = T.float32(1.0)")
             return
         serial = not body.p_in_acc  # P written straight into acc_s_cast: the P V must be done
         if serial and not first:
