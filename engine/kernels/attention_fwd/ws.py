@@ -5,13 +5,11 @@ once (results/NOTES.md, 83).
 A producer warp loads Q once, then K and V into rings `num_stages` deep. Two consumer
 warpgroups (64 query rows each) walk the key blocks: block k's Q K^T is issued with block
 k-1's P V behind it; the softmax of block k runs as soon as its scores are in, while P V
-still runs on the tensor cores. The next step opens by retiring this one: the wait for that
-P V, V's stage freed, O rescaled and P cast (P stays an fp32 tile until then, since the
-previous P is the running gemm's operand). The retirement opens the next step, not closes
-this one, because ptxas hoists a wgmma wait within a loop body as far up as it can: at the
-end of the step it put the wait right after the row max, before every exponential
-(results/NOTES.md, 89 and 120). With "pingpong" the two warpgroups also take turns issuing
-their gemms (named barriers 2 and 3), so that one's exponentials run beside the other's gemms.
+still runs on the tensor cores; then O is rescaled and P cast for the next step (P stays an
+fp32 tile until then, since the previous P is the running gemm's operand). With "pingpong"
+the two warpgroups also take turns issuing their gemms (named barriers 2 and 3), so that one's
+exponentials run beside the other's gemms. (As compiled, ptxas puts the wait for P V right
+after the row max, so the exponentials run after it: results/NOTES.md, 89.)
 
 With `KernelConfig.persistent` a grid of one thread block per SM walks the tiles in turn
 (TileWalk): the rings keep counting across tiles, the consumers hand Q back once a tile's last
@@ -181,13 +179,6 @@ class ConsumerLoop:
         # registers a thread holds of the score tile and of O (for the operand fences)
         self.tile_regs = cfg.block_M * cfg.block_N // cfg.threads
         self.o_regs = cfg.block_M * head_dim_v // cfg.threads
-        # The loops without class branches (every step of an unmasked spec, the full run)
-        # retire each step at the top of the next (_retire); the loops that branch on the
-        # class retire each step at its end, as do all where a body writes P straight into
-        # acc_s_cast. (Deferred there too, ALiBi's walk spilled 212 bytes.)
-        self.deferred = full.p_in_acc and (partial is None or (order.full_run
-                                                                and partial.p_in_acc))
-        self.deferred &= self.o_regs <= 64  # at Dv 256, ptxas serialised the wgmmas (C7511)
 
     def start(self) -> None:
         """Once per thread block: with ping-pong the first warpgroup takes the first turn."""
@@ -206,25 +197,17 @@ class ConsumerLoop:
             with self._turn():
                 w.line(qk(self.tiles.stage("0")))
             self._wait_scores(0, self.tiles.stage("0"))
-            self._by_class(lambda body: self._body(body, first=True, defer=self.deferred))
+            self._by_class(lambda body: self._body(body, first=True))
             if self.order.full_run:  # steps 1 .. nf - 1: the full run, the unmasked body
                 with w.block("for kk in T.serial(T.max(nf, 1) - 1):"):
-                    self._retire("kk > 0", "(kk - 1)")
                     self._steps_head("fs + k", classed=False)
-                    self._step(self.full, qk, pv, defer=self.deferred)
-                self._retire("nf > 1", "(nf - 2)", rescale=True)
+                    self._step(self.full, qk, pv)
                 loop, kb = "T.serial(T.max(nf, 1) - 1, n - 1)", self.order.rest_kb("k")
             else:
                 loop, kb = "T.serial(n - 1)", self.order.kb("k")
-            unclassed = self.partial is None
             with w.block(f"for kk in {loop}:"):
-                if unclassed:
-                    self._retire("kk > 0", "(kk - 1)")
                 self._steps_head(kb, classed=True)
-                self._by_class(lambda body: self._step(body, qk, pv,
-                                                       defer=self.deferred and unclassed))
-            if unclassed:
-                self._retire("n > 1", "(n - 2)", rescale=True)
+                self._by_class(lambda body: self._step(body, qk, pv))
             self._hand_back_q()  # every Q K^T of the tile is in
             w.line(f"T.mbarrier_wait_parity(v_full[{self.tiles.stage(last)}], {self.tiles.phase(last)})")
             with self._turn():
@@ -277,27 +260,6 @@ class ConsumerLoop:
         self.w.line(f"T.warpgroup_fence_operand(acc_s, num_regs={self.tile_regs})")
         self.w.line(f"T.mbarrier_arrive(k_empty[{stage}])")
 
-    def _retire(self, after_first: str, v_step: str, rescale: bool = False) -> None:
-        """The previous step retired, where `after_first` (it was not the first): its P V
-        waited for and V's stage of step `v_step` freed; then its P cast, and O rescaled if
-        `rescale` (else the next step does so between its two gemms' issue)."""
-        if not self.deferred:
-            return
-        # Unconditional (there is nothing to wait for after the first step): behind a
-        # branch, ptxas took O as possibly still a running gemm's at the rescale and
-        # serialised every wgmma (C7514).
-        self._wait_output()
-        with self.w.block(f"if {after_first}:"):
-            self.w.line(f"T.mbarrier_arrive(v_empty[{self.tiles.stage(v_step)}])")
-        if rescale:
-            self._rescale(self.full)
-        self.w.line("T.copy(acc_s, acc_s_cast)")
-
-    def _rescale(self, body: OnlineBody) -> None:
-        if rescales(body.o_scale):
-            with self.w.block(f"for i, j in T.Parallel({self.bM}, {self.Dv}):"):
-                self.w.line("acc_o[i, j] *= o_scale_f[i]")
-
     def _wait_output(self) -> None:
         self.w.line("T.wait_wgmma(0)")
         self.w.line(f"T.warpgroup_fence_operand(acc_o, num_regs={self.o_regs})")
@@ -314,27 +276,19 @@ class ConsumerLoop:
         with self.w.block("else:"):
             emit(self.partial)
 
-    def _step(self, body: OnlineBody, qk: Callable[[str], str], pv: Callable[[str], str],
-              defer: bool) -> None:
+    def _step(self, body: OnlineBody, qk: Callable[[str], str], pv: Callable[[str], str]
+              ) -> None:
         """Block k's Q K^T and block k-1's P V issued, block k's online step."""
         with self._turn():
             self.w.line(qk(self.tiles.stage("k")))
-            if defer:  # the previous step's rescale, while Q K^T runs (FA3's order)
-                self._rescale(self.full)
             self.w.line(pv(self.tiles.stage("kk")))
         self._wait_scores(1, self.tiles.stage("k"))
-        self._body(body, first=False, defer=defer)
+        self._body(body, first=False)
 
-    def _body(self, body: OnlineBody, first: bool, defer: bool) -> None:
-        """The online step; unless `defer` (the next step retires this one), once the
-        previous P V is done, V's stage freed, O rescaled and P cast for the next gemm."""
+    def _body(self, body: OnlineBody, first: bool) -> None:
+        """The online step, then, once the previous P V is done, V's stage freed, O rescaled
+        and P cast for the next gemm."""
         w = self.w
-        if defer:
-            w.line(body.source)
-            if first and rescales(body.o_scale):  # O is still 0: the next step's rescale
-                with w.block(f"for i in T.Parallel({self.bM}):"):  # must not make it NaN
-                    w.line("o_scale_f[i] = T.float32(1.0)")
-            return
         serial = not body.p_in_acc  # P written straight into acc_s_cast: the P V must be done
         if serial and not first:
             self._wait_output()
@@ -343,6 +297,8 @@ class ConsumerLoop:
             if not serial:
                 self._wait_output()
             w.line(f"T.mbarrier_arrive(v_empty[{self.tiles.stage('kk')}])")
-            self._rescale(body)
+            if rescales(body.o_scale):
+                with w.block(f"for i, j in T.Parallel({self.bM}, {self.Dv}):"):
+                    w.line("acc_o[i, j] *= o_scale_f[i]")
         if not serial:
             w.line("T.copy(acc_s, acc_s_cast)")
