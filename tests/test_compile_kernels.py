@@ -114,24 +114,12 @@ def test_dynamic_shapes_give_one_kernel_for_every_length(name, tmp_path, monkeyp
 def _spill_store_bytes(cuda: str, tmp_path, serialised: list | None = None) -> int:
     """ptxas's spill stores for a TileLang kernel's CUDA source (compiled as TileLang does);
     its wgmma serialisation warnings (C751x) appended to `serialised`, if given."""
-    import os
-    import re
-    import subprocess
+    from engine.runtime.ptxas import compile_cubin
 
-    import tilelang
-
-    tl = os.path.dirname(tilelang.__file__)
-    src = tmp_path / "k.cu"
-    src.write_text(cuda)
-    r = subprocess.run(
-        ["nvcc", "--cubin", "-O3", "-arch=sm_90a", "-std=c++20", f"-I{tl}/src",
-         f"-I{tl}/3rdparty/cutlass/include", "--use_fast_math", "--resource-usage",
-         "-o", str(tmp_path / "k.cubin"), str(src)],
-        capture_output=True, text=True, check=True,
-    )
+    report = compile_cubin(cuda, tmp_path)
     if serialised is not None:
-        serialised += re.findall(r"\(C751\d\)[^\n]*", r.stdout + r.stderr)
-    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", r.stdout + r.stderr))
+        serialised += report.serialised
+    return report.spill_bytes
 
 
 @pytest.mark.parametrize("name, heads_kv, D, Dv", [("softmax_causal", 2, 256, 256),
