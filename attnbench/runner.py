@@ -415,13 +415,8 @@ class Runner:
         compilation and first-call setup are behind it; a call that slow is not noise."""
         if p.verify is None:
             return None
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        ms = (time.perf_counter() - t0) * 1e3
+        ms = timing.call_ms(fn, torch.cuda.synchronize if self.device.type == "cuda"
+                            else lambda: None)
         tf = metrics.tflops(flops, ms)
         if (bad := p.verify(tf, flops)) is None:
             return None

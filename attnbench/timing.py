@@ -136,6 +136,16 @@ WARMUP_MS = 200.0  # least device time of warm-up calls on CUDA (see the module 
 _MAX_WARMUP_CALLS = 10_000
 
 
+def call_ms(fn: Callable[[], object], sync: Callable[[], None],
+            clock: Callable[[], float] = time.perf_counter) -> float:
+    """Wall time of one call of `fn` in milliseconds, from a `sync` before it to one after."""
+    sync()
+    t0 = clock()
+    fn()
+    sync()
+    return (clock() - t0) * 1e3
+
+
 def warm_up(fn: Callable[[], object], *, calls: int, min_ms: float,
             sync: Callable[[], None], clock: Callable[[], float] = time.perf_counter) -> int:
     """`calls` calls of `fn`, then more until `min_ms` milliseconds have passed (by `clock`,
@@ -146,12 +156,8 @@ def warm_up(fn: Callable[[], object], *, calls: int, min_ms: float,
     done = calls
     if min_ms <= 0:
         return done
-    sync()
-    t0 = clock()
-    fn()
-    sync()
+    one_ms = call_ms(fn, sync, clock)
     done += 1
-    one_ms = (clock() - t0) * 1e3
     left = min_ms - one_ms
     if left > 0:
         n = min(_MAX_WARMUP_CALLS, math.ceil(left / max(one_ms, 1e-3)))

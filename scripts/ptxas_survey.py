@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
-import itertools
 import json
 import sys
 import tempfile
@@ -32,8 +31,7 @@ from engine.runtime.ptxas import compile_cubin, exponentials_before_pv_waits, nv
 
 def matching_sources(patterns: list[str]):
     """(corpus key | role, TileLang source) for every corpus kernel a pattern matches."""
-    cases = itertools.chain(kernel_corpus._cases(), kernel_corpus._decode_cases())
-    for key, thunk in cases:
+    for key, thunk in kernel_corpus.cases():
         if not any(fnmatch.fnmatchcase(key, p.rsplit("|", 1)[0]) for p in patterns):
             continue  # a pattern's last part is the role: generate only cases that can match
         try:

@@ -213,10 +213,15 @@ def _decode_cases() -> Iterator[tuple[str, object]]:
                            lambda n=name, s=shape, p=page, c=cfg: _decode_sources(n, s, p, c))
 
 
+def cases() -> Iterator[tuple[str, object]]:
+    """(case key, thunk returning {role: source}) for every case, prefill and decode."""
+    return itertools.chain(_cases(), _decode_cases())
+
+
 def corpus_hashes() -> dict[str, str]:
     """{case key | role: sha256 of the source (its first 16 hex digits), or "refused:<exception type>"}."""
     out: dict[str, str] = {}
-    for key, thunk in itertools.chain(_cases(), _decode_cases()):
+    for key, thunk in cases():
         try:
             sources = thunk()
         except REFUSALS as exc:

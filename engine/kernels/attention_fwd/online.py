@@ -88,7 +88,8 @@ class OnlineBody:
         self.acc_masked: float | None = None  # what its masked entries hold (None: unknown)
         self.bound: dict[tuple, str] = {raw.key: ACC_S}
         self.counter = 0
-        self.order = topo(step_roots(online))
+        self.roots = step_roots(online)
+        self.order = topo(self.roots)
         self.needed = self._needed_rows()
         self.source = self._build()
 
@@ -127,8 +128,7 @@ class OnlineBody:
         """The whole step: (mask once), the reductions with their row values, P, o_scale and
         the row scales' commit."""
         if self.own_uniforms:
-            lets, self.base_bind = let_uniforms(step_roots((self.p, self.updates, self.o_scale)),
-                                                self.base_bind)
+            lets, self.base_bind = let_uniforms(self.roots, self.base_bind)
             self.w.lines(lets)
         if self.mask is not None and self.mask_once_dtype is not None:
             self._mask_once(self.mask_once_dtype)
