@@ -330,6 +330,23 @@ def test_persistent_forward_compiles_without_spills(name, config, shape, tmp_pat
     assert _spill_store_bytes(cuda, tmp_path, serialised) == 0 and not serialised, serialised
 
 
+@pytest.mark.parametrize("name", ["softmax", "softmax_causal"])
+def test_short_keys_take_one_fitted_block_without_spills(name, tmp_path, monkeypatch):
+    """ViT's 197 keys: one 208-key block by default (not two of 128), and no loop over later
+    key blocks; with that loop compiled in, ptxas spilled 124 bytes."""
+    from engine.runtime.compile import compile_source
+
+    monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
+    mod = _module(name, D=64, Dv=64, batch=64, heads_q=6, heads_kv=6, seqlen_q=197,
+                  seqlen_kv=197)
+    assert mod.forward_kernel().config.block_N == 208
+    src = mod.kernel_source
+    assert "for kk in" not in src
+    cuda = compile_source(src).get_kernel_source()
+    serialised: list[str] = []
+    assert _spill_store_bytes(cuda, tmp_path, serialised) == 0 and not serialised, serialised
+
+
 @pytest.mark.parametrize("name, rows", [("retnet", 32), ("key_gate", 64), ("sigmoid", 64),
                                         ("alibi", 64)])
 def test_custom_gradient_backward_keeps_its_registers(name, rows, tmp_path, monkeypatch):

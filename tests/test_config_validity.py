@@ -3,6 +3,7 @@ against TileLang's own partition code, and the configs measured on the H100."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -132,6 +133,26 @@ def test_short_rows_take_the_least_padded_tile():
     ws = default_forward_config(64, 64)
     assert ws.schedule == "overlap" and ws.persistent
     assert default_forward_config(64, 64, seqlen_q=197) == ws
+
+
+def test_short_keys_take_one_block_fitted_to_them():
+    """Keys shorter than 256 in one warp-specialised block rounded up to 16, where that pads
+    less and fits; otherwise the block of the preference order."""
+    from engine.kernels.attention_fwd.plan import default_forward_config
+
+    def block_N(D: int, skv: int | None, **kw) -> int:
+        return default_forward_config(D, D, seqlen_q=197, seqlen_kv=skv, **kw).block_N
+
+    assert block_N(64, 197) == 208  # ViT: 208 keys computed, not 256
+    assert block_N(64, 100) == 112 and block_N(64, 40) == 64
+    assert block_N(64, 256) == 128 and block_N(64, 250) == 128  # pads no less
+    assert block_N(64, 300) == 128 and block_N(64, None) == 128
+    assert block_N(128, 197) == 128  # a 208-key ring and O's stage exceed the shared memory
+    assert block_N(64, 197, dynamic=True) == 128  # the automatic pipeline: listed blocks only
+    ws = KernelConfig(128, 128, 2, 256, schedule="overlap", persistent=True)
+    assert not config_problems(dataclasses.replace(ws, block_N=208), 64, 64)
+    assert config_problems(dataclasses.replace(ws, block_N=200), 64, 64)  # not a multiple of 16
+    assert config_problems(KernelConfig(128, 208, 2, 256), 64, 64)  # the automatic pipeline
 
 
 def test_warp_specialised_schedule_validity():

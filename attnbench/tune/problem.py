@@ -113,7 +113,8 @@ class Problem(Sizes):
         kind = self.kind
         if kind.at_shape is not None:
             return kind.at_shape(self.shape(), self.dtype)
-        rows = {"seqlen_q": self.seqlen_q} if kind.default_rows else {}
+        rows = ({"seqlen_q": self.seqlen_q, "seqlen_kv": self.seqlen_kv}
+                if kind.default_rows else {})
         return kind.default(self.head_dim, self.head_dim_v, self.elem_bytes, spec=spec,
                             **self.validity_args(), **rows)
 

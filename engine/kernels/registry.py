@@ -66,8 +66,8 @@ class KernelKind:
     # Whether the engine runs a tune-file entry of the nearest tuned shape when the exact one
     # is missing (the linear kinds: exact shapes only, engine.runtime.linear_tuning).
     nearest: bool = True
-    # Whether `default` also takes the query rows (seqlen_q=...): the forward's short rows
-    # take the least padded tile.
+    # Whether `default` also takes the lengths (seqlen_q=..., seqlen_kv=...): the forward's
+    # short rows take the least padded tile, its short keys one block.
     default_rows: bool = False
 
     @property

@@ -45,7 +45,8 @@ def recorded_forward_default(req: KernelRequest) -> Callable[[Mapping[str, int]]
     static rows), whatever this request then runs: what an entry is judged by."""
     p = req.problem
     return lambda shape: ATTENTION_FWD.default(p.head_dim, p.head_dim_v, spec=req.spec,
-                                               seqlen_q=shape["seqlen_q"])
+                                               seqlen_q=shape["seqlen_q"],
+                                               seqlen_kv=shape["seqlen_kv"])
 
 
 def forward_default(req: KernelRequest) -> KernelConfig:
@@ -54,9 +55,10 @@ def forward_default(req: KernelRequest) -> KernelConfig:
     # dynamic shapes: one kernel for every length, so the length cannot pick the tile
     dynamic = bool(req.options.dynamic_shapes)
     fold = row_fold(req.spec, req.shape)  # a dilated mask's kernel tiles shorter rows
-    spec, rows = (fold.spec, fold.tiled.seqlen_q) if fold else (req.spec, p.seqlen_q)
+    spec, tiled = (fold.spec, fold.tiled) if fold else (req.spec, p)
     return ATTENTION_FWD.default(p.head_dim, p.head_dim_v, spec=spec,
-                                 seqlen_q=None if dynamic else rows, dynamic=dynamic)
+                                 seqlen_q=None if dynamic else tiled.seqlen_q, dynamic=dynamic,
+                                 seqlen_kv=None if dynamic else tiled.seqlen_kv)
 
 
 def backward_config(req: KernelRequest, config: KernelConfig | None = None,

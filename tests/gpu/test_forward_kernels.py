@@ -213,6 +213,38 @@ def test_persistent_walk_matches_reference(case):
         assert rel_err(f, ref_f[fname]) < 1e-3, f"final row scale {fname} (seed {seed})"
 
 
+# Keys shorter than 256 in one block rounded up to 16 by default (plan.fit_short_keys), with
+# the block each case must get: ViT's rows, causal and windowed masks, ALiBi, short keys under
+# long rows, GQA; at D = 128 a 208-key ring does not fit beside O's stage and 128 stays.
+FITTED_CASES = [
+    ("softmax", FP16, 64, 6, 6, 197, 197, 64, 208),
+    ("softmax", BF16, 4, 8, 2, 1000, 197, 64, 208),
+    ("softmax_causal", BF16, 8, 8, 2, 197, 197, 64, 208),
+    ("alibi", FP16, 8, 8, 4, 100, 100, 64, 112),
+    ("mistral_window", BF16, 8, 8, 2, 240, 240, 64, 240),
+    ("prefix_lm", BF16, 8, 8, 2, 200, 200, 64, 208),
+    ("softmax_causal", BF16, 8, 8, 2, 197, 197, 128, 128),
+]
+
+
+@pytest.mark.parametrize("case", FITTED_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_short_keys_in_one_fitted_block(case):
+    name, dt, B, Hq, Hkv, Sq, Skv, D, block_N = case
+    v = VARIANTS[name]
+    sz = dict(batch=B, heads_q=Hq, heads_kv=Hkv, seqlen_q=Sq, seqlen_kv=Skv, head_dim=D,
+              head_dim_v=D)
+    mod = v.build(**sz, dtype=dt, backend="tilelang")
+    assert mod.forward_kernel().config.block_N == block_N
+    seed = torch.randint(0, 2**31 - 1, ()).item()
+    inp = v.make_inputs(**sz, dtype=dt, device="cuda", seed=seed)
+    with torch.no_grad():
+        out = mod(**inp)
+    customs = {n: t for n, t in inp.items() if n not in "qkv"}
+    ref, _ = executor.forward(mod.spec, inp["q"], inp["k"], inp["v"], customs)
+    assert not torch.isnan(out).any(), "NaN (or unwritten poisoned element) in the output"
+    assert rel_err(out, ref) < 1e-2, f"rel err {rel_err(out, ref):.3e} (seed {seed})"
+
+
 def test_persistent_walk_with_empty_tiles():
     """Query blocks without any key (n = 0) among the tiles a block walks: zeros, lse -inf."""
     B, H, S, D = 4, 8, 600, 128

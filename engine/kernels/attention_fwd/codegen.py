@@ -19,7 +19,7 @@ from engine.dsl.expr import Expr, topo
 from engine.ir.spec import TracedSpec
 from engine.kernels.attention_fwd import walk, ws
 from engine.kernels.attention_fwd.online import OnlineBody, prepare_online, rescales, step_roots
-from engine.kernels.attention_fwd.plan import has_partial_blocks, walks_full_run
+from engine.kernels.attention_fwd.plan import has_partial_blocks, one_key_block, walks_full_run
 from engine.mask.analysis import reads_data
 from engine.plan.config import H100_SMS, WS_CONSUMER_REGS, WS_PRODUCER_THREADS, KernelConfig
 from engine.plan.fold import index_texts, row_fold
@@ -306,7 +306,8 @@ def _emit_ws_body(w: SourceWriter, f: _Frame, full: OnlineBody, partial: OnlineB
         w.line(f"T.set_max_nreg({WS_CONSUMER_REGS}, 1)")
         loop = ws.ConsumerLoop(w, full, partial,
                                f"Cls[{f.table_index}, bx, kb]" if partial else None, cfg,
-                               f.shape.head_dim_v, order, tiles)
+                               f.shape.head_dim_v, order, tiles,
+                               one_block=one_key_block(f.tiled, cfg.block_N))
         if tiles.persistent:  # the turns go on from tile to tile
             loop.start()
         with tiles.each(w):

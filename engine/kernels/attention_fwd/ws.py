@@ -168,13 +168,14 @@ def emit_producer(w: SourceWriter, q_src: str, k_src: str, v_src: str, order: Ke
 class ConsumerLoop:
     """The consumers' walk over the key blocks [lo, lo + n) at `cfg`. `cls_text`: the block
     class of key block kb (None: every block takes the full body); `tiles`: where the ring
-    positions count from, and whether Q and the last V stage go back to the producer."""
+    positions count from, and whether Q and the last V stage go back to the producer;
+    `one_block`: no query block sees more than one key block (no loop over the later ones)."""
 
     def __init__(self, w: SourceWriter, full: OnlineBody, partial: OnlineBody | None,
                  cls_text: str | None, cfg: KernelConfig, head_dim_v: int, order: KeyOrder,
-                 tiles: TileWalk):
+                 tiles: TileWalk, one_block: bool = False):
         self.w, self.full, self.partial, self.cls_text = w, full, partial, cls_text
-        self.order, self.tiles = order, tiles
+        self.order, self.tiles, self.one_block = order, tiles, one_block
         self.pingpong, self.consumers = cfg.schedule == "pingpong", cfg.threads
         self.bM, self.Dv = cfg.block_M, head_dim_v
         # registers a thread holds of the score tile and of O (for the operand fences)
@@ -199,16 +200,8 @@ class ConsumerLoop:
                 w.line(qk(self.tiles.stage("0")))
             self._wait_scores(0, self.tiles.stage("0"))
             self._by_class(lambda body: self._body(body, first=True))
-            if self.order.full_run:  # steps 1 .. nf - 1: the full run, the unmasked body
-                with w.block("for kk in T.serial(T.max(nf, 1) - 1):"):
-                    self._steps_head("fs + k", classed=False)
-                    self._step(self.full, qk, pv)
-                loop, kb = "T.serial(T.max(nf, 1) - 1, n - 1)", self.order.rest_kb("k")
-            else:
-                loop, kb = "T.serial(n - 1)", self.order.kb("k")
-            with w.block(f"for kk in {loop}:"):
-                self._steps_head(kb, classed=True)
-                self._by_class(lambda body: self._step(body, qk, pv))
+            if not self.one_block:
+                self._later_blocks(qk, pv)
             self._hand_back_q()  # every Q K^T of the tile is in
             w.line(f"T.mbarrier_wait_parity(v_full[{self.tiles.stage(last)}], {self.tiles.phase(last)})")
             with self._turn():
@@ -220,6 +213,21 @@ class ConsumerLoop:
             with w.block("else:"):
                 self._hand_back_q()
         self.tiles.emit_padding(w, "full", "empty")
+
+    def _later_blocks(self, qk: Callable[[str], str], pv: Callable[[str], str]) -> None:
+        """Steps 1 .. n - 1: with a full run its blocks first, in a loop of the unmasked body
+        alone, then the others by their class."""
+        w = self.w
+        if self.order.full_run:  # steps 1 .. nf - 1: the full run, the unmasked body
+            with w.block("for kk in T.serial(T.max(nf, 1) - 1):"):
+                self._steps_head("fs + k", classed=False)
+                self._step(self.full, qk, pv)
+            loop, kb = "T.serial(T.max(nf, 1) - 1, n - 1)", self.order.rest_kb("k")
+        else:
+            loop, kb = "T.serial(n - 1)", self.order.kb("k")
+        with w.block(f"for kk in {loop}:"):
+            self._steps_head(kb, classed=True)
+            self._by_class(lambda body: self._step(body, qk, pv))
 
     def _hand_back_q(self) -> None:
         if self.tiles.persistent:
