@@ -164,8 +164,7 @@ def _tile_walk(f: _Frame, grid_q: str, reverse: bool) -> ws.TileWalk:
     order = walk.table_order(blocks, grid_q, t.heads_q) if walk.walks_table(f.spec, t, f.cfg) \
         else walk.grid_order(count, blocks, grid_q, t.heads_q, reverse)
     return ws.TileWalk(True, f.cfg.num_stages, order.trips, order.tile, blocks,
-                       (*order.indices, *_key_range_lines(f)),
-                       counted=one_key_block(t, f.cfg.block_N))
+                       (*order.indices, *_key_range_lines(f)))
 
 
 def _key_range_lines(f: _Frame) -> list[str]:

@@ -65,10 +65,7 @@ class TileWalk:
     codegen's walk decides the order). A tile's steps k take ring stage k % stages
     in either case: a persistent tile starts on stage 0 (the rings are padded to whole rounds
     of stages at each tile's end, `emit_padding`), its parities flipped by `ph`, the parity of
-    the rounds its block walked before (ptxas spilled with the stage counted on instead).
-    `counted`: the stage counted on from tile to tile instead, without padding, where each
-    tile has one key block at most: the next tile's K and V then load into the other stage
-    while this tile's are in use (padded, a one-block tile uses stage 0 alone)."""
+    the rounds its block walked before (ptxas spilled with the stage counted on instead)."""
 
     persistent: bool
     stages: int = 1
@@ -76,18 +73,13 @@ class TileWalk:
     tile: str = ""
     blocks: int = 0
     header: tuple[str, ...] = ()
-    counted: bool = False
 
     def stage(self, step: str) -> str:
         """The ring stage of the tile's `step`."""
-        if self.counted:
-            return f"(c0 + {step}) % {self.stages}"
         return "0" if step == "0" else f"{step} % {self.stages}"
 
     def phase(self, step: str) -> str:
         """The mbarrier parity of the tile's `step`."""
-        if self.counted:
-            return parity(self.stages, f"(c0 + {step})")
         own = "0" if step == "0" else parity(self.stages, step)
         if not self.persistent:
             return own
@@ -104,16 +96,15 @@ class TileWalk:
             return
         st = self.stages
         with w.block(f"for it in T.serial({self.trips}):"):
-            w.lines([f"tile: T.int32 = {self.tile}", *self.header, "c0: T.int32 = cnt[0]"])
-            if not self.counted:
-                w.line(f"ph: T.int32 = (c0 // {st}) % 2")
+            w.lines([f"tile: T.int32 = {self.tile}", *self.header,
+                     "c0: T.int32 = cnt[0]", f"ph: T.int32 = (c0 // {st}) % 2"])
             yield
-            w.line("cnt[0] = c0 + n" if self.counted else f"cnt[0] = c0 + T.ceildiv(n, {st}) * {st}")
+            w.line(f"cnt[0] = c0 + T.ceildiv(n, {st}) * {st}")
 
     def emit_padding(self, w: SourceWriter, wait: str, arrive: str, flip: str = "") -> None:
         """The tile's ring positions past its last step, to the end of the round: waited on
         `wait` (full or empty) and passed on to `arrive`, both rings, with no load."""
-        if not self.persistent or self.stages == 1 or self.counted:
+        if not self.persistent or self.stages == 1:
             return
         st = self.stages
         with w.block(f"for k in T.serial(n, T.ceildiv(n, {st}) * {st}):"):
