@@ -245,22 +245,29 @@ def test_short_keys_in_one_fitted_block(case):
     assert rel_err(out, ref) < 1e-2, f"rel err {rel_err(out, ref):.3e} (seed {seed})"
 
 
-def test_persistent_walk_with_empty_tiles():
+@pytest.mark.parametrize("B, S, D, late_by, block_N", [
+    (4, 600, 128, 300, 128),
+    (64, 200, 64, 150, 208),  # one fitted key block: tiles of none and of one
+])
+def test_persistent_walk_with_empty_tiles(B, S, D, late_by, block_N):
     """Query blocks without any key (n = 0) among the tiles a block walks: zeros, lse -inf."""
-    B, H, S, D = 4, 8, 600, 128
+    H = 8
 
     def late(b, h, q_idx, kv_idx):
-        return q_idx >= kv_idx + 300
+        return q_idx >= kv_idx + late_by
 
     meta = tuple(meta_tensor(B, H, S, D, dtype=BF16) for _ in range(3))
+    config = persistent_config("overlap", D) if block_N == 128 else None
     mod = AttentionEngine(meta, CustomIO({}), score_mod=lambda s, c, b, h, q, k: s * D**-0.5,
                           mask_mod=late, online_func=OnlineSoftmax(), backend="tilelang",
-                          config=persistent_config("overlap", D))
+                          config=config)
+    assert mod.forward_kernel().config.persistent
+    assert mod.forward_kernel().config.block_N == block_N
     q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=BF16) for _ in range(3))
     with torch.no_grad():
         out, fin = mod(q, k, v, return_lse=True)
-    assert not torch.isnan(out).any() and out[:, :300].abs().max().item() == 0.0
-    assert torch.isinf(fin["lse"][:, :, :300]).all()
+    assert not torch.isnan(out).any() and out[:, :late_by].abs().max().item() == 0.0
+    assert torch.isinf(fin["lse"][:, :, :late_by]).all()
     ref, _ = executor.forward(mod.spec, q, k, v, {})
     assert rel_err(out, ref) < 1e-2
 
