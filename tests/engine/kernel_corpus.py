@@ -42,13 +42,16 @@ SHAPES = {
                  head_dim=256, head_dim_v=256),
     "dv64": dict(batch=1, heads_q=4, heads_kv=4, seqlen_q=777, seqlen_kv=777,
                  head_dim=128, head_dim_v=64),
+    # ViT's rows: keys in one fitted block (208) without the loop over later blocks.
+    "vit": dict(batch=4, heads_q=6, heads_kv=6, seqlen_q=197, seqlen_kv=197,
+                head_dim=64, head_dim_v=64),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # (shape, dtype, every config or the first three): the tuner-space configs on the GQA shapes,
 # the others at the default config and two more.
 PROBLEMS = [("mha-1000", "bf16", False), ("gqa-1000", "bf16", True), ("gqa-4096", "bf16", True),
             ("d64-cross", "bf16", False), ("d256", "bf16", False), ("dv64", "bf16", False),
-            ("gqa-1000", "fp16", False)]
+            ("gqa-1000", "fp16", False), ("vit", "bf16", False)]
 
 # KernelConfig fields: block_M, block_N, num_stages, threads, gemm_policy, swizzle_panel,
 # schedule.

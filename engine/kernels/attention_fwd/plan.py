@@ -35,6 +35,7 @@ REG_OVERHEAD = 48
 BLOCK_N = (32, 64, 96, 128, 160, 176, 192, 256)
 FITTED_N = tuple(range(64, 257, 16))
 
+
 def o_staged_in_q(cfg: KernelConfig, head_dim: int, head_dim_v: int) -> bool:
     """Whether O goes out through Q's shared tile: in the warp-specialised schedule, where
     they have one shape (every Q K^T has finished by then), unless it is persistent (the
