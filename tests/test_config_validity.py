@@ -136,7 +136,7 @@ def test_short_rows_take_the_least_padded_tile():
 
 
 def test_short_keys_take_one_block_fitted_to_them():
-    """Keys shorter than 256 in one warp-specialised block rounded up to 16, where that pads
+    """Keys shorter than 256 in the least fitting warp-specialised block, where that pads
     less and fits; otherwise the block of the preference order."""
     from engine.kernels.attention_fwd.plan import default_forward_config
 
@@ -144,7 +144,8 @@ def test_short_keys_take_one_block_fitted_to_them():
         return default_forward_config(D, D, seqlen_q=197, seqlen_kv=skv, **kw).block_N
 
     assert block_N(64, 197) == 208  # ViT: 208 keys computed, not 256
-    assert block_N(64, 100) == 112 and block_N(64, 40) == 64
+    assert block_N(64, 100) == 112 and block_N(64, 40) == 64 and block_N(64, 75) == 112
+    assert block_N(64, 140) == 208 and block_N(64, 220) == 240
     assert block_N(64, 256) == 128 and block_N(64, 250) == 128  # pads no less
     assert block_N(64, 300) == 128 and block_N(64, None) == 128
     assert block_N(128, 197) == 128  # a 208-key ring and O's stage exceed the shared memory
@@ -152,6 +153,7 @@ def test_short_keys_take_one_block_fitted_to_them():
     ws = KernelConfig(128, 128, 2, 256, schedule="overlap", persistent=True)
     assert not config_problems(dataclasses.replace(ws, block_N=208), 64, 64)
     assert config_problems(dataclasses.replace(ws, block_N=200), 64, 64)  # not a multiple of 16
+    assert config_problems(dataclasses.replace(ws, block_N=144), 64, 64)  # not run on the H100
     assert config_problems(KernelConfig(128, 208, 2, 256), 64, 64)  # the automatic pipeline
 
 
