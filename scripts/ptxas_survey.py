@@ -25,7 +25,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "engine")]
 
 import kernel_corpus  # noqa: E402
 
-from engine.runtime.compile import compile_source  # noqa: E402
+from engine.runtime.compile import lowered_cuda  # noqa: E402
 from engine.runtime.ptxas import compile_cubin, exponentials_before_pv_waits, nvdisasm  # noqa: E402
 
 
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, (name, src) in enumerate(matching_sources(args.patterns)):
             work = Path(tmp) / str(i)
             work.mkdir()
-            cuda = compile_source(src).get_kernel_source()  # TileLang lowers one at a time
+            cuda = lowered_cuda(src)  # TileLang lowers one at a time
             futures.append(pool.submit(survey, name, cuda, work, tool))
         for f in futures:
             rows.append(f.result())

@@ -135,7 +135,7 @@ def test_d256_backward_is_head_split_and_does_not_spill(name, heads_kv, D, Dv, t
     main kernel), both compiled for sm_90a without spills (ptxas: 168 registers for plain
     softmax's main kernel), ALiBi's slope gradient included (its per-key sums add the two
     warpgroups' halves through shared memory)."""
-    from engine.runtime.compile import compile_source
+    from engine.runtime.compile import lowered_cuda
 
     monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
     mod = _module(name, D=D, Dv=Dv, heads_kv=heads_kv)
@@ -148,7 +148,7 @@ def test_d256_backward_is_head_split_and_does_not_spill(name, heads_kv, D, Dv, t
     assert "kn: T.int32 = T.min(k + 1, " in src, "the next step's products issued ahead"
     assert "dQ" not in src and "dQ" in bk.dq.source
     for kernel_src in (src, bk.dq.source):
-        assert _spill_store_bytes(compile_source(kernel_src).get_kernel_source(), tmp_path) == 0
+        assert _spill_store_bytes(lowered_cuda(kernel_src), tmp_path) == 0
 
 
 def test_masked_tile_choice_follows_ptxas(tmp_path, monkeypatch):
@@ -156,7 +156,7 @@ def test_masked_tile_choice_follows_ptxas(tmp_path, monkeypatch):
     128 on 384 threads (the tile it skips) and not at the tile it picks; at the variants suite's
     length, where the window (1024) is shorter than the sequence. (Over 256 bytes while P was
     masked twice, 148 since it is masked once: results/NOTES.md 108.)"""
-    from engine.runtime.compile import compile_source
+    from engine.runtime.compile import lowered_cuda
 
     monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
     picked = _module("sliding_window", seqlen_q=4096, seqlen_kv=4096)
@@ -164,8 +164,7 @@ def test_masked_tile_choice_follows_ptxas(tmp_path, monkeypatch):
     skipped = _module("sliding_window", config=KernelConfig(192, 128, 2, 384), seqlen_q=4096,
                       seqlen_kv=4096)
     spills = {
-        which: _spill_store_bytes(compile_source(m.kernel_source).get_kernel_source(),
-                                  tmp_path)
+        which: _spill_store_bytes(lowered_cuda(m.kernel_source), tmp_path)
         for which, m in (("picked", picked), ("skipped", skipped))
     }
     assert spills["picked"] == 0 and spills["skipped"] > 64, spills
@@ -318,14 +317,14 @@ def test_persistent_forward_compiles_without_spills(name, config, shape, tmp_pat
     the ring stage counted on from tile to tile instead of padded, ptxas spilled 120 bytes
     here) and no wgmma serialised (the key gate and prefix-LM were, before their per-head
     reads went to the tile's start and `|` stopped short-circuiting)."""
-    from engine.runtime.compile import compile_source
+    from engine.runtime.compile import lowered_cuda
 
     monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
     src = _module(name, config=config, **shape).kernel_source
     assert "with T.Kernel(132, threads=384) as pid:" in src
     assert "q_empty" in src and "O_shared" in src
     assert ("Walk[" in src) == (name != "softmax")  # the host deals unequal rows
-    cuda = compile_source(src).get_kernel_source()
+    cuda = lowered_cuda(src)
     serialised: list[str] = []
     assert _spill_store_bytes(cuda, tmp_path, serialised) == 0 and not serialised, serialised
 
@@ -334,7 +333,7 @@ def test_persistent_forward_compiles_without_spills(name, config, shape, tmp_pat
 def test_short_keys_take_one_fitted_block_without_spills(name, tmp_path, monkeypatch):
     """ViT's 197 keys: one 208-key block by default (not two of 128), and no loop over later
     key blocks; with that loop compiled in, ptxas spilled 124 bytes."""
-    from engine.runtime.compile import compile_source
+    from engine.runtime.compile import lowered_cuda
 
     monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
     mod = _module(name, D=64, Dv=64, batch=64, heads_q=6, heads_kv=6, seqlen_q=197,
@@ -342,7 +341,7 @@ def test_short_keys_take_one_fitted_block_without_spills(name, tmp_path, monkeyp
     assert mod.forward_kernel().config.block_N == 208
     src = mod.kernel_source
     assert "for kk in" not in src
-    cuda = compile_source(src).get_kernel_source()
+    cuda = lowered_cuda(src)
     serialised: list[str] = []
     assert _spill_store_bytes(cuda, tmp_path, serialised) == 0 and not serialised, serialised
 
@@ -355,7 +354,7 @@ def test_custom_gradient_backward_keeps_its_registers(name, rows, tmp_path, monk
     on the H100 (the key gate's spilled 596 before it came from q . dQ instead). Sigmoid's dS
     reads the score anyway and ALiBi's gradient does not: they keep 64 rows, where they ran
     faster than at 32."""
-    from engine.runtime.compile import compile_source
+    from engine.runtime.compile import lowered_cuda
 
     monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
     mod = _module(name, seqlen_q=4096, seqlen_kv=4096)
@@ -364,5 +363,5 @@ def test_custom_gradient_backward_keeps_its_registers(name, rows, tmp_path, monk
     assert mod.backward_kernels().config.block_M == 64  # without it, the usual tile
     if rows == 32:
         serialised: list[str] = []
-        cuda = compile_source(bk.main.source).get_kernel_source()
+        cuda = lowered_cuda(bk.main.source)
         assert _spill_store_bytes(cuda, tmp_path, serialised) == 0 and not serialised, serialised

@@ -53,14 +53,30 @@ def compile_source(source: str, *, fast_math: bool = True) -> Any:
     import tilelang
 
     func, own_configs = load_program(source)
-    kernel = tilelang.compile(
-        func,
-        target=TARGET,
-        pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: fast_math, **own_configs},
-    )
+    kernel = tilelang.compile(func, target=TARGET,
+                              pass_configs=_pass_configs(own_configs, fast_math))
     with _lock:
         _kernels[key] = kernel
     return kernel
+
+
+def lowered_cuda(source: str, *, fast_math: bool = True) -> str:
+    """The CUDA source TileLang lowers a generated program to, as compile_source's kernel
+    holds it, without building it: for reading ptxas's view (engine.runtime.ptxas), which
+    builds it once itself."""
+    import tilelang
+    import tvm
+
+    func, own_configs = load_program(source)
+    with tvm.transform.PassContext(opt_level=3, config=_pass_configs(own_configs, fast_math)), \
+            tvm.target.Target(TARGET):
+        return tilelang.lower(func, target=TARGET).kernel_source
+
+
+def _pass_configs(own: dict[str, Any], fast_math: bool) -> dict[str, Any]:
+    import tilelang
+
+    return {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: fast_math, **own}
 
 
 def launcher(kernel: Any) -> Callable[..., Any]:
