@@ -172,8 +172,9 @@ def test_masked_tile_choice_follows_ptxas(tmp_path, monkeypatch):
 
 def test_key_indexed_reads_are_staged_per_key_block(tmp_path, monkeypatch):
     """A document id per key is copied into shared memory once per key block (beside K) and
-    read from there by the partial blocks' mask; not where the key blocks leave a tail, nor
-    with three consumer warpgroups (see generate_forward)."""
+    read from there by the partial blocks' mask; in the automatic pipeline not where the key
+    blocks leave a tail, nor with three consumer warpgroups (see generate_forward); the
+    warp-specialised producer fills its ring with a tail too."""
     from engine.runtime.compile import compile_source
 
     monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
@@ -184,10 +185,12 @@ def test_key_indexed_reads_are_staged_per_key_block(tmp_path, monkeypatch):
     assert "T.copy(C_doc_ids[bz, kb * 128:(kb + 1) * 128], cks0)" in src
     assert "(cq0[i] == cks0[j])" in src and "C_doc_ids[bz, T.min((kb" not in src
     assert "tma_load" in compile_source(src).get_kernel_source()
-    for off in (_module("document"),  # 1000 keys: a tail block
+    for off in (_module("document", config=KernelConfig(128, 128, 2, 256, "FullRow", 8)),  # tail
                 _module("document", seqlen_q=4096, seqlen_kv=4096,
                         config=KernelConfig(192, 128, 2, 384))):
         assert "cks0" not in off.kernel_source and "C_doc_ids[bz, T.min((kb" in off.kernel_source
+    ws = _module("document").kernel_source  # the default: the persistent walk
+    assert "cks0 = T.alloc_shared((2, 128,)" in ws and "C_doc_ids[bz, T.min((kb" not in ws
 
 
 DECODE_SHAPE = dict(batch=2, heads_q=8, heads_kv=2, seqlen_q=2, seqlen_kv=1024)

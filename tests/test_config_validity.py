@@ -91,13 +91,14 @@ def test_masked_blocks_pick_tiles_with_register_headroom():
     walk = KernelConfig(128, 128, 2, 256, schedule="overlap", persistent=True)
     assert masked_body_fits(big, 128, 128, 2) and not masked_body_fits(big, 128, 128, 3)
     assert masked_body_fits(mid, 128, 128, 6)
-    # The warp-specialised schedule for online softmaxes that read no tensor per query or
-    # key; ReLU and sigmoid (no softmax to overlap), RetNet (no rescaled output) and specs
-    # that read per-query or per-key data (document ids) keep TileLang's pipeline, heavier
-    # partial blocks on 128 rows. The warp-specialised schedule walks its tiles
-    # persistently.
+    # The warp-specialised schedule for online softmaxes that read tensors at most per query
+    # or per key (document ids: staged); ReLU and sigmoid (no softmax to overlap), RetNet (no
+    # rescaled output) and specs that read per (query, key) (T5's bucketed bias) keep
+    # TileLang's pipeline, heavier partial blocks on 128 rows. The warp-specialised schedule
+    # walks its tiles persistently.
     expect = {"softmax": walk, "sigmoid": big, "relu": big, "softmax_causal": walk,
-              "sliding_window": walk, "document": mid, "prefix_lm": walk, "alibi": walk,
+              "sliding_window": walk, "document": walk, "document_prefix": walk,
+              "prefix_lm": walk, "alibi": walk,
               "softcap": walk, "retnet": mid, "neighbourhood_2d": walk, "gemma2": walk,
               "key_gate": walk,
               "t5_bias": KernelConfig(128, 64, 2, 256)}
@@ -208,16 +209,17 @@ def test_persistent_walk_validity():
 
 
 def test_persistent_walk_default_follows_the_warp_specialised_schedule():
-    """The warp-specialised specs walk persistently by default, masked ones and per-head
-    custom reads included (masked tiles dealt by the host's table); the document mask and
-    sigmoid are not warp-specialised."""
+    """The warp-specialised specs walk persistently by default, masked ones and per-head,
+    per-query and per-key custom reads included (masked tiles dealt by the host's table);
+    sigmoid is not warp-specialised."""
     import torch
 
     from engine.kernels.attention_fwd.plan import persistent_by_default
     from engine.variants import VARIANTS
 
     want = {"softmax": True, "softmax_causal": True, "alibi": True, "softcap": True,
-            "sliding_window": True, "document": False, "sigmoid": False}
+            "sliding_window": True, "document": True, "document_prefix": True,
+            "sigmoid": False}
     for name, expected in want.items():
         spec = VARIANTS[name].build(batch=1, heads_q=4, heads_kv=4, seqlen_q=256, seqlen_kv=256,
                                     head_dim=128, head_dim_v=128, dtype=torch.bfloat16,

@@ -54,12 +54,21 @@ def test_each_class_branch_holds_a_whole_step():
     assert "T.wgmma_gemm" not in body[:body.index("if kcls == 2:")]
 
 
-def test_mask_evaluated_once_waits_for_the_previous_p_first():
-    """A data-dependent mask is written into acc_s_cast, which the P V in flight still reads:
-    that branch waits for it before its online step (and casts nothing after)."""
-    partial = _loop_body(_source("document")).split("else:")[1]
-    assert partial.index("T.wait_wgmma(0)") < partial.index("acc_s_cast[i, j] = T.if_then_else")
-    assert "T.copy(acc_s, acc_s_cast)" not in partial
+def test_staged_data_mask_is_evaluated_once_beside_the_running_p_v():
+    """A mask reading per-query and per-key ids (document with prefixes): the keys' ids come
+    from the producer's ring at the step's stage, the mask is evaluated once (P's select tests
+    the -inf it left in the scores), so the partial branch overlaps the previous P V as the
+    full one does; K's stage, which the ring shares, is freed after the online step."""
+    src = _source("document_prefix")
+    assert "cks0[k % 2, t] = C_doc_ids[bz, T.min(kb * 128 + t, 999)]" in src
+    partial = _loop_body(src).split("if kcls == 2:")[1].split("else:")[1]
+    assert partial.count("cks0[ks, j]") == 1 and "C_doc_ids" not in partial
+    assert "T.if_then_else((acc_s[i, j] != (-T.infinity(\"float32\")))" in partial
+    order = [m.group(0) for m in re.finditer(
+        r"T\.wait_wgmma\(\d\)|T\.reduce_max|T\.mbarrier_arrive\(k_empty|"
+        r"T\.copy\(acc_s, acc_s_cast\)", partial)]
+    assert order == ["T.wait_wgmma(1)", "T.reduce_max", "T.mbarrier_arrive(k_empty",
+                     "T.wait_wgmma(0)", "T.copy(acc_s, acc_s_cast)"], order
 
 
 def test_pingpong_takes_turns_on_named_barriers():

@@ -56,7 +56,12 @@ CASES += [
 # and after), lengths that leave tails, Sq != Skv.
 WS_CONFIGS = {s: KernelConfig(128, 128, 2, 256, schedule=s) for s in ("overlap", "pingpong")}
 WS_CASES = [(name, "overlap", 1000, 1000) for name in sorted(VARIANTS)]
-WS_CASES += [(name, "pingpong", 1000, 1000) for name in ("softmax_causal", "document", "alibi")]
+WS_CASES += [(name, "pingpong", 1000, 1000) for name in ("softmax_causal", "document", "alibi",
+                                                          "document_prefix")]
+# Per-key tensors in the producer's ring and the mask tested once (whole key blocks; 1000
+# above: the fill clamps the tail)
+WS_CASES += [(name, s, 1024, 1024) for name in ("document", "document_prefix")
+             for s in ("overlap", "pingpong")]
 WS_CASES += [(name, "overlap", sq, skv) for name in ("softmax_causal", "mistral_window",
                                                      "prefix_lm") for sq, skv in ((300, 1000),
                                                                                   (1000, 300))]
@@ -185,6 +190,8 @@ PERSISTENT_CASES = [
     ("softmax_causal", "overlap", BF16, 4, 8, 2, 1000, 1000, 128),
     ("softmax_causal", "pingpong", BF16, 4, 8, 2, 1000, 1000, 128),
     ("document", "overlap", BF16, 4, 8, 2, 1000, 1000, 128),
+    ("document_prefix", "pingpong", BF16, 4, 8, 2, 1024, 1024, 128),
+    ("document_prefix", "overlap", FP16, 2, 8, 4, 2048, 2048, 128),
     ("alibi", "pingpong", FP16, 4, 8, 4, 1000, 1000, 128),
     ("mistral_window", "overlap", BF16, 8, 8, 2, 300, 1000, 128),
     ("prefix_lm", "overlap", BF16, 8, 8, 2, 1000, 300, 128),
@@ -274,6 +281,41 @@ def test_persistent_walk_with_empty_tiles(B, S, D, late_by, block_N):
     assert torch.isinf(fin["lse"][:, :, :late_by]).all()
     ref, _ = executor.forward(mod.spec, q, k, v, {})
     assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("schedule,S,persistent", [("overlap", 1024, False),
+                                                   ("pingpong", 1000, False),
+                                                   ("overlap", 2048, True)])
+def test_per_key_reads_from_the_producer_ring(schedule, S, persistent):
+    """A score that reads a tensor per key (every block, full ones too) and one per query
+    beside a mask that reads another per key (partial blocks), the per-key ones from the
+    producer warp's rings, against the reference executor; a tenth of the keys masked, so
+    most blocks are partial."""
+    B, Hq, Hkv, D = 2, 8, 2, 128
+    io = CustomIO({"kvbias": ("batch", "seq_len_kv"), "keep": ("batch", "seq_len_kv"),
+                   "qbias": ("batch", "heads", "seq_len")})
+
+    def mask(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (io["keep"][b, kv_idx] > 0.5)
+
+    meta = (meta_tensor(B, Hq, S, D, dtype=BF16), meta_tensor(B, Hkv, S, D, dtype=BF16),
+            meta_tensor(B, Hkv, S, D, dtype=BF16))
+    mod = AttentionEngine(meta, io, mask_mod=mask, online_func=OnlineSoftmax(),
+                          score_mod=lambda s, c, b, h, q, k: s * D**-0.5 + c["kvbias"]
+                          + c["qbias"], backend="tilelang")
+    mod.config = KernelConfig(128, 128, 2, 256, schedule=schedule, persistent=persistent)
+    assert "cks0" in mod.kernel_source and "cks1" in mod.kernel_source
+    q = torch.randn(B, S, Hq, D, device="cuda", dtype=BF16)
+    k, v = (torch.randn(B, S, Hkv, D, device="cuda", dtype=BF16) for _ in range(2))
+    keep = (torch.rand(B, S, device="cuda") > 0.1).float()
+    keep[:, 0] = 1.0  # every row keeps a key
+    customs = {"kvbias": torch.randn(B, S, device="cuda"), "keep": keep,
+               "qbias": torch.randn(B, Hq, S, device="cuda")}
+    with torch.no_grad():
+        out = mod(q, k, v, **customs)
+    ref, _ = executor.forward(mod.spec, q, k, v, customs)
+    assert not torch.isnan(out).any()
+    assert rel_err(out, ref) < 1e-2, f"rel err {rel_err(out, ref):.3e}"
 
 
 def test_fully_masked_rows_give_zeros():

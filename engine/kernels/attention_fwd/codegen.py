@@ -15,7 +15,7 @@ from engine.codegen.emit import Emitter, const_text, gather_text, let_uniforms
 from engine.codegen.params import GeneratedKernel, KernelParam, custom_param, param
 from engine.codegen.rings import pass_configs_line
 from engine.codegen.source import SourceWriter, write_header
-from engine.dsl.expr import Expr, topo
+from engine.dsl.expr import CUSTOM_READS, Expr, topo
 from engine.ir.spec import TracedSpec
 from engine.kernels.attention_fwd import walk, ws
 from engine.kernels.attention_fwd.online import OnlineBody, prepare_online, rescales, step_roots
@@ -64,27 +64,36 @@ class _Frame:
         a row fragment instead of being re-read from global memory per element. Those indexed
         by the key position only (a document id per key) are copied per key block into shared
         memory beside K: on the H100 the document forward ran 5% faster (the per-element
-        global reads of partial blocks were 13% of its time). Not with three consumer
-        warpgroups: TileLang's warp specialisation then gave the copy to a second producer
-        group that ran out of registers. Partial blocks evaluate the mask only once either
-        way (OnlineBody)."""
+        global reads of partial blocks were 13% of its time). In the automatic pipeline a
+        T.copy of the block's slice; in the warp-specialised schedule the producer warp fills
+        a ring stage beside K's (`per_key` then holds the element read at position t). Not
+        with three consumer warpgroups: TileLang's warp specialisation then gave the copy to a
+        second producer group that ran out of registers."""
         spec, bN = self.spec, self.cfg.block_N
         nodes = topo([spec.score_mod, *([spec.mask] if spec.mask is not None else []),
                       spec.online_p, spec.o_scale, *(e for _, e in spec.online_updates)])
         self.customs_1d = {n.key: n for n in nodes if n.op == "custom" and n.axes == ("m",)}
         self.staged = {key: f"cq{i}" for i, key in enumerate(sorted(self.customs_1d, key=str))}
-        # A whole key block per copy: static lengths that the key blocks tile exactly (and
-        # not in the warp-specialised schedule, whose producer loads K and V only).
-        if self.cfg.threads > 256 or self.shape.dynamic or self.shape.seqlen_kv % bN \
-                or self.ws or self.fold:
+        # The automatic pipeline copies a whole key block: static lengths that the key blocks
+        # tile exactly; the producer warp's fill clamps each position.
+        whole_blocks = not self.shape.dynamic and self.shape.seqlen_kv % bN == 0
+        if self.cfg.threads > 256 or self.fold or not (self.ws or whole_blocks):
             return
         reads = sorted({n.key: n for n in nodes if n.op == "custom" and n.axes == ("n",)
                         and n.attr[2][-1] == "kv"}.items(), key=lambda kv: str(kv[0]))
+        key_at = f"T.min(kb * {bN} + t, {self.shape.last_text('kv')})" if self.ws \
+            else f"kb * {bN}:(kb + 1) * {bN}"
         for i, (key, node) in enumerate(reads):
             name, _, index = node.attr
-            parts = [f"kb * {bN}:(kb + 1) * {bN}" if s == "kv" else self.index_text.get(s, "0")
+            parts = [key_at if s == "kv" else self.index_text.get(s, "0")
                      if isinstance(s, str) else "0" for s in index]
             self.per_key[key] = (f"cks{i}", f"C_{name}[{', '.join(parts)}]")
+
+    def mask_reads_staged(self) -> bool:
+        """Whether every tensor the mask reads is staged (per query in registers, per key in
+        shared memory): re-evaluating it then costs no global read."""
+        reads = [n for n in topo([self.spec.mask]) if n.op in CUSTOM_READS]
+        return all(n.key in self.staged or n.key in self.per_key for n in reads)
 
     def custom_global(self, node: Expr) -> str:
         name, _, index = node.attr
@@ -98,8 +107,8 @@ class _Frame:
         if node.op == "custom":
             if node.key in self.staged:
                 return f"{self.staged[node.key]}[i]"
-            if node.key in self.per_key:
-                return f"{self.per_key[node.key][0]}[j]"
+            if node.key in self.per_key:  # ws: the ring stage of the step (ConsumerLoop)
+                return f"{self.per_key[node.key][0]}[{'ks, ' if self.ws else ''}j]"
             return self.custom_global(node)
         if node.op == "gather":
             return gather_text(node, self.bind, self.shape.dim_sizes)
@@ -215,10 +224,14 @@ def _online_bodies(f: _Frame) -> tuple[OnlineBody, OnlineBody | None]:
     mask = conds[0] if len(conds) == 1 else f"T.And({conds[0]}, {conds[1]})"
     # Masks that read tensors (document ids) are evaluated once per partial block into a tile;
     # index-only masks are cheaper to recompute inline (measured on the H100: causal 4k
-    # 516 vs 452 TFLOP/s inline vs once, document 61 vs 104).
-    once = shape.dtype if reads_data(spec.mask) else None
+    # 516 vs 452 TFLOP/s inline vs once, document 61 vs 104). In the warp-specialised
+    # schedule the tile would be acc_s_cast, the running P V's operand, so a partial block
+    # waited for that gemm before its softmax: there a mask whose reads are all staged
+    # is recomputed inline.
+    by_value = f.ws and reads_data(spec.mask) and f.mask_reads_staged()
+    once = shape.dtype if reads_data(spec.mask) and not by_value else None
     return full, OnlineBody(f.online, f.step_bind, mask, bM, bN, once, p_in_acc=f.ws,
-                            own_uniforms=False)
+                            own_uniforms=False, mask_by_value=by_value)
 
 
 def _emit_buffers(w: SourceWriter, f: _Frame, temps: set[str]) -> None:
@@ -235,7 +248,8 @@ def _emit_buffers(w: SourceWriter, f: _Frame, temps: set[str]) -> None:
     w.line(f'acc_o = T.alloc_fragment(({bM}, {Dv}), "float32")')
     rows = [f"rs_{name}" for name, _ in f.spec.online_init] + sorted(temps) + list(f.staged.values())
     w.lines([f'{name} = T.alloc_fragment(({bM},), "float32")' for name in rows])
-    w.lines([f'{buf} = T.alloc_shared(({bN},), "float32")' for buf, _ in f.per_key.values()])
+    ring = f"{f.cfg.num_stages}, " if f.ws else ""
+    w.lines([f'{buf} = T.alloc_shared(({ring}{bN},), "float32")' for buf, _ in f.per_key.values()])
     if f.cfg.swizzle_panel:
         w.line(f"T.use_swizzle({f.cfg.swizzle_panel})")
 
@@ -301,13 +315,15 @@ def _emit_ws_body(w: SourceWriter, f: _Frame, full: OnlineBody, partial: OnlineB
         w.line("cnt[0] = 0")
     else:
         w.lines(_key_range_lines(f))
-    ws.emit_producer(w, _q_tile(f), _kv_tile(f, "K"), _kv_tile(f, "V"), order, tiles)
+    ws.emit_producer(w, _q_tile(f), _kv_tile(f, "K"), _kv_tile(f, "V"), order, tiles,
+                     tuple(f.per_key.values()), cfg.block_N)
     with w.block("else:"):
         w.line(f"T.set_max_nreg({WS_CONSUMER_REGS}, 1)")
         loop = ws.ConsumerLoop(w, full, partial,
                                f"Cls[{f.table_index}, bx, kb]" if partial else None, cfg,
                                f.shape.head_dim_v, order, tiles,
-                               one_block=one_key_block(f.tiled, cfg.block_N))
+                               one_block=one_key_block(f.tiled, cfg.block_N),
+                               key_stage=bool(f.per_key))
         if tiles.persistent:  # the turns go on from tile to tile
             loop.start()
         with tiles.each(w):

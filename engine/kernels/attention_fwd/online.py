@@ -69,16 +69,19 @@ class OnlineBody:
     overlapped schedule needs while the previous P is still an operand (not with the mask
     evaluated once, which uses acc_s_cast). `own_uniforms`: the step writes its block-uniform
     reads itself (False: the caller wrote them once per tile, `let_uniforms` over
-    `step_roots`, and `base_bind` names them). `temps`: the row fragments the statements
-    need (the caller allocates)."""
+    `step_roots`, and `base_bind` names them). `mask_by_value`: once acc_s holds the raw
+    scores with -inf where masked (a max's input), later selects test acc_s against -inf
+    instead of evaluating the mask again (a product of finite inputs is finite, so the two
+    agree); the mask is then evaluated once without a tile to hold it. `temps`: the row
+    fragments the statements need (the caller allocates)."""
 
     def __init__(self, online: tuple[Expr, list[tuple[str, Expr]], Expr],
                  base_bind: Callable[[Expr], str | None], mask: str | None, bM: int, bN: int,
                  mask_once_dtype: str | None = None, p_in_acc: bool = False,
-                 own_uniforms: bool = True):
+                 own_uniforms: bool = True, mask_by_value: bool = False):
         self.p, self.updates, self.o_scale = online
         self.base_bind, self.mask, self.bM, self.bN = base_bind, mask, bM, bN
-        self.own_uniforms = own_uniforms
+        self.own_uniforms, self.mask_by_value = own_uniforms, mask_by_value
         self.mask_once_dtype = mask_once_dtype
         self.p_in_acc = p_in_acc and not (mask is not None and mask_once_dtype is not None)
         self.w = SourceWriter()
@@ -168,10 +171,14 @@ class OnlineBody:
         if any(_uses(e, self.acc_holds, src) for e in remaining):
             raise NotImplementedError("this spec needs two live score tiles; not supported yet")
         text = em.float_(src)
+        cond = self.mask
+        if self.mask_by_value and self.acc_masked == float("-inf") \
+                and self.acc_holds.key == leaf("rawscore", ("m", "n")).key:
+            cond = f"({ACC_S} != {const_text(float('-inf'), 'float')})"
         self.acc_masked = None
-        if self.mask is not None:
+        if cond is not None:
             self.acc_masked = neutral or 0.0
-            text = f"T.if_then_else({self.mask}, {text}, {const_text(self.acc_masked, 'float')})"
+            text = f"T.if_then_else({cond}, {text}, {const_text(self.acc_masked, 'float')})"
         self._tile(f"acc_s[i, j] = {text}")
         self.bound.pop(self.acc_holds.key, None)
         self.bound[src.key] = ACC_S

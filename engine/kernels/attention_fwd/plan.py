@@ -10,7 +10,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from engine.dsl.expr import CUSTOM_READS, topo
+from engine.dsl.expr import CUSTOM_READS, Expr, topo
 from engine.kernels.attention_fwd.online import rescales
 from engine.plan.config import (
     GEMM_POLICIES,
@@ -228,18 +228,28 @@ PREFERENCE: tuple[KernelConfig, ...] = (
 
 def ws_by_default(spec: TracedSpec) -> bool:
     """The warp-specialised schedule by default: for online softmaxes (a rescaled output:
-    there is an exponential step to overlap) whose score, mask and online step read no tensor
-    per query or key (one value per (batch, head), as ALiBi's slopes or a key gate, is fine).
+    there is an exponential step to overlap) whose score, mask and online step read tensors
+    at most per query or per key (staged: per query in registers, per key in the producer's
+    rings) or per (batch, head) (ALiBi's slopes, a key gate), not per (query, key).
     On the H100 once the full run is walked without the class branch (results/NOTES.md 100,
     101; B 2 x S 4k, 32/8 heads, D 128), against the automatic pipeline: neighbourhood_2d
     15% faster, soft-cap 7%, Gemma-2 6%, sliding window and dilated 4%, key gate 3%,
-    prefix-LM, Mistral's window and ALiBi even; the document masks (ids read per query and
-    key) 12-44% slower, ReLU attention (no softmax to hide) 12%. Not with dynamic shapes:
-    plain softmax at 4k took 0.98 ms against the automatic pipeline's 0.85 (NOTES 90)."""
+    prefix-LM, Mistral's window and ALiBi even; ReLU attention (no softmax to hide) 12%
+    slower. The document masks (ids read per query and key), 12-44% slower while their
+    consumers read the key ids from global memory and held the mask in P's tile, ran 1.37x
+    (document) and 1.47x (document with prefixes) faster walked once the ids came from the
+    producer's rings (NOTES 124; Llama-3-8B heads, B 1 x 8k). Not with dynamic shapes: plain
+    softmax at 4k took 0.98 ms against the automatic pipeline's 0.85 (NOTES 90)."""
     roots = [spec.score_mod, spec.online_p, spec.o_scale,
              *([spec.mask] if spec.mask is not None else [])]
-    per_element = [n for n in topo(roots) if n.op in CUSTOM_READS and n.axes]
-    return rescales(spec.o_scale) and not per_element
+    unstaged = [n for n in topo(roots) if n.op in CUSTOM_READS and n.axes
+                and not (n.op == "custom" and (n.axes == ("m",) or _per_key(n)))]
+    return rescales(spec.o_scale) and not unstaged
+
+
+def _per_key(node: Expr) -> bool:
+    """A custom read indexed by the key position alone (the codegen's per-key ring)."""
+    return node.axes == ("n",) and node.attr[2][-1] == "kv"
 
 
 # Masked rows longer than this take the plain grid: the walk hides a fixed cost per tile (its

@@ -143,10 +143,12 @@ class KeyOrder:
 
 
 def emit_producer(w: SourceWriter, q_src: str, k_src: str, v_src: str, order: KeyOrder,
-                  tiles: TileWalk) -> None:
+                  tiles: TileWalk, key_reads: tuple[tuple[str, str], ...] = (),
+                  block_N: int = 0) -> None:
     """Warp 0 of the producer warpgroup: per tile Q (once the consumers have handed the last
     one back), then per step the K and V stages, each once the consumers have freed it.
-    `k_src`/`v_src` are slices at key block `kb`."""
+    `k_src`/`v_src` are slices at key block `kb`; `key_reads` (ring, read of key t of block
+    kb): per-key tensors the warp copies into K's stage of their rings before it arrives."""
     stage, phase = tiles.stage("k"), tiles.phase("k")
     with w.block(f"if tx < {WS_PRODUCER_THREADS}:"):
         w.line(f"T.set_max_nreg({WS_PRODUCER_REGS}, 0)")
@@ -161,6 +163,10 @@ def emit_producer(w: SourceWriter, q_src: str, k_src: str, v_src: str, order: Ke
                     w.line(f"T.mbarrier_wait_parity({name}_empty[{stage}], {phase} ^ 1)")
                     w.line(f"T.tma_copy({src}, {name.upper()}_shared[{stage}, :, :], "
                            f"barrier={name}_full[{stage}])")
+                    if name == "k" and key_reads:
+                        with w.block(f"for t in T.Parallel({block_N}):"):
+                            w.lines([f"{ring_buf}[{stage}, t] = {read}"
+                                     for ring_buf, read in key_reads])
                     w.line(f"T.mbarrier_arrive({name}_full[{stage}])")
             tiles.emit_padding(w, "empty", "full", " ^ 1")
 
@@ -169,13 +175,15 @@ class ConsumerLoop:
     """The consumers' walk over the key blocks [lo, lo + n) at `cfg`. `cls_text`: the block
     class of key block kb (None: every block takes the full body); `tiles`: where the ring
     positions count from, and whether Q and the last V stage go back to the producer;
-    `one_block`: no query block sees more than one key block (no loop over the later ones)."""
+    `one_block`: no query block sees more than one key block (no loop over the later ones);
+    `key_stage`: the bodies read per-key rings at stage `ks`, named with each step's kb."""
 
     def __init__(self, w: SourceWriter, full: OnlineBody, partial: OnlineBody | None,
                  cls_text: str | None, cfg: KernelConfig, head_dim_v: int, order: KeyOrder,
-                 tiles: TileWalk, one_block: bool = False):
+                 tiles: TileWalk, one_block: bool = False, key_stage: bool = False):
         self.w, self.full, self.partial, self.cls_text = w, full, partial, cls_text
         self.order, self.tiles, self.one_block = order, tiles, one_block
+        self.key_stage = key_stage
         self.pingpong, self.consumers = cfg.schedule == "pingpong", cfg.threads
         self.bM, self.Dv = cfg.block_M, head_dim_v
         # registers a thread holds of the score tile and of O (for the operand fences)
@@ -194,6 +202,7 @@ class ConsumerLoop:
         w.line(f"T.mbarrier_wait_parity(q_full[0], {self.tiles.q_parity})")
         with w.block("if n > 0:"):
             w.line(f"kb: T.int32 = {self.order.first_kb}")
+            self._key_stage("0")
             self._class()
             w.line(f"T.mbarrier_wait_parity(k_full[{self.tiles.stage('0')}], {self.tiles.phase('0')})")
             with self._turn():
@@ -237,10 +246,15 @@ class ConsumerLoop:
         """Step k = kk + 1 at key block `kb`: its class read (`classed`), then the waits for
         its K and the previous block's V."""
         self.w.lines(["k: T.int32 = kk + 1", f"kb: T.int32 = {kb}"])
+        self._key_stage("k")
         if classed:
             self._class()
         self.w.line(f"T.mbarrier_wait_parity(k_full[{self.tiles.stage('k')}], {self.tiles.phase('k')})")
         self.w.line(f"T.mbarrier_wait_parity(v_full[{self.tiles.stage('kk')}], {self.tiles.phase('kk')})")
+
+    def _key_stage(self, step: str) -> None:
+        if self.key_stage:
+            self.w.line(f"ks: T.int32 = {self.tiles.stage(step)}")
 
     def _class(self) -> None:
         # Read ahead of the gemms: a global load at the branch would wait behind them.
@@ -264,10 +278,12 @@ class ConsumerLoop:
             self.w.line(f"{call}({second}, {self.consumers})")
 
     def _wait_scores(self, pending: int, stage: str) -> None:
-        """This block's scores are in (the P V behind them may still run): K's stage is free."""
+        """This block's scores are in (the P V behind them may still run): K's stage is free,
+        unless the body still reads the per-key rings filled with it (`_body` frees it)."""
         self.w.line(f"T.wait_wgmma({pending})")
         self.w.line(f"T.warpgroup_fence_operand(acc_s, num_regs={self.tile_regs})")
-        self.w.line(f"T.mbarrier_arrive(k_empty[{stage}])")
+        if not self.key_stage:
+            self.w.line(f"T.mbarrier_arrive(k_empty[{stage}])")
 
     def _wait_output(self) -> None:
         self.w.line("T.wait_wgmma(0)")
@@ -302,6 +318,8 @@ class ConsumerLoop:
         if serial and not first:
             self._wait_output()
         w.line(body.source)
+        if self.key_stage:
+            w.line(f"T.mbarrier_arrive(k_empty[{self.tiles.stage('0' if first else 'k')}])")
         if not first:
             if not serial:
                 self._wait_output()
