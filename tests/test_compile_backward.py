@@ -431,7 +431,7 @@ def test_panel_launch_order():
     from types import SimpleNamespace
 
     from engine.kernels.attention_bwd.panels import panel_order
-    from engine.kernels.attention_bwd.plan import panel_default
+    from engine.kernels.attention_bwd.plan import panel_default, plan_backward
     from engine.plan.shape import KernelShape
 
     for nkb, heads, batch, panel in ((32, 8, 2, 4), (7, 3, 5, 18), (8, 8, 16, 16), (5, 2, 3, 4)):
@@ -460,6 +460,13 @@ def test_panel_launch_order():
         shape = KernelShape.of(mod)
         assert panel_default(shape, cfg, True) == want and panel_default(shape, cfg, False) == 1
         assert want * -(-S // 128) <= 132
+        # a mask that reads data (its blocks walk a document's queries): two waves
+        assert panel_default(shape, cfg, True, short_walks=True) == max(1, 264 // -(-S // 128))
+    docs = VARIANTS["document_prefix"].build(**{**LLAMA3, "seqlen_q": 8192, "seqlen_kv": 8192},
+                                             head_dim=128, head_dim_v=128,
+                                             dtype=torch.bfloat16, backend="reference")
+    plan = plan_backward(docs.spec, KernelShape.of(docs), cfg)
+    assert plan.warp_specialized and plan.panel == 4
     src = _module("softmax_causal", D=128).backward_kernels().source
     assert "as bid:" in src and "bx: T.int32 = OrdT[0, 0, (bid - pn * " in src
 

@@ -239,3 +239,5 @@ def test_persistent_walk_default_follows_the_warp_specialised_schedule():
     long_causal = default("softmax_causal", 2 * MASKED_WALK_ROWS)
     assert long_causal == KernelConfig(128, 128, 2, 256, schedule="overlap")
     assert default("softmax", 2 * MASKED_WALK_ROWS).persistent
+    # a mask that reads data: a row spans its document, the walk at every length
+    assert default("document_prefix", 2 * MASKED_WALK_ROWS).persistent

@@ -16,9 +16,10 @@ from __future__ import annotations
 from engine.plan.config import H100_SMS
 
 
-def wave_panel(n_blocks: int) -> int:
-    """Groups per panel: as many as keep a panel of `n_blocks` blocks each within one wave."""
-    return max(1, H100_SMS // max(1, n_blocks))
+def wave_panel(n_blocks: int, waves: int = 1) -> int:
+    """Groups per panel: as many as keep a panel of `n_blocks` blocks each within `waves`
+    waves."""
+    return max(1, waves * H100_SMS // max(1, n_blocks))
 
 
 def panel_order(bid: str, n_blocks: int, heads: int, batch: int, panel: int,

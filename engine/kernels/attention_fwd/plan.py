@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from engine.dsl.expr import CUSTOM_READS, Expr, topo
 from engine.kernels.attention_fwd.online import rescales
+from engine.mask.analysis import reads_data
 from engine.plan.config import (
     GEMM_POLICIES,
     SCHEDULES,
@@ -265,9 +266,12 @@ def persistent_by_default(spec: TracedSpec, seqlen_q: int | None = None) -> bool
     tiles come from the host's table (walk.py). On the H100, against the plain grid in one
     process (NOTES 118), at 4k: sliding window 1.11x, neighbourhood_2d 1.27x, dilated 1.13x,
     soft-cap 1.07x, ALiBi 1.07-1.20x (1.10-1.20x at 1k); prefix-LM 1.08x and the key gate
-    1.16x once ptxas no longer serialised their wgmmas (NOTES 119)."""
+    1.16x once ptxas no longer serialised their wgmmas (NOTES 119). Masks that read data
+    (documents) walk at every length: a row spans its document, not the sequence (packed
+    prefixes at 16k, Llama-3-8B heads: 1.077x the grid, NOTES 124)."""
     long_rows = seqlen_q is not None and seqlen_q > MASKED_WALK_ROWS
-    return ws_by_default(spec) and not (spec.mask is not None and long_rows)
+    masked_long = spec.mask is not None and long_rows and not reads_data(spec.mask)
+    return ws_by_default(spec) and not masked_long
 
 
 # Rows spanning fewer blocks of the preferred tile than this take the least padded tile.
