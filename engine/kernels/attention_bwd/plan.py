@@ -448,7 +448,7 @@ def panel_default(shape: KernelShape, cfg: KernelConfig, warp_specialized: bool,
     a causal mask a tail: 12% slower at LLaMA-3 8B heads, 2 x 4k, walking the GQA group.)
     `short_walks` (a mask that reads data: a block walks its document's queries, not the
     sequence's): two waves, whose longest blocks start before the first wave's run out. On
-    the H100 at Llama-3-8B heads (NOTES 124): packed prefixes 8k 1.075x, 16k 1.087x
+    the H100 at Llama-3-8B heads (NOTES 125): packed prefixes 8k 1.075x, 16k 1.087x
     (1.095x at four groups), documents 8k 1.036x, all groups at once 1.02-1.03x.
     1 (the plain grid) without the warp-specialised schedule or with a swizzle panel."""
     if not warp_specialized or cfg.swizzle_panel:

@@ -19,7 +19,12 @@ from engine.dsl.expr import CUSTOM_READS, Expr, topo
 from engine.ir.spec import TracedSpec
 from engine.kernels.attention_fwd import walk, ws
 from engine.kernels.attention_fwd.online import OnlineBody, prepare_online, rescales, step_roots
-from engine.kernels.attention_fwd.plan import has_partial_blocks, one_key_block, walks_full_run
+from engine.kernels.attention_fwd.plan import (
+    has_partial_blocks,
+    one_key_block,
+    per_key_read,
+    walks_full_run,
+)
 from engine.mask.analysis import reads_data
 from engine.plan.config import H100_SMS, WS_CONSUMER_REGS, WS_PRODUCER_THREADS, KernelConfig
 from engine.plan.fold import index_texts, row_fold
@@ -79,8 +84,8 @@ class _Frame:
         whole_blocks = not self.shape.dynamic and self.shape.seqlen_kv % bN == 0
         if self.cfg.threads > 256 or self.fold or not (self.ws or whole_blocks):
             return
-        reads = sorted({n.key: n for n in nodes if n.op == "custom" and n.axes == ("n",)
-                        and n.attr[2][-1] == "kv"}.items(), key=lambda kv: str(kv[0]))
+        reads = sorted({n.key: n for n in nodes if per_key_read(n)}.items(),
+                       key=lambda kv: str(kv[0]))
         key_at = f"T.min(kb * {bN} + t, {self.shape.last_text('kv')})" if self.ws \
             else f"kb * {bN}:(kb + 1) * {bN}"
         for i, (key, node) in enumerate(reads):

@@ -244,13 +244,14 @@ def ws_by_default(spec: TracedSpec) -> bool:
     roots = [spec.score_mod, spec.online_p, spec.o_scale,
              *([spec.mask] if spec.mask is not None else [])]
     unstaged = [n for n in topo(roots) if n.op in CUSTOM_READS and n.axes
-                and not (n.op == "custom" and (n.axes == ("m",) or _per_key(n)))]
+                and not (n.op == "custom" and (n.axes == ("m",) or per_key_read(n)))]
     return rescales(spec.o_scale) and not unstaged
 
 
-def _per_key(node: Expr) -> bool:
-    """A custom read indexed by the key position alone (the codegen's per-key ring)."""
-    return node.axes == ("n",) and node.attr[2][-1] == "kv"
+def per_key_read(node: Expr) -> bool:
+    """A custom read indexed by the key position alone (staged per key block: the codegen's
+    `per_key`)."""
+    return node.op == "custom" and node.axes == ("n",) and node.attr[2][-1] == "kv"
 
 
 # Masked rows longer than this take the plain grid: the walk hides a fixed cost per tile (its
