@@ -88,8 +88,12 @@ def frame(spec: TracedSpec, shape: KernelShape, plan: BackwardPlan) -> Frame:
     q_idx, kv_idx, h = index_texts(plan.fold, q_row, kv_row, head)
     st = cfg.num_stages
     ring = (f"k % {st}", st) if plan.warp_specialized else None
+    # Ring-only per-query reads of whole query blocks come by TMA: filled element by element,
+    # the producer warp waited for its loads before each arrive.
+    whole = plan.q_reads_in_ring and not shape.dynamic and shape.seqlen_q % d.bM == 0
     hoisted, by_kv, by_q = hoisted_vectors(plan.hoisted, shape, d.bN, f"qb * {d.bM}", head,
-                                           ring[0] if plan.q_reads_in_ring else None)
+                                           ring[0] if plan.q_reads_in_ring else None,
+                                           f"qb * {d.bM}:(qb + 1) * {d.bM}" if whole else "")
     finals, delta = row_vectors(spec, shape, f"qb * {d.bM}", head)
     bind, index_text = binder(shape, q_idx, kv_idx, {"rawscore": "sT", "dp": "dpT", "p": "pT"},
                               "j", hoisted, h)

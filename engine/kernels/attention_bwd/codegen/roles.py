@@ -88,7 +88,7 @@ def emit_producer_roles(w: SourceWriter, cfg: KernelConfig, G: int, heads_loop: 
                     w.line(f"T.tma_copy({src}[bz, {q_rows}, {head}, :], "
                            f"{src}_shared[k % {st}, :, :], barrier={bar}[k % {st}])")
                     for group in fills:
-                        group.emit_fill(w)
+                        group.emit_fill(w, f"{bar}[k % {st}]")
                     w.line(f"T.mbarrier_arrive({bar}[k % {st}])")
         if not dq_writer:
             return

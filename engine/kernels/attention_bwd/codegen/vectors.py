@@ -24,6 +24,7 @@ class Vector:
     reg: str  # the register fragment
     ring: str  # its shared-memory ring in the warp-specialised schedule
     src: str  # the global read of its element t
+    block: str = ""  # the read of the step's whole block, for one TMA copy ("": none)
 
 
 @dataclass(frozen=True)
@@ -62,10 +63,16 @@ class VectorGroup:
         else:
             self._loop(w, [f"{v.reg}[t] = {v.ring}[{self.ring[0]}, t]" for v in self.vectors])
 
-    def emit_fill(self, w: SourceWriter) -> None:
-        """The producer's copy into the ring's stage (nothing without a ring)."""
-        if self.ring is not None:
-            self._loop(w, [f"{v.ring}[{self.ring[0]}, t] = {v.src}" for v in self.vectors])
+    def emit_fill(self, w: SourceWriter, barrier: str) -> None:
+        """The producer's copy into the ring's stage (nothing without a ring): a TMA copy
+        counted on `barrier` for a vector read as a whole block, else element by element
+        (the producer warp waits for those loads before it arrives)."""
+        if self.ring is None:
+            return
+        stage = self.ring[0]
+        w.lines([f"T.tma_copy({v.block}, {v.ring}[{stage}, :], barrier={barrier})"
+                 for v in self.vectors if v.block])
+        self._loop(w, [f"{v.ring}[{stage}, t] = {v.src}" for v in self.vectors if not v.block])
 
 
 def row_vectors(spec: TracedSpec, shape: KernelShape, q0: str, head: str
@@ -77,22 +84,27 @@ def row_vectors(spec: TracedSpec, shape: KernelShape, q0: str, head: str
 
 
 def hoisted_vectors(hoisted: tuple[HoistedRead, ...], shape: KernelShape, bN: int, q0: str,
-                    head: str, stage: str | None = None
+                    head: str, stage: str | None = None, q_block: str = ""
                     ) -> tuple[dict[tuple, str], list[Vector], list[Vector]]:
     """(binding of each hoisted read to its vector element, per-key vectors, per-query
     vectors): per key, loaded once before the loop; per query, each step like the finals.
     With `stage` (the step's ring stage index; the plan's q_reads_in_ring), a per-query read
-    binds to the ring's shared-memory element instead."""
+    binds to the ring's shared-memory element instead; with `q_block` (the step's query rows
+    as a slice, where they are a whole block) the producer copies it by TMA."""
     pos = {"q": f"T.min({q0} + t, {shape.seqlen_q - 1})",
            "kv": f"T.min(bx * {bN} + t, {shape.seqlen_kv - 1})"}
     index_text = {"b": "bz", "h": head}
     bind: dict[tuple, str] = {}
     by_axis: dict[str, list[Vector]] = {"q": [], "kv": []}
-    for h in hoisted:
-        parts = [pos[h.axis] if x == h.axis else index_text.get(x, "0") if isinstance(x, str)
+    def read(h: HoistedRead, at: str) -> str:
+        parts = [at if x == h.axis else index_text.get(x, "0") if isinstance(x, str)
                  else "0" for x in h.index]
+        return f"C_{h.name}[{', '.join(parts)}]"
+
+    for h in hoisted:
         reg = f"Cq{h.slot}" if h.axis == "q" else f"Ck{h.slot}"
-        by_axis[h.axis].append(Vector(reg, f"Cqs{h.slot}", f"C_{h.name}[{', '.join(parts)}]"))
+        block = read(h, q_block) if q_block and h.axis == "q" and h.index[-1] == "q" else ""
+        by_axis[h.axis].append(Vector(reg, f"Cqs{h.slot}", read(h, pos[h.axis]), block))
         if h.axis == "kv":
             bind[(h.name, h.index)] = f"{reg}[i]"
         else:
