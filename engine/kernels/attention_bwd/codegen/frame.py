@@ -89,8 +89,11 @@ def frame(spec: TracedSpec, shape: KernelShape, plan: BackwardPlan) -> Frame:
     st = cfg.num_stages
     ring = (f"k % {st}", st) if plan.warp_specialized else None
     # Ring-only per-query reads of whole query blocks come by TMA: filled element by element,
-    # the producer warp waited for its loads before each arrive.
-    whole = plan.q_reads_in_ring and not shape.dynamic and shape.seqlen_q % d.bM == 0
+    # the producer warp waited for its loads before each arrive (NOTES 128). Only in the key
+    # split's fast kernel, the one run on the H100 that way; the head split and the
+    # deterministic mode keep the element fill.
+    whole = plan.q_reads_in_ring and not (plan.head_split or plan.deterministic) \
+        and not shape.dynamic and shape.seqlen_q % d.bM == 0
     hoisted, by_kv, by_q = hoisted_vectors(plan.hoisted, shape, d.bN, f"qb * {d.bM}", head,
                                            ring[0] if plan.q_reads_in_ring else None,
                                            f"qb * {d.bM}:(qb + 1) * {d.bM}" if whole else "")
