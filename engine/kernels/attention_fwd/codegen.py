@@ -23,6 +23,7 @@ from engine.kernels.attention_fwd.plan import (
     has_partial_blocks,
     one_key_block,
     per_key_read,
+    per_query_read,
     walks_full_run,
 )
 from engine.mask.analysis import reads_data
@@ -77,7 +78,7 @@ class _Frame:
         spec, bN = self.spec, self.cfg.block_N
         nodes = topo([spec.score_mod, *([spec.mask] if spec.mask is not None else []),
                       spec.online_p, spec.o_scale, *(e for _, e in spec.online_updates)])
-        self.customs_1d = {n.key: n for n in nodes if n.op == "custom" and n.axes == ("m",)}
+        self.customs_1d = {n.key: n for n in nodes if per_query_read(n)}
         self.staged = {key: f"cq{i}" for i, key in enumerate(sorted(self.customs_1d, key=str))}
         # The automatic pipeline copies a whole key block: static lengths that the key blocks
         # tile exactly; the producer warp's fill clamps each position.

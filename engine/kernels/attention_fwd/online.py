@@ -86,7 +86,7 @@ class OnlineBody:
         self.p_in_acc = p_in_acc and not (mask is not None and mask_once_dtype is not None)
         self.w = SourceWriter()
         self.temps: set[str] = set()
-        raw = leaf("rawscore", ("m", "n"))
+        raw = self.raw = leaf("rawscore", ("m", "n"))
         self.acc_holds: Expr = raw  # which expression acc_s currently holds
         self.acc_masked: float | None = None  # what its masked entries hold (None: unknown)
         self.bound: dict[tuple, str] = {raw.key: ACC_S}
@@ -173,7 +173,7 @@ class OnlineBody:
         text = em.float_(src)
         cond = self.mask
         if self.mask_by_value and self.acc_masked == float("-inf") \
-                and self.acc_holds.key == leaf("rawscore", ("m", "n")).key:
+                and self.acc_holds.key == self.raw.key:
             cond = f"({ACC_S} != {const_text(float('-inf'), 'float')})"
         self.acc_masked = None
         if cond is not None:

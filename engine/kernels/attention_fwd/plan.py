@@ -244,8 +244,14 @@ def ws_by_default(spec: TracedSpec) -> bool:
     roots = [spec.score_mod, spec.online_p, spec.o_scale,
              *([spec.mask] if spec.mask is not None else [])]
     unstaged = [n for n in topo(roots) if n.op in CUSTOM_READS and n.axes
-                and not (n.op == "custom" and (n.axes == ("m",) or per_key_read(n)))]
+                and not (per_query_read(n) or per_key_read(n))]
     return rescales(spec.o_scale) and not unstaged
+
+
+def per_query_read(node: Expr) -> bool:
+    """A custom read indexed by the query position alone (staged per query block in a row
+    fragment: the codegen's `staged`)."""
+    return node.op == "custom" and node.axes == ("m",)
 
 
 def per_key_read(node: Expr) -> bool:
@@ -291,17 +297,21 @@ def default_forward_config(head_dim: int, head_dim_v: int, elem_bytes: int = 2,
     ops = spec.masked_block_ops() if spec is not None else 0
     ws = not dynamic and (spec is None or ws_by_default(spec))
     persistent = ws and (spec is None or persistent_by_default(spec, seqlen_q))
-    valid = [c for c in PREFERENCE if not config_problems(c, head_dim, head_dim_v, elem_bytes)
-             and (c.schedule == "auto" or ws) and (not c.persistent or persistent)]
+
+    def sound(c: KernelConfig) -> bool:
+        return not config_problems(c, head_dim, head_dim_v, elem_bytes)
+
+    def fits(c: KernelConfig) -> bool:
+        return masked_body_fits(c, head_dim, head_dim_v, ops, elem_bytes)
+
+    valid = [c for c in PREFERENCE if sound(c) and (c.schedule == "auto" or ws)
+             and (not c.persistent or persistent)]
     if not valid:
         raise ValueError(
             f"no valid forward kernel config for head dims D={head_dim}, Dv={head_dim_v}"
         )
-    fits = [c for c in valid if masked_body_fits(c, head_dim, head_dim_v, ops, elem_bytes)]
-    cfg = _least_padding(fits or valid, seqlen_q)
-    return fit_short_keys(cfg, seqlen_kv, lambda c: not config_problems(
-        c, head_dim, head_dim_v, elem_bytes) and masked_body_fits(c, head_dim, head_dim_v, ops,
-                                                                  elem_bytes))
+    cfg = _least_padding([c for c in valid if fits(c)] or valid, seqlen_q)
+    return fit_short_keys(cfg, seqlen_kv, lambda c: sound(c) and fits(c))
 
 
 def fit_short_keys(cfg: KernelConfig, seqlen_kv: int | None,
