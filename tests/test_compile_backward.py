@@ -288,10 +288,11 @@ def test_custom_reads_by_one_position_are_hoisted():
         assert len(reads) == 2 and (any(ln.startswith("Cqs") for ln in reads) == ws)
 
 
-def test_per_query_mask_reads_of_whole_blocks_come_by_tma():
-    """Two per-query reads (a document id, a prefix end) sit in the producer's ring: at lengths
-    that whole query blocks tile, it copies them by TMA on Q's barrier (its warp no longer waits
-    for 2 x 64 loads before arriving); with a tail, element by element, clamped."""
+def test_per_query_vectors_of_whole_blocks_come_by_tma():
+    """The producer's per-query vectors (the finals, Delta, a document id and a prefix end): at
+    lengths that whole query blocks tile, each is one TMA copy on its stage's barrier (its
+    warp no longer waits for 64 loads a vector before arriving); with a tail, element by
+    element, clamped."""
     from engine.kernels.attention_bwd.codegen import generate_backward
     from engine.kernels.attention_bwd.plan import plan_backward
     from engine.plan.shape import KernelShape
@@ -306,19 +307,26 @@ def test_per_query_mask_reads_of_whole_blocks_come_by_tma():
         src = generate_backward(mod.spec, KernelShape.of(mod), plan).source
         sources[seqlen] = src
         return [ln.strip() for ln in src.splitlines()
-                if ln.strip().startswith(("T.tma_copy(C_", "Cqs")) and "alloc" not in ln]
+                if ln.strip().startswith(("T.tma_copy(C_", "T.tma_copy(F_", "T.tma_copy(Delta",
+                                          "Cqs", "Fs_", "Ds["))
+                and "alloc" not in ln]
     sources: dict[int, str] = {}
+    rows = "qb * 64:(qb + 1) * 64"
     assert fills(1024) == [
-        "T.tma_copy(C_doc_ids[bz, qb * 64:(qb + 1) * 64], Cqs1[k % 2, :], barrier=q_full[k % 2])",
-        "T.tma_copy(C_prefix_end[bz, qb * 64:(qb + 1) * 64], Cqs2[k % 2, :], "
-        "barrier=q_full[k % 2])"]
+        f"T.tma_copy(F_lse[bz, by, {rows}], Fs_lse[k % 2, :], barrier=q_full[k % 2])",
+        f"T.tma_copy(C_doc_ids[bz, {rows}], Cqs1[k % 2, :], barrier=q_full[k % 2])",
+        f"T.tma_copy(C_prefix_end[bz, {rows}], Cqs2[k % 2, :], barrier=q_full[k % 2])",
+        f"T.tma_copy(Delta[bz, by, {rows}], Ds[k % 2, :], barrier=do_full[k % 2])"]
     tail = fills(1000)
-    assert tail == ["Cqs1[k % 2, t] = C_doc_ids[bz, T.min(qb * 64 + t, 999)]",
-                    "Cqs2[k % 2, t] = C_prefix_end[bz, T.min(qb * 64 + t, 999)]"], tail
+    clamp = "T.min(qb * 64 + t, 999)"
+    assert tail == [f"Fs_lse[k % 2, t] = F_lse[bz, by, {clamp}]",
+                    f"Cqs1[k % 2, t] = C_doc_ids[bz, {clamp}]",
+                    f"Cqs2[k % 2, t] = C_prefix_end[bz, {clamp}]",
+                    f"Ds[k % 2, t] = Delta[bz, by, {clamp}]"], tail
     from engine.runtime.compile import lowered_cuda
 
-    # K, V, Q, dO and the two vectors: TileLang lowers each copy to a TMA load
-    assert lowered_cuda(sources[1024]).count("tma_load") == 6
+    # K, V, Q, dO and the four vectors: TileLang lowers each copy to a TMA load
+    assert lowered_cuda(sources[1024]).count("tma_load") == 8
 
 
 def _source(name: str, cfg: KernelConfig | None = None, custom_grads=(), deterministic=False,

@@ -55,13 +55,22 @@ NO_TAIL_VARIANTS = ["softmax_causal", "document", "document_prefix", "neighbourh
                     "alibi", "softcap", "rel_bias", "t5_bias", "key_gate"]
 CASES += [(name, dt, 2, 8, hkv, 1024, 1024, 128, 128)
           for name in NO_TAIL_VARIANTS for dt in (BF16, FP16) for hkv in (8, 2)]
+# The head split at whole query blocks (its producer copies the per-query vectors by TMA)
+CASES += [(name, dt, 2, 8, hkv, 1024, 1024, D, Dv)
+          for name, dt, hkv, D, Dv in [
+              ("softmax", FP16, 8, 256, 256), ("softmax_causal", BF16, 2, 256, 256),
+              ("gemma2", BF16, 2, 256, 256), ("alibi", FP16, 2, 256, 256),
+              ("document_prefix", BF16, 2, 256, 256), ("softmax_causal", BF16, 2, 192, 128)]]
 
 
 # test_deterministic_backward: (variant, kv heads of 8 query heads): GQA 4 sums per-head dK/dV
 # afterwards; MHA stores them once in the input dtype.
+# At 1000 rows, and at 1024 where the head split (D 256) copies its vectors by TMA.
 DETERMINISTIC = [("softmax_causal", 2, 128), ("alibi", 2, 128), ("sigmoid", 2, 128),
                  ("softmax_causal", 8, 128), ("softmax_causal", 2, 256), ("gemma2", 8, 256),
                  ("alibi", 2, 256), ("dilated", 2, 128), ("key_gate", 2, 128)]
+DETERMINISTIC = [(*entry, 1000) for entry in DETERMINISTIC] + [("softmax_causal", 2, 256, 1024),
+                                                                ("alibi", 8, 256, 1024)]
 
 
 def _build(case, backward_config=None):
@@ -83,8 +92,8 @@ def _precompiled(request):
         learn = tuple(VARIANTS[case[0]].learnable)
         srcs += _build(case)[0].backward_kernels(custom_grads=learn).sources()
     chosen = selected_params(request, "name")
-    for name, hkv, d in (entry for entry in DETERMINISTIC if entry[0] in chosen):
-        mod = _build((name, BF16, 2, 8, hkv, 1000, 1000, d, d))[0]
+    for name, hkv, d, S in (entry for entry in DETERMINISTIC if entry[0] in chosen):
+        mod = _build((name, BF16, 2, 8, hkv, S, S, d, d))[0]
         learn = tuple(VARIANTS[name].learnable)
         srcs += mod.backward_kernels(custom_grads=learn, deterministic=True).sources()
     srcs += [src for c in FOLD_CASES if c in selected_params(request, "fold_case")
@@ -172,6 +181,9 @@ HEADS_LOOP = [
     # The warp-specialised head split (its next step's products issued ahead, across heads)
     ("gemma2", BF16, 1, 8, 4, 1000, 1000, 256, 256),
     ("softmax_causal", FP16, 2, 8, 2, 777, 777, 192, 128),
+    # whole query blocks: the per-query vectors by TMA, across heads
+    ("softmax_causal", BF16, 2, 8, 2, 1024, 1024, 128, 128),
+    ("gemma2", FP16, 1, 8, 4, 1024, 1024, 256, 256),
 ]
 
 
@@ -251,13 +263,13 @@ def test_engine_autograd_runs_the_kernels(name, monkeypatch):
         assert rel_err(b, a) < 1e-2, f"{what}: retain_graph run differs"
 
 
-@pytest.mark.parametrize("name, heads_kv, d", DETERMINISTIC)
-def test_deterministic_backward(name, heads_kv, d):
+@pytest.mark.parametrize("name, heads_kv, d, seqlen", DETERMINISTIC)
+def test_deterministic_backward(name, heads_kv, d, seqlen):
     """deterministic=True: the atomic-free kernels (per-head dK/dV, per-row custom gradients,
     a separate dQ kernel) match the reference and give bitwise identical gradients twice."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    x = _inputs((name, BF16, 2, 8, heads_kv, 1000, 1000, d, d), seed=21)
+    x = _inputs((name, BF16, 2, 8, heads_kv, seqlen, seqlen, d, d), seed=21)
     x["mod"].deterministic = True
     first, again, want = _kernel(x), _kernel(x), _reference(x)
     for what, a, b, w in zip(["dq", "dk", "dv", *x["learn"]], first, again, want, strict=True):

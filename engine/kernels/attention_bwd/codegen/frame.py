@@ -88,16 +88,14 @@ def frame(spec: TracedSpec, shape: KernelShape, plan: BackwardPlan) -> Frame:
     q_idx, kv_idx, h = index_texts(plan.fold, q_row, kv_row, head)
     st = cfg.num_stages
     ring = (f"k % {st}", st) if plan.warp_specialized else None
-    # Ring-only per-query reads of whole query blocks come by TMA: filled element by element,
-    # the producer warp waited for its loads before each arrive (NOTES 128). Only in the key
-    # split's fast kernel, the one run on the H100 that way; the head split and the
-    # deterministic mode keep the element fill.
-    whole = plan.q_reads_in_ring and not (plan.head_split or plan.deterministic) \
-        and not shape.dynamic and shape.seqlen_q % d.bM == 0
+    # Per-query vectors of whole query blocks come by TMA in the warp-specialised schedule:
+    # filled element by element, the producer warp waited for their loads before each arrive
+    # (NOTES 128, 129). A tail block, or dynamic shapes, keep the element fill and its clamp.
+    whole = plan.warp_specialized and not shape.dynamic and shape.seqlen_q % d.bM == 0
+    q_block = f"qb * {d.bM}:(qb + 1) * {d.bM}" if whole else ""
     hoisted, by_kv, by_q = hoisted_vectors(plan.hoisted, shape, d.bN, f"qb * {d.bM}", head,
-                                           ring[0] if plan.q_reads_in_ring else None,
-                                           f"qb * {d.bM}:(qb + 1) * {d.bM}" if whole else "")
-    finals, delta = row_vectors(spec, shape, f"qb * {d.bM}", head)
+                                           ring[0] if plan.q_reads_in_ring else None, q_block)
+    finals, delta = row_vectors(spec, shape, f"qb * {d.bM}", head, q_block)
     bind, index_text = binder(shape, q_idx, kv_idx, {"rawscore": "sT", "dp": "dpT", "p": "pT"},
                               "j", hoisted, h)
     if plan.warp_specialized:

@@ -75,12 +75,18 @@ class VectorGroup:
         self._loop(w, [f"{v.ring}[{stage}, t] = {v.src}" for v in self.vectors if not v.block])
 
 
-def row_vectors(spec: TracedSpec, shape: KernelShape, q0: str, head: str
+def row_vectors(spec: TracedSpec, shape: KernelShape, q0: str, head: str, q_block: str = ""
                 ) -> tuple[list[Vector], list[Vector]]:
-    """The finals and Delta (when `bwd` reads it) of query head `head`'s queries from `q0`."""
-    row = f"bz, {head}, T.min({q0} + t, {shape.seqlen_q - 1})"
-    finals = [Vector(f"Fr_{name}", f"Fs_{name}", f"F_{name}[{row}]") for name in spec.final_names]
-    return finals, [Vector("Dr", "Ds", f"Delta[{row}]")] if spec.uses_doosum else []
+    """The finals and Delta (when `bwd` reads it) of query head `head`'s queries from `q0`;
+    with `q_block` (the step's query rows as a slice, where they are a whole block) the
+    producer copies each by TMA."""
+    def vector(reg: str, ring: str, tensor: str) -> Vector:
+        block = f"{tensor}[bz, {head}, {q_block}]" if q_block else ""
+        return Vector(reg, ring, f"{tensor}[bz, {head}, T.min({q0} + t, {shape.seqlen_q - 1})]",
+                      block)
+
+    finals = [vector(f"Fr_{name}", f"Fs_{name}", f"F_{name}") for name in spec.final_names]
+    return finals, [vector("Dr", "Ds", "Delta")] if spec.uses_doosum else []
 
 
 def hoisted_vectors(hoisted: tuple[HoistedRead, ...], shape: KernelShape, bN: int, q0: str,
