@@ -261,8 +261,7 @@ def test_linear_kernels_compile_for_sm90a(tmp_path, monkeypatch):
     kernel) and backward (reverse state pass with and without dht / dh0, dV, dQ/dK) at the
     default config; a packed batch; one q and k head shared by four (Mamba2's); D 256 with
     Dv 512 (RetNet); 128-position chunks on 256 threads; the single-pass forward; a folded q
-    scale and value weights, single pass and two kernels; the state pass in segments; the
-    recurrent step. Distinct sources
+    scale and value weights, single pass and two kernels; the recurrent step. Distinct sources
     compile once, in parallel."""
     from engine.kernels.linear_fwd.plan import Folds, LinearConfig
     from engine.runtime.precompile import precompile
@@ -281,8 +280,6 @@ def test_linear_kernels_compile_for_sm90a(tmp_path, monkeypatch):
         *_linear_sources(2, 2, 2, 2, 200, 128, 128, folds=Folds(0.125, True),
                          config=LinearConfig(block_K=128, single_pass=True, threads=256)),
         *_linear_sources(2, 1, 1, 4, 200, 128, 64, folds=Folds(v_weight=True)),
-        *_linear_sources(1, 2, 2, 2, 300, 64, 64, packed=3, flags=every,
-                         config=LinearConfig(segment=2), folds=Folds(v_weight=True)),
         *_step_sources(),
     ]
     errors = precompile(sources)

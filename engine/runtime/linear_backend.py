@@ -177,6 +177,6 @@ def kernel_sources(cache: LinearKernelCache, q: torch.Tensor, k: torch.Tensor,
     fk = cache.forward(shape, fwd, folds)
     out = fk.sources(initial_state, final_state)
     if "bwd" in modes:  # the backward reruns the state pass (no final state), then its own
-        out += [*(k.source for k in fk.states(initial_state, False)),
+        out += [fk.states(initial_state, False).source,
                 *cache.backward(shape, bwd, folds.v_weight).sources(final_state, initial_state)]
     return list(dict.fromkeys(out))

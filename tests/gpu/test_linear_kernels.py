@@ -29,10 +29,6 @@ PACKED = (0, 37, 150, 300)
 LIMITS = {"dg": 3e-2, "dw": 3e-2}
 C128 = LinearConfig(chunk=128, block_K=128, block_V=64, threads=256)
 ONE = LinearConfig(block_K=64, single_pass=True, threads=256)  # the single-pass forward
-# The state pass in segments of 2 chunks (and of 1): partial last segments and chunks,
-# sequences of 1 to 5 chunks when packed
-SEG = LinearConfig(segment=2)
-SEG1 = LinearConfig(chunk=128, block_K=128, block_V=64, threads=256, segment=1)
 # (dtype, (HQ, HK, H), (D, Dv), B, T, states, packed, config or None: the default)
 CASES = ([(dt, h, d, 2, 200, True, False, None) for dt in (BF16, FP16) for h in HEADS
           for d in DIMS]
@@ -47,14 +43,7 @@ CASES = ([(dt, h, d, 2, 200, True, False, None) for dt in (BF16, FP16) for h in 
             for d in ((64, 64), (128, 128), (128, 64), (256, 256))]
          + [(FP16, (4, 4, 4), (128, 128), 2, 200, True, False, ONE),
             (BF16, (1, 1, 4), (128, 128), 1, PACKED[-1], True, True, ONE),
-            (BF16, (4, 4, 4), (64, 64), 2, 1, True, False, ONE)]
-         + [(dt, h, d, 2, 300, True, False, SEG) for dt in (BF16, FP16) for h in HEADS
-            for d in ((64, 64), (128, 128), (256, 256), (128, 64))]
-         + [(BF16, (4, 4, 4), (128, 128), 2, t, st, False, SEG) for t in (1, 64, 128, 129)
-            for st in (True, False)]
-         + [(BF16, h, (128, 128), 1, PACKED[-1], True, True, SEG) for h in HEADS[:2]]
-         + [(BF16, (2, 1, 4), (128, 64), 2, 300, True, False, SEG1),
-            (FP16, (4, 4, 4), (128, 128), 1, PACKED[-1], True, True, SEG1)])
+            (BF16, (4, 4, 4), (64, 64), 2, 1, True, False, ONE)])
 
 # Folds (a q scale and value weights) over both forward designs, packing, sharing, fp16, D 256
 FOLD_CASES = [(BF16, (1, 1, 4), (128, 64), 2, 200, True, False, None),
@@ -62,9 +51,7 @@ FOLD_CASES = [(BF16, (1, 1, 4), (128, 64), 2, 200, True, False, None),
               (BF16, (4, 4, 4), (128, 128), 2, 200, True, False, ONE),
               (BF16, (1, 1, 4), (128, 128), 1, PACKED[-1], True, True, None),
               (BF16, (2, 1, 4), (128, 64), 2, 300, True, False, C128),
-              (BF16, (4, 4, 4), (256, 256), 2, 200, False, False, None),
-              (BF16, (1, 1, 4), (128, 64), 2, 300, True, False, SEG),
-              (BF16, (1, 1, 4), (128, 128), 1, PACKED[-1], True, True, SEG)]
+              (BF16, (4, 4, 4), (256, 256), 2, 200, False, False, None)]
 FOLDS = Folds(q_scale=0.37, v_weight=True)
 
 def case_id(c: tuple) -> str:
@@ -101,7 +88,7 @@ def _sources(case: tuple, folds: Folds = NO_FOLDS) -> list[str]:
     fwd, bwd = linear_backend.configs(shape, cfg, None)
     fk, bk = cache.forward(shape, fwd, folds), cache.backward(shape, bwd, folds.v_weight)
     # the forward's kernels, the backward's, and the state pass the backward reruns
-    return [*fk.sources(states, states), *(k.source for k in fk.states(states, False)),
+    return [*fk.sources(states, states), fk.states(states, False).source,
             *bk.sources(states, states)]
 
 

@@ -12,8 +12,6 @@ from engine.kernels.linear_fwd.codegen import (
     generate_decays,
     generate_fused,
     generate_output,
-    generate_segment_combine,
-    generate_segment_pass,
     generate_states,
 )
 from engine.kernels.linear_fwd.plan import NO_FOLDS, Folds, LinearConfig, LinearShape, check_config
@@ -29,24 +27,18 @@ class ForwardKernels:
     output: Kernel
     decays: Kernel  # each chunk slot's running decay sum, run before the others
     folds: Folds = NO_FOLDS  # the mods the kernels apply themselves
-    _states: dict[tuple[bool, bool], list[Kernel]] = field(default_factory=dict)
+    _states: dict[tuple[bool, bool], Kernel] = field(default_factory=dict)
     _single: dict[tuple[bool, bool], Kernel] = field(default_factory=dict)
     _tables: dict[torch.device, ChunkTables] = field(default_factory=dict)
 
-    def states(self, initial: bool, final: bool) -> list[Kernel]:
-        """The state pass reading an initial state or not, writing the final one or not: one
-        kernel, or with segments (LinearConfig.segment) the segments' end states, their
-        combine and the segments' states."""
+    def states(self, initial: bool, final: bool) -> Kernel:
+        """The state pass reading an initial state or not, writing the final one or not."""
         key = (initial, final)
         if key not in self._states:
             # the states do not depend on q: one source with or without a q scale
             folds = Folds(v_weight=self.folds.v_weight)
-            s, cfg = self.shape, self.config
-            self._states[key] = [Kernel(generate_states(s, cfg, *key, folds=folds))] \
-                if not cfg.segment else [
-                    Kernel(generate_segment_pass(s, cfg, False, folds)),
-                    Kernel(generate_segment_combine(s, cfg, *key)),
-                    Kernel(generate_segment_pass(s, cfg, True, folds))]
+            self._states[key] = Kernel(generate_states(self.shape, self.config, *key,
+                                                       folds=folds))
         return self._states[key]
 
     def single(self, initial: bool, final: bool) -> Kernel:
@@ -61,7 +53,7 @@ class ForwardKernels:
     def forward_kernels(self, initial: bool, final: bool) -> list[Kernel]:
         if single_pass(self):
             return [self.decays, self.single(initial, final)]
-        return [self.decays, *self.states(initial, final), self.output]
+        return [self.decays, self.states(initial, final), self.output]
 
     def sources(self, initial: bool = False, final: bool = False) -> list[str]:
         return [k.source for k in self.forward_kernels(initial, final)]
@@ -118,23 +110,15 @@ def run_states(fk: ForwardKernels, k: torch.Tensor, v: torch.Tensor, tables: Chu
     s, C = fk.shape, fk.config.chunk
     hs = torch.empty(s.slots(C), s.heads, s.head_dim, s.head_dim_v, dtype=k.dtype,
                      device=k.device)
-    ends = {} if initial_state is None else {"H0": initial_state}
+    args = {"K": k, "V": v, **slot_data, "Seqs": tables.seqs, "Chunks": tables.chunks,
+            "Hs": hs}
+    if initial_state is not None:
+        args["H0"] = initial_state
     ht = None
     if final:
-        ht = ends["Ht"] = torch.empty(s.num_seqs, s.heads, s.head_dim, s.head_dim_v,
+        ht = args["Ht"] = torch.empty(s.num_seqs, s.heads, s.head_dim, s.head_dim_v,
                                       dtype=torch.float32, device=k.device)
-    inputs = {"K": k, "V": v, **slot_data, "Seqs": tables.seqs, "Chunks": tables.chunks}
-    kernels = fk.states(initial_state is not None, final)
-    if len(kernels) == 1:
-        kernels[0](**inputs, Hs=hs, **ends)
-        return hs, ht
-    seg_ends, combine, seg_states = kernels
-    hseg, sst = (torch.empty(s.num_seqs, s.heads, s.segments(fk.config), s.head_dim,
-                             s.head_dim_v, dtype=torch.float32, device=k.device)
-                 for _ in range(2))
-    seg_ends(**inputs, Hseg=hseg)
-    combine(Gc=slot_data["Gc"], Seqs=tables.seqs, Hseg=hseg, Sst=sst, **ends)
-    seg_states(**inputs, Sst=sst, Hs=hs)
+    fk.states(initial_state is not None, final)(**args)
     return hs, ht
 
 

@@ -30,11 +30,7 @@ class LinearConfig:
     over Dv in block_V steps); num_stages: the state pass's load pipeline depth; threads: threads
     per block. single_pass: the forward is one kernel that keeps each block's [D, block_V]
     state slice in registers (else the state pass stores every chunk's state for the output
-    kernel); the backward always recomputes the states with the state pass. segment: with
-    the two kernels, the state pass cut into segments of this many chunks run in parallel
-    (each segment's end state from zero, a serial combine of those per sequence, then each
-    segment's states from its true start: twice the state work over more blocks, where
-    sequences x heads x state tiles leave SMs idle); 0: one segment per sequence."""
+    kernel); the backward always recomputes the states with the state pass."""
 
     chunk: int = 64
     block_K: int = 64
@@ -42,7 +38,6 @@ class LinearConfig:
     num_stages: int = 2
     threads: int = 128
     single_pass: bool = False
-    segment: int = 0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -53,8 +48,7 @@ class LinearConfig:
 
     def key(self) -> str:
         return (f"C{self.chunk}_K{self.block_K}_V{self.block_V}_s{self.num_stages}_"
-                f"t{self.threads}" + ("_1p" if self.single_pass else "")
-                + (f"_g{self.segment}" if self.segment else ""))
+                f"t{self.threads}" + ("_1p" if self.single_pass else ""))
 
 
 @dataclass(frozen=True)
@@ -95,14 +89,6 @@ class LinearShape(LinearProblem):
         per_row = -(-self.seqlen // chunk)
         return per_row + self.sequences if self.sequences else self.batch * per_row
 
-    def segments(self, cfg: LinearConfig) -> int:
-        """State-pass segments per sequence at `cfg` (LinearConfig.segment): enough for the
-        longest sequence's chunks (1 without segments)."""
-        if not cfg.segment:
-            return 1
-        chunks = -(-self.seqlen // cfg.chunk)
-        return -(-chunks // cfg.segment)
-
     def key(self) -> str:
         return (f"B{self.batch}_H{self.heads_q}x{self.heads_k}x{self.heads}_T{self.seqlen}_"
                 f"D{self.head_dim}x{self.head_dim_v}_{self.dtype}_n{self.sequences}")
@@ -137,9 +123,6 @@ def config_problems(cfg: LinearConfig, head_dim: int, head_dim_v: int, elem_byte
         out.append(f"threads={cfg.threads}: expected 128 or 256")
     if cfg.num_stages not in (1, 2, 3):
         out.append(f"num_stages={cfg.num_stages}: expected 1, 2 or 3")
-    if cfg.segment < 0 or (cfg.segment and cfg.single_pass):
-        out.append(f"segment={cfg.segment}: expected 0, or a chunk count >= 1 without "
-                   "single_pass (the single pass has no state pass to cut)")
     if cfg.single_pass and head_dim * cfg.block_V > STATE_REGS * cfg.threads:
         out.append(f"single_pass: a [{head_dim}, {cfg.block_V}] fp32 state over {cfg.threads} "
                    f"threads is over {STATE_REGS} registers each")
