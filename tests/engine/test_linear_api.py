@@ -421,3 +421,18 @@ def test_custom_input_errors():
         mod(*a.values(), s, torch.rand(2, 4, 21))
     with pytest.raises(TypeError, match=r"got 3 positional custom inputs"):
         mod(*a.values(), s, w, w)
+
+
+@pytest.mark.parametrize("batch, heads, head_dim, head_dim_v, block_K", [
+    (2, 16, 128, 128, 64),   # 64 state-pass blocks at 128 key rows: 128 at 64 fit one wave
+    (1, 80, 128, 64, 128),   # 80 blocks; 64 key rows would make 160, a second wave
+    (1, 32, 256, 512, 128),  # 512 blocks: already past one wave
+])
+def test_two_kernel_default_keeps_the_state_pass_in_one_wave(batch, heads, head_dim, head_dim_v,
+                                                             block_K):
+    from engine.kernels.linear_fwd.plan import LinearShape, config_for_shape
+
+    shape = LinearShape(batch=batch, heads_q=heads, heads_k=heads, heads=heads, seqlen=16384,
+                        head_dim=head_dim, head_dim_v=head_dim_v, dtype="bfloat16")
+    cfg = config_for_shape(shape, 132)
+    assert not cfg.single_pass and cfg.block_K == block_K

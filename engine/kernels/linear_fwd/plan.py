@@ -154,6 +154,18 @@ def default_linear_config(head_dim: int, head_dim_v: int, elem_bytes: int = 2, s
     return cfg
 
 
+def one_wave_block_k(shape: LinearShape, cfg: LinearConfig, sm_count: int) -> int:
+    """The state pass's key tile: cfg's, halved (down to 64) while its blocks (sequences x
+    heads x state tiles, each walking a whole sequence) still fit one wave. At B 2 x T 16k,
+    16 heads, D 128 (64 blocks at 128 rows) the pass ran 212 us at 64 rows against 270; at
+    80 heads, where 64 rows make 160 blocks, 206 against 131 (H100, results/NOTES.md 130)."""
+    bk = cfg.block_K
+    blocks = shape.num_seqs * shape.heads * (shape.head_dim_v // cfg.block_V)
+    while bk > 64 and blocks * (shape.head_dim // (bk // 2)) <= sm_count:
+        bk //= 2
+    return bk
+
+
 @functools.lru_cache(maxsize=256)  # a pure function of the shape, asked on every call
 def config_for_shape(shape: LinearShape, sm_count: int = 132) -> LinearConfig:
     """The default at this shape (measured on an H200, results/NOTES.md): at D <= 128 with at
@@ -165,7 +177,8 @@ def config_for_shape(shape: LinearShape, sm_count: int = 132) -> LinearConfig:
     default_linear_config's."""
     elem = elem_bytes(shape.dtype)
     cfg = default_linear_config(shape.head_dim, shape.head_dim_v, elem)
-    tries = [dataclasses.replace(cfg, chunk=128, threads=256)]
+    tries = [dataclasses.replace(cfg, chunk=128, threads=256,
+                                 block_K=one_wave_block_k(shape, cfg, sm_count))]
     if (shape.head_dim <= 128
             and shape.num_seqs * shape.heads * (shape.head_dim_v // cfg.block_V) >= sm_count):
         tries.insert(0, dataclasses.replace(cfg, single_pass=True, threads=256))
