@@ -22,6 +22,7 @@ from engine.dsl.io import meta_tensor
 from engine.kernels.linear_fwd.plan import (
     LinearConfig,
     LinearShape,
+    backward_config_for_shape,
     config_for_shape,
     config_problems,
 )
@@ -182,8 +183,12 @@ def test_the_module_runs_the_tuned_configs(tmp_path, engine_gpu, monkeypatch, ca
     assert "attnbench tune --mode linear" in caplog.text
     mod(q.requires_grad_(), k, v, decay)
     mod(q[:, :, :32], k[:, :, :32], v[:, :, :32], decay[:, :, :32])  # untuned length
-    assert seen == [(TUNED, None), (TRAIN, TRAIN), (config_for_shape(
-        dataclasses.replace(shape, seqlen=32)), None)]
+    # untuned: the defaults (here a training call's backward keeps 128 key rows)
+    untuned = dataclasses.replace(shape, seqlen=32)
+    assert seen == [(TUNED, None), (TRAIN, TRAIN), (config_for_shape(untuned),
+                                                   backward_config_for_shape(untuned))]
+    assert config_for_shape(untuned).block_K == 64
+    assert backward_config_for_shape(untuned).block_K == 128
 
 
 def test_tune_mode_linear_end_to_end_with_the_fake_objective(tmp_path, engine_gpu, capsys):

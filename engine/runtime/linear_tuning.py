@@ -16,7 +16,12 @@ import logging
 from typing import NamedTuple
 
 from engine.dtypes import elem_bytes
-from engine.kernels.linear_fwd.plan import LinearConfig, LinearShape, config_for_shape
+from engine.kernels.linear_fwd.plan import (
+    LinearConfig,
+    LinearShape,
+    backward_config_for_shape,
+    config_for_shape,
+)
 from engine.kernels.linear_fwd.tune_shape import tune_shape
 from engine.kernels.registry import LINEAR_BWD, LINEAR_FWD, KernelKind
 from engine.tuning import select, tune_file
@@ -75,7 +80,9 @@ def pick(shape: LinearShape, config: LinearConfig | None,
     bwd = backward_config
     if bwd is None and tuned.training is not None and tuned.training.chunk == fwd.chunk:
         bwd = tuned.training
-    return fwd, bwd
+    if bwd is None and config is None and tuned.forward is None:
+        bwd = backward_config_for_shape(shape)
+    return fwd, (None if bwd == fwd else bwd)
 
 
 class TuneLookup:

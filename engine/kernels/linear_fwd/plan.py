@@ -186,3 +186,13 @@ def config_for_shape(shape: LinearShape, sm_count: int = 132) -> LinearConfig:
         if not config_problems(c, shape.head_dim, shape.head_dim_v, elem):
             return c
     return cfg
+
+
+def backward_config_for_shape(shape: LinearShape, sm_count: int = 132) -> LinearConfig:
+    """The training call's default backward config: config_for_shape's without the halved key
+    tile of one_wave_block_k, which made the forward 1.12x faster at B 2 x T 16k but its
+    forward+backward 0.97x (the backward's kernels at 64 key rows; results/NOTES.md 130). The
+    backward's rerun of the state pass still takes the forward's config."""
+    fwd = config_for_shape(shape, sm_count)
+    base = default_linear_config(shape.head_dim, shape.head_dim_v, elem_bytes(shape.dtype))
+    return dataclasses.replace(fwd, block_K=max(fwd.block_K, base.block_K))
