@@ -18,15 +18,20 @@ from engine.runtime.compile import compile_source, launcher
 TORCH_DTYPES = TORCH  # a parameter's TileLang dtype is the torch name
 
 
-def bind_arguments(params: Sequence[KernelParam], tensors: Mapping[str, Any]) -> list[Any]:
-    """`tensors` in the order of `params`; ValueError naming what is missing or unexpected."""
-    names = [p.name for p in params]
-    if len(tensors) != len(names) or any(n not in tensors for n in names):
-        missing = [n for n in names if n not in tensors]
-        extra = sorted(set(tensors) - set(names))
-        raise ValueError(f"kernel arguments: missing {missing}, unexpected {extra}; "
-                         f"the kernel takes {names}")
-    return [tensors[n] for n in names]
+def bind_arguments(params: Sequence[KernelParam], tensors: Mapping[str, Any],
+                   names: Sequence[str] | None = None) -> list[Any]:
+    """`tensors` in the order of `params` (whose names may be given: a kernel keeps them);
+    ValueError naming what is missing or unexpected."""
+    names = [p.name for p in params] if names is None else names
+    if len(tensors) == len(names):
+        try:
+            return [tensors[n] for n in names]
+        except KeyError:
+            pass
+    missing = [n for n in names if n not in tensors]
+    extra = sorted(set(tensors) - set(names))
+    raise ValueError(f"kernel arguments: missing {missing}, unexpected {extra}; "
+                     f"the kernel takes {list(names)}")
 
 
 def check_arguments(params: Sequence[KernelParam], args: Sequence[Any]) -> None:
@@ -75,7 +80,7 @@ class Kernel:
         return tuple(p.name for p in self.params)
 
     def __call__(self, **tensors: Any) -> Any:
-        return self.launch(*bind_arguments(self.params, tensors))
+        return self.launch(*bind_arguments(self.params, tensors, self.names))
 
     def pick(self, named: Mapping[str, Any]) -> list[Any]:
         """This kernel's tensors from `named` (which may hold others'), in parameter order."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import torch
 
@@ -35,7 +36,7 @@ class MaskTables:
     # a table of its own shape after the expanded ones (the persistent walk's), named last,
     # built from the layout's tables by name
     extra: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None = None
-    _cache: dict[str, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    _cache: dict[Any, tuple[torch.Tensor, ...]] = field(default_factory=dict)
 
     @cached_property
     def data_dependent(self) -> bool:
@@ -43,10 +44,11 @@ class MaskTables:
         return reads_data(self.mask)
 
     def get(self, customs: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, ...]:
-        key = str(device)
+        key: Any = device  # hashable; its text per call cost host time
         if self.data_dependent:
-            key += "|" + "|".join(f"{n}:{t.data_ptr()}:{t._version}:{tuple(t.shape)}"
-                                  for n, t in sorted(customs.items()))
+            key = str(device) + "|" + "|".join(f"{n}:{t.data_ptr()}:{t._version}:"
+                                               f"{tuple(t.shape)}"
+                                               for n, t in sorted(customs.items()))
         if key in self._cache:
             return self._cache[key]
         out = kept(lambda: self._build(customs, device), device)
