@@ -125,6 +125,10 @@ class AttentionEngine(torch.nn.Module):
     ):
         super().__init__()
         self.problem, self.dtype = _check_meta(qkv_meta)
+        p = self.problem  # q's, k's and v's shapes, kept: built per call they cost host time
+        self._qkv_shapes = ((p.batch, p.seqlen_q, p.heads_q, p.head_dim),
+                            (p.batch, p.seqlen_kv, p.heads_kv, p.head_dim),
+                            (p.batch, p.seqlen_kv, p.heads_kv, p.head_dim_v))
         if block_mask is not None and mask_mod is not None:
             raise ValueError(
                 "give the mask once: mask_mod= or block_mask= (seed 002's name), not both"
@@ -277,20 +281,9 @@ class AttentionEngine(torch.nn.Module):
         )
 
     # ------------------------------------------------------------------ call
-    def _qkv_shapes(self) -> tuple[tuple[int, ...], ...]:
-        """q's, k's and v's shapes from qkv_meta (kept: built per call, they cost host time)."""
-        p = self.problem
-        kept = self.__dict__.get("_kept_shapes")
-        if kept is None or kept[0] is not p:
-            kept = self.__dict__["_kept_shapes"] = (p, (
-                (p.batch, p.seqlen_q, p.heads_q, p.head_dim),
-                (p.batch, p.seqlen_kv, p.heads_kv, p.head_dim),
-                (p.batch, p.seqlen_kv, p.heads_kv, p.head_dim_v)))
-        return kept[1]
-
     def _check_inputs(self, q, k, v, args, kwargs) -> list[torch.Tensor]:
         device = None
-        for name, t, want in zip("qkv", (q, k, v), self._qkv_shapes(), strict=True):
+        for name, t, want in zip("qkv", (q, k, v), self._qkv_shapes, strict=True):
             expect_tensor(name, t)
             if t.shape != want:
                 raise ValueError(
