@@ -13,9 +13,18 @@ The layer computes o [B, H, T, Dv]: o_t = sum_{s <= t} (q_t . k_s) exp(G_t - G_s
 variant's q/k/v mods, G the running sum of g = decay_mod(decay). Every implementation is checked
 against the variant's own torch formulation (`reference_fn`, the quadratic masked form), which
 `linear_reference` runs one sequence and group of heads at a time.
+
+A continuation case (seqlen_q < seqlen_kv: generation, or a prefill continued in pieces) is
+the last T = seqlen_q positions of sequences of seqlen_kv: its inputs are those positions and
+`initial_state` [B, H, D, Dv] float32, the state of the seqlen_kv - T positions before them
+(the engine's reference executor over them), and a call returns (o, final state), both
+checked: o against `reference_fn` over the whole sequences, the final state against the
+reference executor's (`continuation_reference`). Forward only.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -23,6 +32,7 @@ from attnbench.cases import Case
 from engine.dtypes import torch_dtype
 
 LINEAR_TENSORS = ("q", "k", "v", "decay")  # the call's leading tensors, in order
+STATE = "initial_state"  # a continuation case's state input (module docstring)
 GRAD_TENSORS = ("q", "k", "v")  # the inputs whose gradients every row checks
 REF_CHUNK_ELEMS = 2**28  # T x T elements per reference slice (1 GiB in float32)
 
@@ -36,7 +46,13 @@ def linear_sizes(case: Case) -> dict[str, int]:
 
 def linear_customs(inputs: dict) -> dict[str, torch.Tensor]:
     """The variant's custom tensors among a linear case's inputs, in the call's order."""
-    return {n: t for n, t in inputs.items() if n not in LINEAR_TENSORS}
+    return {n: t for n, t in inputs.items() if n not in LINEAR_TENSORS and n != STATE}
+
+
+def is_continuation(case: Case) -> bool:
+    """Whether the case continues a state: its T = seqlen_q positions end sequences of
+    seqlen_kv (module docstring)."""
+    return case.seqlen_q < case.seqlen_kv
 
 
 def make_linear_inputs(case: Case, variant, device: str,
@@ -123,3 +139,54 @@ def linear_args(variant, inputs: dict[str, torch.Tensor],
 def build_linear(case: Case, variant, backend: str):
     """The variant's LinearAttentionEngine for the case's sizes and dtype."""
     return variant.build(linear_sizes(case), torch_dtype(case.dtype), backend=backend)
+
+
+def _whole(case: Case) -> Case:
+    """A continuation case's whole sequences as a case of its own."""
+    return replace(case, seqlen_q=case.seqlen_kv)
+
+
+def _positions(t: torch.Tensor, lo: int, hi: int, length: int) -> torch.Tensor:
+    """Positions lo..hi of an input whose dim 2 is the sequence (q, k, v, the decay and the
+    custom tensors with a seq_len dim); the others (per head, per batch) whole."""
+    return t[:, :, lo:hi] if t.dim() >= 3 and t.shape[2] == length else t
+
+
+def _reference_module(case: Case, variant, seqlen: int):
+    """The variant's LinearAttentionEngine on the engine's reference executor (plain torch,
+    float32 math, any device) for `seqlen` positions."""
+    return variant.build({**linear_sizes(case), "seqlen": seqlen}, torch_dtype(case.dtype),
+                         backend="reference")
+
+
+def _final_state(case: Case, variant, inputs: dict[str, torch.Tensor], seqlen: int
+                 ) -> torch.Tensor:
+    """The reference executor's final state [B, H, D, Dv] float32 after positions 0..seqlen."""
+    part = {n: _positions(t, 0, seqlen, case.seqlen_kv) for n, t in inputs.items()}
+    mod = _reference_module(case, variant, seqlen)
+    with torch.no_grad():
+        _, state = mod(part["q"], part["k"], part["v"], part["decay"],
+                       *linear_customs(part).values(), output_final_state=True)
+    return state.float().contiguous()
+
+
+def make_continuation_inputs(case: Case, variant, device: str, seed: int
+                             ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(the call's inputs: the last seqlen_q positions and STATE, the state before them;
+    the whole sequences' inputs, for the reference) of a continuation case."""
+    whole = variant.make_inputs(linear_sizes(_whole(case)), torch_dtype(case.dtype), device,
+                                seed, False)
+    prefix = case.seqlen_kv - case.seqlen_q
+    call = {n: _positions(t, prefix, case.seqlen_kv, case.seqlen_kv).contiguous()
+            for n, t in whole.items()}
+    call[STATE] = _final_state(case, variant, whole, prefix)
+    return call, whole
+
+
+def continuation_reference(case: Case, variant, whole: dict[str, torch.Tensor],
+                           dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o of the last seqlen_q positions from the variant's `reference_fn` over the whole
+    sequences, in `dtype`; the final state from the reference executor, float32)."""
+    o = linear_reference(_whole(case), variant, whole, None, dtype, False)[0]
+    prefix = case.seqlen_kv - case.seqlen_q
+    return o[:, :, prefix:], _final_state(case, variant, whole, case.seqlen_kv)

@@ -26,11 +26,14 @@ above (the causal half of each chunk's C x C block, C/2 key positions per token)
                                                                     recompute, dq, dk, dv and
                                                                     the state gradient)
 
-Elementwise work (decays, mods, cumulative sums) is not counted.
+Elementwise work (decays, mods, cumulative sums) is not counted. A continuation of fewer than C
+positions (a generation step) counts the recurrent form instead, 2 * B * H * T * 2 * D * Dv (the
+state update k v^T and the output q . S per position).
 
 MFU is TFLOP/s divided by the device's dense (no sparsity) tensor-core peak for the dtype.
-Bandwidth-bound rows (decode) also carry TB/s and its fraction of the device's peak memory
-bandwidth (`GPU_MEM_BW`; the bytes counted in `attnbench.decode.decode_bytes`).
+Bandwidth-bound rows (decode, linear continuations) also carry TB/s and its fraction of the
+device's peak memory bandwidth (`GPU_MEM_BW`; the bytes counted in
+`attnbench.decode.decode_bytes` and `linear_step_bytes`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import math
 
 import torch
 
+from engine.dtypes import elem_bytes
 from engine.problem import attention_flops, of_mode  # noqa: F401 - the one FLOP count (engine.problem)
 
 # Dense peaks in TFLOP/s from NVIDIA datasheets (no structured sparsity): {dtype: peak}.
@@ -75,12 +79,26 @@ LINEAR_CHUNK = 64  # the chunk size the linear FLOP count assumes (module docstr
 
 
 def linear_flops(batch: int, heads: int, seqlen: int, head_dim: int, head_dim_v: int,
-                 mode: str, chunk: int = LINEAR_CHUNK) -> float:
-    """FLOPs of a chunked linear-attention layer by the convention of the module docstring."""
+                 mode: str, chunk: int = LINEAR_CHUNK, recurrent: bool = False) -> float:
+    """FLOPs of a chunked linear-attention layer by the convention of the module docstring
+    (`recurrent`: the recurrent form's, forward only)."""
     tokens = 2.0 * batch * heads * seqlen
     d, dv, half = head_dim, head_dim_v, chunk / 2
+    if recurrent:
+        return tokens * 2 * d * dv
     return of_mode(mode, tokens * (half * (d + dv) + 2 * d * dv),
                    tokens * (half * (3 * d + 2 * dv) + 5 * d * dv))
+
+
+def linear_step_bytes(case) -> float:
+    """Bytes a linear continuation case must move: the [B, H, D, Dv] float32 state read and
+    the final state written, the new positions' q, k and v in the case's dtype, their float32
+    decays and the output."""
+    state = 2 * case.batch * case.heads * case.head_dim * case.head_dim_v * 4
+    rows = case.batch * case.seqlen_q
+    qkvo = rows * ((case.heads_q + case.heads_kv) * case.head_dim + 2 * case.heads
+                   * case.head_dim_v)
+    return float(state + qkvo * elem_bytes(case.dtype) + rows * case.heads * 4)
 
 
 def unmasked_fraction(variant, mask: str, seqlen_q: int, seqlen_kv: int) -> float:

@@ -25,7 +25,11 @@ Linear cases (kind "linear", attnbench.linear) take their variant from the linea
 library, their inputs (q, k, v, decay and customs in [B, H, T, D]) from the variant, are checked
 against the variant's `reference_fn` (outputs and dq, dk, dv; one sequence at a time), and count
 the chunked algorithm's FLOPs (`metrics.linear_flops`). Their common layout is the engine's
-[B, H, T, D]; an implementation's `Prepared.to_common` maps to it.
+[B, H, T, D]; an implementation's `Prepared.to_common` maps to it. A continuation case (the last
+seqlen_q positions of sequences of seqlen_kv, from the state before them) times the forward
+only, checks the output and the final state, counts the recurrent form's FLOPs below a chunk
+and carries bytes, TB/s and the bandwidth fraction as decode rows do (`metrics.linear_step_bytes`:
+the state read and written, the new positions' q, k, v, decay and o).
 
 Accuracy: rel_err is the max over the output (and dq, dk, dv for bwd modes) of
 ||x - ref|| / ||ref||; a NaN/inf anywhere, or rel_err above `metrics.REL_TOL[dtype]`, fails
@@ -59,7 +63,13 @@ from attnbench.envinfo import environment
 from attnbench.gpustate import GpuMonitor, monitor_for
 from attnbench.impls import DeviceInfo, Impl, Prepared, Unsupported, registry
 from attnbench.impls.base import PLAIN_SOFTMAX, TORCH_DTYPES
-from attnbench.linear import linear_reference, make_linear_inputs
+from attnbench.linear import (
+    continuation_reference,
+    is_continuation,
+    linear_reference,
+    make_continuation_inputs,
+    make_linear_inputs,
+)
 from attnbench.results.read import dedupe_latest, read_results
 from attnbench.results.schema import SCHEMA_VERSION
 from attnbench.results.store import append_rows, check_day_file, check_out_dir, result_path
@@ -353,8 +363,9 @@ class Runner:
                     with torch.no_grad():
                         return p.forward()
 
-                outs = [p.to_common(fn())]
-                refs = [ctx.reference(False)[0]]
+                got = p.to_common(fn())  # a continuation's: (out, final state)
+                outs = list(got) if isinstance(got, tuple) else [got]
+                refs = list(ctx.reference(False)[:len(outs)])
             else:
                 g = p.from_common(ctx.grad_out)
                 out = p.forward()
@@ -459,8 +470,11 @@ class _CaseContext:
     def __init__(self, case: Case, variant, device: DeviceInfo, seed: int) -> None:
         self.case, self.variant, self.device, self.seed = case, variant, device, seed
         self.grad_out: torch.Tensor | None = None  # decode cases run no backward
+        self.whole: dict[str, torch.Tensor] = {}  # a continuation's whole sequences
         if case.kind == "decode":
             self.inputs = make_decode_inputs(case, variant, device.type, seed)
+        elif case.kind == "linear" and is_continuation(case):
+            self.inputs, self.whole = make_continuation_inputs(case, variant, device.type, seed)
         elif case.kind == "linear":
             self.inputs, self.grad_out = make_linear_inputs(case, variant, device.type, seed)
         else:
@@ -476,7 +490,7 @@ class _CaseContext:
 
     def reference(self, with_grads: bool) -> tuple[torch.Tensor, ...]:
         """(out,) or (out, dq, dk, dv) in the common layout ([B, S, H, D]; linear cases
-        [B, H, T, D]), float32/float64, computed once."""
+        [B, H, T, D]; a continuation's (out, final state)), float32/float64, computed once."""
         if with_grads in self._ref:
             return self._ref[with_grads]
         if not with_grads and True in self._ref:
@@ -487,6 +501,9 @@ class _CaseContext:
             return self._ref[False]
         n = c.batch * max(c.heads_q, c.heads) * c.seqlen_q * c.seqlen_kv
         dt = torch.float64 if n <= SMALL_FOR_FLOAT64 else torch.float32
+        if c.kind == "linear" and self.whole:  # forward only (the suite refuses other modes)
+            self._ref[False] = continuation_reference(c, self.variant, self.whole, dt)
+            return self._ref[False]
         if c.kind == "linear":
             self._ref[with_grads] = linear_reference(c, self.variant, self.inputs, self.grad_out,
                                                      dt, with_grads)
@@ -591,8 +608,9 @@ def _case_flops(case: Case, variant, mode: str, seed: int) -> float:
     if case.kind == "decode":  # over the lengths the seed draws (ragged cases)
         return case_traffic(case, variant, seed)[1]
     if case.kind == "linear":
+        recurrent = is_continuation(case) and case.seqlen_q < metrics.LINEAR_CHUNK
         return metrics.linear_flops(case.batch, case.heads, case.seqlen_q, case.head_dim,
-                                    case.head_dim_v, mode)
+                                    case.head_dim_v, mode, recurrent=recurrent)
     frac = metrics.unmasked_fraction(variant, variant.mask, case.seqlen_q, case.seqlen_kv)
     return metrics.attention_flops(case.batch, case.heads_q, case.seqlen_q, case.seqlen_kv,
                                    case.head_dim, case.head_dim_v, mode, frac)
@@ -606,8 +624,13 @@ def _causal_and_mask(case: Case, variant) -> dict:
 
 
 def _case_bytes(case: Case, variant, seed: int) -> float:
-    """Bytes the case must move (decode cases; NaN for the others: compute-bound)."""
-    return case_traffic(case, variant, seed)[0] if case.kind == "decode" else math.nan
+    """Bytes the case must move (decode and linear continuation cases; NaN for the others:
+    compute-bound)."""
+    if case.kind == "decode":
+        return case_traffic(case, variant, seed)[0]
+    if case.kind == "linear" and is_continuation(case):
+        return metrics.linear_step_bytes(case)
+    return math.nan
 
 
 def _fill_speedups(rows: list[dict], baseline: str) -> None:

@@ -32,7 +32,9 @@ sequence and seqlen_kv as the cache capacity, time the forward only, and take tw
 Linear cases (kind = "linear", see attnbench.linear) name variants of the linear-attention
 library (engine.variants.linear) and read a shape as linear attention (the preset's
 `linear_sizes()`: q heads, k heads, value heads, q/k and value head dims); `seqlens` gives the
-sequence length T.
+sequence length T. A continuation (generation: a few new positions after a state; or a prefill
+in pieces) gives `seqlen_q` (the call's positions) below `seqlen_kv` (the sequence's length
+after the call, the positions before it making the state) and times the forward only.
 
 A block expands to variants x shapes x seqlens x batch x dtypes (x ragged x page_size) cases;
 modes and impls are per case (one result row per case x impl x mode). Validation collects every
@@ -332,8 +334,8 @@ def _expand_block(label, block, spec, suite_name, shape_override, variants_known
                                or tokens <= 0):
         errors.append(f"{label}: tokens must be a positive integer, got {tokens!r}")
     layouts = _decode_layouts(label, spec, kind, seqs, modes, errors)
-    if kind == "linear" and any(sq != skv for sq, skv in seqs):
-        errors.append(f"{label}: linear cases take one sequence length: give 'seqlens'")
+    if kind == "linear":
+        _check_continuations(label, seqs, modes, errors)
     if len(errors) > n_err:
         return []
 
@@ -369,6 +371,20 @@ def _heads_and_dims(preset: ShapePreset, kind: str) -> dict[str, int]:
                     head_dim=lin["head_dim"], head_dim_v=lin["head_dim_v"])
     return dict(heads_q=preset.heads_q, heads_kv=preset.heads_kv, head_dim=preset.head_dim,
                 head_dim_v=preset.head_dim_v)
+
+
+def _check_continuations(label: str, seqs: list, modes: list, errors: list[str]) -> None:
+    """A linear case's seqlen_q (the call's positions) must not pass seqlen_kv (the sequence's
+    length after it); below it, a continuation, which times the forward only."""
+    for sq, skv in seqs:
+        if not (isinstance(sq, int) and isinstance(skv, int)):
+            continue
+        if sq > skv:
+            errors.append(f"{label}: linear seqlen_q ({sq}, the call's positions) must be <= "
+                          f"seqlen_kv ({skv}, the sequence's length after the call)")
+        elif sq < skv and [m for m in modes if m != "fwd"]:
+            errors.append(f"{label}: linear continuations (seqlen_q {sq} < seqlen_kv {skv}) "
+                          f"time the forward only; modes must be ['fwd'], got {modes}")
 
 
 def _decode_layouts(label: str, spec: dict, kind: str, seqs: list, modes: list,

@@ -7,6 +7,8 @@
 #   decode: the decode suite (issue 23; its engine kernels compile on each case's first call)
 #   linear: the linear suite (issue 18): engine vs fla (and mamba_ssm, skipped: no wheel), fwd and
 #     fwd+bwd; fla's gated backward runs through its TileLang kernel (attnbench/impls/fla.py)
+#   linear-step: the linear layer's generation step from a state (issue 18), engine vs fla's fused
+#     recurrent kernel; rows carry TB/s and the fraction of peak bandwidth
 #   compare-grid: the grid-vs-Optuna record (llama3-8b, 8k, bf16)
 #   tune: the llama3 suite's llama3-8b cases, forward kernel, 16 trials each (the repo's tune
 #     file, copied to $OUT/tune)

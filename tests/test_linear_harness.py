@@ -105,10 +105,6 @@ def test_linear_cases_name_linear_variants():
                  "cases": [{"variants": ["mamba2"], "shapes": ["llama3-8b"], "seqlens": [64]}]}
     with pytest.raises(SuiteError, match="unknown variant 'mamba2'; known attention variants"):
         parse_suite(attention, name="t")
-    one_length = {**data, "cases": [{"variants": ["mamba2"], "shapes": ["mamba2-2.7b"],
-                                     "seqlen_q": [64], "seqlen_kv": [128]}]}
-    with pytest.raises(SuiteError, match="linear cases take one sequence length"):
-        parse_suite(one_length, name="t")
 
 
 def test_shape_presets_read_as_linear_attention():
@@ -282,3 +278,99 @@ def test_runner_times_linear_cases_on_a_cpu(tmp_path):
     engine = [r for r in rows if r["impl"] == "engine"]
     assert {r["status"] for r in engine} == {"skipped"}
     assert {r["reason"] for r in engine} == {"needs a Hopper GPU"}
+
+
+# ---------------------------------------------------------------- continuations (the step)
+def naive_recurrent_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None,
+                        output_final_state=False, **_):
+    """fla's fused_recurrent_simple_gla semantics ([B, T, H, D]; S_t = exp(g_t) S + k_t v_t^T,
+    o_t = scale * q_t S_t), step by step in float64, from `initial_state` [B, H, K, V]."""
+    B, T, H, K = q.shape
+    if g is None:
+        g = g_gamma.view(1, 1, H).expand(B, T, H)
+    S = initial_state.double().clone()
+    outs = []
+    for t in range(T):
+        S = g[:, t].double().exp()[..., None, None] * S + torch.einsum(
+            "bhk,bhv->bhkv", k[:, t].double(), v[:, t].double())
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t].double() * scale, S))
+    return torch.stack(outs, 1).to(q.dtype), (S.float() if output_final_state else None)
+
+
+def test_linear_step_suite_expands_to_continuations():
+    suite = load_suite("linear-step")
+    assert len(suite.cases) == 6
+    for c in suite.cases:
+        assert linear.is_continuation(c) and c.modes == ("fwd",) and c.baseline == "fla"
+        assert c.seqlen_kv == 256 and c.seqlen_q in (1, 4)
+    issue = [c for c in suite.cases if c.shape == "linear-h32-d128"]
+    assert {(c.batch, c.heads, c.head_dim, c.head_dim_v) for c in issue} == {(64, 32, 128, 128)}
+
+
+@pytest.mark.parametrize("over, msg", [
+    ({"seqlen_q": [8], "seqlen_kv": [4]}, r"seqlen_q \(8, the call's positions\) must be <="),
+    ({"seqlen_q": [1], "seqlen_kv": [64], "modes": ["fwd", "fwd+bwd"]},
+     r"continuations \(seqlen_q 1 < seqlen_kv 64\) time the forward only"),
+])
+def test_linear_continuations_are_checked(over, msg):
+    block = {"variants": ["simple_gla"], "shapes": ["fla-h16-d128"], **over}
+    data = {"kind": "linear", "impls": ["fla"], "modes": ["fwd"], "dtypes": ["bf16"],
+            "cases": [block]}
+    with pytest.raises(SuiteError, match=msg):
+        parse_suite(data, name="t")
+
+
+def test_step_bytes_count_the_state_twice_and_the_new_positions():
+    c = case(seqlen_q=2, seqlen_kv=40, dtype="bfloat16")
+    state = 2 * 2 * 3 * 16 * 8 * 4
+    qkvo = 2 * 2 * (3 * 16 + 3 * 16 + 2 * 3 * 8) * 2
+    assert metrics.linear_step_bytes(c) == state + qkvo + 2 * 2 * 3 * 4
+    assert metrics.linear_flops(2, 3, 2, 16, 8, "fwd", recurrent=True) == 2 * 2 * 3 * 2 * 2 * 16 * 8
+
+
+def test_runner_checks_continuations_against_the_whole_sequences(tmp_path):
+    shapes = {
+        "tiny": ShapePreset("tiny", 2, 2, 16, 16, "x"),
+        "tiny-ssd": ShapePreset("tiny-ssd", 3, 3, 8, 8, "x", None, (
+            ("heads_q", 1), ("heads_k", 1), ("heads", 3), ("head_dim", 16), ("head_dim_v", 8))),
+    }
+    data = {"kind": "linear", "impls": ["reference", "fla", "engine"], "baseline": "fla",
+            "modes": ["fwd"], "dtypes": ["float32"], "repeats": 2, "warmup": 0,
+            "seqlen_q": [1, 3], "seqlen_kv": [70],
+            "cases": [{"variants": ["simple_gla", "retnet_linear"], "shapes": ["tiny"],
+                       "batch": 2},
+                      {"variants": ["mamba2"], "shapes": ["tiny-ssd"], "batch": 2,
+                       "impls": ["reference", "fla", "mamba_ssm"]}]}
+    suite = parse_suite(data, name="step", shapes=shapes)
+    impls = {**registry(), "mamba_ssm": cpu(MambaSsmImpl(op=lambda: naive_ssd)),
+             "fla": cpu(FlaImpl(op=lambda: naive_simple_gla, recurrent_op=lambda:
+                                naive_recurrent_gla, backward_context=contextlib.nullcontext))}
+    rows = Runner(suite, RunOptions(device="cpu", out_dir=tmp_path, noise_threshold=10.0),
+                  impls=impls, log=lambda s: None).run().rows
+    ran = [r for r in rows if r["impl"] in ("reference", "fla")]
+    assert len(ran) == 3 * 2 * 2
+    for r in ran:
+        assert r["status"] == "ok" and r["rel_err"] < 1e-5, r
+        heads, dv = (3, 8) if r["variant"] == "mamba2" else (2, 16)
+        c = next(c for c in suite.cases if c.name == r["case"])
+        assert r["bytes"] == metrics.linear_step_bytes(c) and r["tbps"] > 0
+        assert r["flops"] == metrics.linear_flops(2, heads, c.seqlen_q, 16, dv, "fwd",
+                                                  recurrent=True)
+    mamba = {r["status"] for r in rows if r["impl"] == "mamba_ssm"}
+    assert mamba == {"skipped"}
+
+
+def test_a_wrong_state_fails_the_continuation(tmp_path):
+    shapes = {"tiny": ShapePreset("tiny", 2, 2, 16, 16, "x")}
+    data = {"kind": "linear", "impls": ["fla"], "modes": ["fwd"], "dtypes": ["float32"],
+            "repeats": 1, "warmup": 0, "seqlen_q": [2], "seqlen_kv": [50],
+            "cases": [{"variants": ["simple_gla"], "shapes": ["tiny"], "batch": 1}]}
+    suite = parse_suite(data, name="step", shapes=shapes)
+
+    def from_zero(*args, initial_state=None, **kw):  # ignores the state it is given
+        return naive_recurrent_gla(*args, initial_state=torch.zeros_like(initial_state), **kw)
+
+    fla = cpu(FlaImpl(op=lambda: naive_simple_gla, recurrent_op=lambda: from_zero))
+    rows = Runner(suite, RunOptions(device="cpu", out_dir=tmp_path), impls={"fla": fla},
+                  log=lambda s: None).run().rows
+    assert [r["status"] for r in rows] == ["failed"] and "rel_err" in rows[0]["reason"]

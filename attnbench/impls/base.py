@@ -111,7 +111,8 @@ class Prepared:
     arranged for it (layout changes happen in `prepare`, outside the timed region); `leaves`
     are its q, k, v tensors (requiring grad when a backward mode is run); `to_common` maps its
     layout to the common one ([B, S, H, D]; linear cases [B, H, T, D]) for outputs and
-    gradients, and `from_common` maps the other way
+    gradients (a linear continuation's forward returns (o, final state), and its `to_common`
+    maps the pair), and `from_common` maps the other way
     (for the output gradient); `context()` is entered around warm-up and timing.
     """
 

@@ -2,7 +2,8 @@
 executor, plain torch on any device). Both also run decode cases (attnbench.decode) through the
 module's cache call, `mod(q, k_cache, v_cache, *customs, cache_seqlens=, block_table=)`, and
 linear cases (attnbench.linear) through the variant's LinearAttentionEngine,
-`mod(q, k, v, decay, *customs)`."""
+`mod(q, k, v, decay, *customs)` (a continuation with `initial_state=` and
+`output_final_state=True`)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from attnbench.impls.base import (
     learnable_customs,
     learnable_leaves,
 )
-from attnbench.linear import build_linear, linear_args
+from attnbench.linear import STATE, build_linear, linear_args
 
 
 def _decode_refusal(exc: BaseException) -> str | None:
@@ -138,9 +139,11 @@ class _EngineBase(Impl):
                               ) from exc
         q, k, v = grad_leaves(inputs, needs_grad)
         args, learned = linear_args(variant, inputs, needs_grad)
+        state = {} if STATE not in inputs else {"initial_state": inputs[STATE],
+                                                "output_final_state": True}
 
         def forward():
-            return mod(q, k, v, *args)
+            return mod(q, k, v, *args, **state)
 
         return Prepared(forward=forward, leaves=(q, k, v, *learned), refusal=_linear_refusal)
 

@@ -16,6 +16,12 @@ back to Triton and raises. Inside the row's timing context the adapter below han
 call its states in q's dtype, which fla's TileLang kernel takes (the rounding shows in the
 row's rel_err). Decays fixed per head (g_gamma: retention) never reach the check. Where the
 TileLang backend is unavailable (no nvcc), the refusal becomes a skipped backward row.
+
+A continuation case (attnbench.linear: a few positions after a state) runs as fla's layers run
+generation: `fused_recurrent_simple_gla` for at most 64 positions (their
+`'fused_recurrent' if q_len <= 64`), else `chunk_simple_gla`, with `initial_state` and
+`output_final_state=True`; both take and return the state as the engine does ([N, H, K, V]
+float32).
 """
 
 from __future__ import annotations
@@ -29,13 +35,25 @@ from collections.abc import Callable, Iterator
 from attnbench.cases import Case
 from attnbench.impls.base import HALF, Capabilities, Impl, Prepared, Unsupported
 from attnbench.impls.fla_inputs import MAPPINGS, fla_call, from_fla, head_problem, to_fla
+from attnbench.linear import STATE
 
 ISSUE_640 = "#640"  # fla's error text for the Hopper gated-backward refusal
+RECURRENT_MAX = 64  # fla's layers run at most this many positions with the recurrent kernel
 
 
 def load_op() -> Callable:
     """fla's chunk_simple_gla (imported on first use: CUDA-only dependencies)."""
     return importlib.import_module("fla.ops.simple_gla").chunk_simple_gla
+
+
+def load_recurrent_op() -> Callable:
+    """fla's fused_recurrent_simple_gla, its generation kernel."""
+    return importlib.import_module("fla.ops.simple_gla").fused_recurrent_simple_gla
+
+
+def _with_state(result: tuple) -> tuple:
+    """A continuation's (o, final state) in the common layout (the state's is fla's)."""
+    return from_fla(result[0]), result[1]
 
 
 @contextlib.contextmanager
@@ -73,9 +91,12 @@ class FlaImpl(Impl):
 
     def __init__(self, op: Callable[[], Callable] = load_op,
                  backward_context: Callable[[], contextlib.AbstractContextManager]
-                 = gated_backward_on_hopper) -> None:
-        """`op` and `backward_context` are for tests (a torch stand-in on a CPU)."""
+                 = gated_backward_on_hopper,
+                 recurrent_op: Callable[[], Callable] = load_recurrent_op) -> None:
+        """`op`, `recurrent_op` and `backward_context` are for tests (torch stand-ins on a
+        CPU)."""
         self.load_op = op
+        self.load_recurrent_op = recurrent_op
         self.backward_context = backward_context
 
     @property
@@ -100,6 +121,8 @@ class FlaImpl(Impl):
             call = fla_call(case, inputs, needs_grad)
         except ValueError as exc:
             raise Unsupported(f"fla: {exc}") from exc
+        if STATE in inputs:
+            return self._continuation(case, call, inputs[STATE])
         op, kwargs = self.load_op(), call.kwargs()
         q, k, v = call.q, call.k, call.v
 
@@ -112,3 +135,15 @@ class FlaImpl(Impl):
             grad_map=call.grads_back, refusal=_refusal,
             context=self.backward_context if gated else contextlib.nullcontext,
         )
+
+    def _continuation(self, case: Case, call, state) -> Prepared:
+        """fla's generation call from `state` (module docstring); forward only."""
+        recurrent = case.seqlen_q <= RECURRENT_MAX
+        op = self.load_recurrent_op() if recurrent else self.load_op()
+        kwargs = {**call.kwargs(), "initial_state": state, "output_final_state": True}
+        q, k, v = call.q, call.k, call.v
+
+        def forward():
+            return op(q, k, v, **kwargs)
+
+        return Prepared(forward=forward, to_common=_with_state, refusal=_refusal)

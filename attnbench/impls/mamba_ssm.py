@@ -23,6 +23,7 @@ from collections.abc import Callable
 from attnbench.cases import Case
 from attnbench.impls.base import HALF, Capabilities, Impl, Prepared, Unsupported
 from attnbench.impls.fla_inputs import from_fla, to_fla
+from attnbench.linear import STATE
 
 NOT_INSTALLED = (
     "mamba_ssm is not installed: PyPI has only its sdist (CUDA extensions built against the local "
@@ -56,6 +57,9 @@ class MambaSsmImpl(Impl):
         return None if found else NOT_INSTALLED
 
     def prepare(self, case: Case, variant, inputs: dict, needs_grad: bool) -> Prepared:
+        if STATE in inputs:
+            raise Unsupported("mamba_ssm: continuations from a state are not mapped (its "
+                              "generation step is a separate op, selective_state_update)")
         if case.heads_q != 1 or case.heads_kv != 1:
             raise Unsupported("mamba_ssm: B and C of one group (heads_q = heads_k = 1) only")
         c, b, x = (to_fla(inputs[n]).requires_grad_(needs_grad) for n in ("q", "k", "v"))
