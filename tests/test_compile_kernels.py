@@ -244,14 +244,18 @@ def _linear_sources(b: int, hq: int, hk: int, h: int, t: int, d: int, dv: int, c
 
 def _step_sources() -> list[str]:
     """The recurrent step, with and without an initial state, at D 128 and at D 256 / Dv 512
-    (four threads per state column), with Mamba2's shared q and k head."""
+    (four threads per state column), with Mamba2's shared q and k head; and with a folded q
+    scale and value weights."""
+    from engine.kernels.linear_fwd.plan import NO_FOLDS, Folds
     from engine.runtime import linear_backend
 
     out = []
-    for hq, d, dv in ((4, 128, 128), (1, 256, 512)):
+    for hq, d, dv, folds in ((4, 128, 128, NO_FOLDS), (1, 256, 512, NO_FOLDS),
+                             (1, 128, 64, Folds(q_scale=0.125, v_weight=True))):
         meta = [torch.empty(2, n, 1, dim, dtype=torch.bfloat16, device="meta")
                 for n, dim in ((hq, d), (hq, d), (4, dv))]
-        step = linear_backend.LinearKernelCache().step(linear_backend.linear_shape(*meta, None))
+        shape = linear_backend.linear_shape(*meta, None)
+        step = linear_backend.LinearKernelCache().step(shape, folds=folds)
         out += step.sources(True) + step.sources(False)
     return out
 

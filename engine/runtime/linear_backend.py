@@ -50,11 +50,12 @@ class LinearKernelCache:
             self.kernels[key] = build_backward(shape, cfg, v_weight)
         return self.kernels[key]
 
-    def step(self, shape: LinearShape, cfg: StepConfig | None = None) -> StepKernels:
+    def step(self, shape: LinearShape, cfg: StepConfig | None = None, folds: Folds = NO_FOLDS
+             ) -> StepKernels:
         cfg = cfg or default_step_config(shape.head_dim, shape.head_dim_v)
-        key = ("step", shape, cfg)
+        key = ("step", shape, cfg, folds)
         if key not in self.kernels:
-            self.kernels[key] = build_step(shape, cfg)
+            self.kernels[key] = build_step(shape, cfg, folds)
         return self.kernels[key]
 
 
@@ -114,11 +115,6 @@ class _ChunkedLinear(torch.autograd.Function):
         return None, None, None, None, None, dq, dk, dv, dg, dh0, dw, None, None
 
 
-def weigh(v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """v [B, H, T, Dv] times the value weights w [B, H, T] (float32), in v's dtype."""
-    return (v.float() * w.unsqueeze(-1)).to(v.dtype)
-
-
 def run(cache: LinearKernelCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         g: torch.Tensor, initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
         output_final_state: bool, config: LinearConfig | None = None,
@@ -135,14 +131,11 @@ def run(cache: LinearKernelCache, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     h0 = None if initial_state is None else initial_state.float().contiguous()
     g = g.float().contiguous()
     w = None if v_weight is None else v_weight.float().contiguous()
+    folds = Folds(q_scale=float(q_scale), v_weight=w is not None)
     if is_step(shape, q, k, v, g, h0, w):
-        # a few positions: the folds as passes cost nothing
-        q = q if q_scale == 1.0 else q * q_scale
-        v = v if w is None else weigh(v, w)
-        o, ht = launch_step(cache.step(shape, step_config), q, k, v, g, h0)
+        o, ht = launch_step(cache.step(shape, step_config, folds), q, k, v, g, h0, w)
         return o, (ht if output_final_state else None)
     fwd, bwd = configs(shape, config, backward_config)
-    folds = Folds(q_scale=float(q_scale), v_weight=w is not None)
     if not needs_grad(q, k, v, g, h0, w):  # inference: the kernels without the autograd Function
         o, state = launch_forward(cache.forward(shape, fwd, folds), q, k, v, g, h0, cu_seqlens,
                                   output_final_state, w)

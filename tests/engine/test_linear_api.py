@@ -255,8 +255,37 @@ def _fake_kernels(monkeypatch, seen):
         out = [gr.to(t.dtype) for gr, t in zip(grads, leaves, strict=True)]
         return (*out[:4], None, out[4] if w is not None else None)
 
+    def fake_step(sk, q, k, v, g, h0, w=None):
+        seen.setdefault("step_folds", []).append(sk.folds)
+        assert (w is not None) == sk.folds.v_weight
+        o, ht = core(q, k, v if w is None else v.float() * w.unsqueeze(-1), g, h0)
+        return (o * sk.folds.q_scale).to(q.dtype), ht
+
     monkeypatch.setattr(linear_backend, "launch_forward", fake_forward)
     monkeypatch.setattr(linear_backend, "launch_backward", fake_backward)
+    monkeypatch.setattr(linear_backend, "launch_step", fake_step)
+
+
+@pytest.mark.parametrize("name", ["simple_gla", "mamba2"])
+def test_scale_mods_are_folded_into_the_step(monkeypatch, name):
+    """A generation step (T = 2 from a state) hands the step kernel q and v unmodded with the
+    q scale and value weights as its folds; its output and final state match the reference
+    backend's."""
+    seen = {}
+    _fake_kernels(monkeypatch, seen)
+    var = get_linear_variant(name)
+    sz = _sizes(name, seqlen=2, head_dim=32, head_dim_v=32)
+    ref_mod = var.build(sz, torch.bfloat16, backend="reference")
+    mod = var.build(sz, torch.bfloat16, backend="tilelang")
+    monkeypatch.setattr(mod, "resolved_backend", lambda device: "tilelang")
+    inp = var.make_inputs(sz, torch.bfloat16, seed=5)
+    h0 = torch.randn(sz["batch"], sz["heads"], 32, 32)
+    o, h = mod(*inp.values(), initial_state=h0, output_final_state=True)
+    ref_o, ref_h = ref_mod(*inp.values(), initial_state=h0, output_final_state=True)
+    assert seen["step_folds"] == [Folds(32 ** -0.5 if name == "simple_gla" else 1.0,
+                                        name == "mamba2")]
+    assert "folds" not in seen  # the chunked kernels did not run
+    assert _rel(o, ref_o) < 1e-2 and _rel(h, ref_h) < 1e-4
 
 
 @pytest.mark.parametrize("name", ["simple_gla", "mamba2", "linear_elu"])
