@@ -455,7 +455,7 @@ def test_custom_input_errors():
 @pytest.mark.parametrize("batch, heads, head_dim, head_dim_v, block_K", [
     (2, 16, 128, 128, 64),   # 64 state-pass blocks at 128 key rows: 128 at 64 fit one wave
     (1, 80, 128, 64, 128),   # 80 blocks; 64 key rows would make 160, a second wave
-    (1, 32, 256, 512, 128),  # 512 blocks: already past one wave
+    (1, 16, 256, 256, 128),  # 64 single-pass blocks; 128 state-pass blocks, 256 at 64 rows
 ])
 def test_two_kernel_default_keeps_the_state_pass_in_one_wave(batch, heads, head_dim, head_dim_v,
                                                              block_K):
@@ -465,3 +465,19 @@ def test_two_kernel_default_keeps_the_state_pass_in_one_wave(batch, heads, head_
                         head_dim=head_dim, head_dim_v=head_dim_v, dtype="bfloat16")
     cfg = config_for_shape(shape, 132)
     assert not cfg.single_pass and cfg.block_K == block_K
+
+
+@pytest.mark.parametrize("batch, heads, head_dim, head_dim_v", [
+    (8, 16, 128, 128),  # 256 single-pass blocks
+    (8, 40, 256, 256),  # YOCO-13B: 1280
+    (1, 32, 256, 512),  # RetNet-6.7B: 256
+])
+def test_single_pass_default_with_a_block_per_sm(batch, heads, head_dim, head_dim_v):
+    """The single pass wherever its blocks fill the SMs, at D 256 too (NOTES 132)."""
+    from engine.kernels.linear_fwd.plan import LinearShape, config_for_shape
+
+    shape = LinearShape(batch=batch, heads_q=heads, heads_k=heads, heads=heads, seqlen=4096,
+                        head_dim=head_dim, head_dim_v=head_dim_v, dtype="bfloat16")
+    cfg = config_for_shape(shape, 132)
+    assert cfg.single_pass and (cfg.chunk, cfg.block_V, cfg.threads, cfg.num_stages) == (
+        64, 64, 256, 2)

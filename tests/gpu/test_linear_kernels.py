@@ -43,7 +43,11 @@ CASES = ([(dt, h, d, 2, 200, True, False, None) for dt in (BF16, FP16) for h in 
             for d in ((64, 64), (128, 128), (128, 64), (256, 256))]
          + [(FP16, (4, 4, 4), (128, 128), 2, 200, True, False, ONE),
             (BF16, (1, 1, 4), (128, 128), 1, PACKED[-1], True, True, ONE),
-            (BF16, (4, 4, 4), (64, 64), 2, 1, True, False, ONE)])
+            (BF16, (4, 4, 4), (64, 64), 2, 1, True, False, ONE)]
+         # the single pass at D 256, the default where its blocks fill the SMs
+         + [(BF16, (4, 4, 4), (256, 512), 2, 200, True, False, ONE),
+            (FP16, (1, 1, 4), (256, 256), 2, 200, True, False, ONE),
+            (BF16, (4, 4, 4), (256, 256), 1, PACKED[-1], True, True, ONE)])
 
 # Folds (a q scale and value weights) over both forward designs, packing, sharing, fp16, D 256
 FOLD_CASES = [(BF16, (1, 1, 4), (128, 64), 2, 200, True, False, None),
@@ -51,7 +55,8 @@ FOLD_CASES = [(BF16, (1, 1, 4), (128, 64), 2, 200, True, False, None),
               (BF16, (4, 4, 4), (128, 128), 2, 200, True, False, ONE),
               (BF16, (1, 1, 4), (128, 128), 1, PACKED[-1], True, True, None),
               (BF16, (2, 1, 4), (128, 64), 2, 300, True, False, C128),
-              (BF16, (4, 4, 4), (256, 256), 2, 200, False, False, None)]
+              (BF16, (4, 4, 4), (256, 256), 2, 200, False, False, None),
+              (BF16, (1, 1, 4), (256, 256), 2, 200, True, False, ONE)]
 FOLDS = Folds(q_scale=0.37, v_weight=True)
 
 def case_id(c: tuple) -> str:

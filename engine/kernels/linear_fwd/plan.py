@@ -169,20 +169,18 @@ def one_wave_block_k(shape: LinearShape, cfg: LinearConfig, sm_count: int) -> in
 @functools.lru_cache(maxsize=256)  # a pure function of the shape, asked on every call
 def config_for_shape(shape: LinearShape, sm_count: int = 132, whole_key_tile: bool = False
                      ) -> LinearConfig:
-    """The default at this shape (measured on an H200, results/NOTES.md): at D <= 128 with at
-    least one single-pass block per SM (sequences x heads x value tiles; at D = 256 its
-    [256, 64] state slice leaves one block per SM and it ran 1.3-1.8x slower than the two
-    kernels), the single pass (256 threads:
-    its serial chunk loop is the bound, and two warpgroups shorten each step); with fewer, the
-    two kernels with 128-position chunks (half the serial steps) and the key tile that keeps
-    the state pass in one wave (one_wave_block_k; the whole tile with `whole_key_tile`) where
-    they fit; else default_linear_config's."""
+    """The default at this shape (results/NOTES.md 132): with at least one single-pass block
+    per SM (sequences x heads x value tiles), the single pass (256 threads: its serial chunk
+    loop is the bound, and two warpgroups shorten each step; at D 256 too, where it keeps no
+    chunk states in memory: 1.22-1.54x faster than the two kernels on the H100); with fewer,
+    the two kernels with 128-position chunks (half the serial steps) and the key tile that
+    keeps the state pass in one wave (one_wave_block_k; the whole tile with `whole_key_tile`)
+    where they fit; else default_linear_config's."""
     elem = elem_bytes(shape.dtype)
     cfg = default_linear_config(shape.head_dim, shape.head_dim_v, elem)
     block_k = cfg.block_K if whole_key_tile else one_wave_block_k(shape, cfg, sm_count)
     tries = [dataclasses.replace(cfg, chunk=128, threads=256, block_K=block_k)]
-    if (shape.head_dim <= 128
-            and shape.num_seqs * shape.heads * (shape.head_dim_v // cfg.block_V) >= sm_count):
+    if shape.num_seqs * shape.heads * (shape.head_dim_v // cfg.block_V) >= sm_count:
         tries.insert(0, dataclasses.replace(cfg, single_pass=True, threads=256))
     for c in tries:
         if not config_problems(c, shape.head_dim, shape.head_dim_v, elem):
