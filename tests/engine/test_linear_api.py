@@ -5,6 +5,8 @@ and names, argument errors, and the call into the kernels' backend."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -481,3 +483,23 @@ def test_single_pass_default_with_a_block_per_sm(batch, heads, head_dim, head_di
     cfg = config_for_shape(shape, 132)
     assert cfg.single_pass and (cfg.chunk, cfg.block_V, cfg.threads, cfg.num_stages) == (
         64, 64, 256, 2)
+
+
+def test_d256_training_keeps_the_backward_on_128_threads():
+    """Beside the single-pass forward at D 256 a training call's backward takes
+    default_linear_config's tiles (128 threads; NOTES 132); at D 128 the forward's."""
+    from engine.kernels.linear_fwd.plan import (
+        LinearShape,
+        backward_config_for_shape,
+        config_for_shape,
+        default_linear_config,
+    )
+
+    yoco = LinearShape(batch=8, heads_q=40, heads_k=40, heads=40, seqlen=2048, head_dim=256,
+                       head_dim_v=256, dtype="bfloat16")
+    bwd = backward_config_for_shape(yoco)
+    assert config_for_shape(yoco).single_pass and bwd == default_linear_config(256, 256)
+    assert bwd.threads == 128 and bwd.chunk == config_for_shape(yoco).chunk
+    fla = dataclasses.replace(yoco, heads_q=16, heads_k=16, heads=16, head_dim=128,
+                              head_dim_v=128)
+    assert backward_config_for_shape(fla) == config_for_shape(fla)
