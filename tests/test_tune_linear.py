@@ -238,3 +238,29 @@ def test_linear_objective_on_the_cpu():
             obj.evaluate(TRAIN)
     with pytest.raises(ValueError, match="expected 'linear'"):
         LinearObjective(Problem("softmax", **SIZES))
+
+
+@pytest.mark.parametrize("sizes, heads", [
+    (dict(batch=8, heads_q=40, heads_kv=40, seqlen_q=2048, seqlen_kv=2048, head_dim=256,
+          head_dim_v=256), 40),   # single-pass forward, 128-thread backward
+    (dict(batch=2, heads_q=16, heads_kv=16, seqlen_q=16384, seqlen_kv=16384, head_dim=128,
+          head_dim_v=128), 16),  # 64-row forward key tile, 128-row backward
+])
+def test_the_default_linear_bwd_config_stands_for_the_untuned_pair(sizes, heads):
+    """Where an untuned training call runs two configs, the linear_bwd tuner's baseline (the
+    engine's default) is timed as that pair, and a tune file's entry of it runs as that pair:
+    a "baseline" entry cannot make training slower than no entry. Other configs run for both
+    passes, as they were timed."""
+    from attnbench.tune.linear_objective import LinearObjective
+
+    problem = Problem("simple_gla", **sizes, heads=heads, family="linear", mode="bwd")
+    shape = shape_from(problem.shape(), "bfloat16")
+    fwd, bwd = config_for_shape(shape), backward_config_for_shape(shape)
+    assert fwd != bwd and problem.engine_default() == fwd
+    obj = LinearObjective(problem)
+    assert (obj._module(fwd).config, obj._module(fwd).backward_config) == (fwd, bwd)
+    assert obj._module(TRAIN).backward_config == TRAIN
+    assert linear_tuning.pick(shape, None, None, linear_tuning.Tuned(training=fwd), True) == (
+        fwd, bwd)
+    assert linear_tuning.pick(shape, None, None, linear_tuning.Tuned(training=TRAIN), True) == (
+        TRAIN, TRAIN)

@@ -1,9 +1,11 @@
 """The linear kinds' objective: the variant's LinearAttentionEngine with the trial's LinearConfig
 (linear_fwd: `config`; linear_bwd: `config` and `backward_config`, the pair a training step
-then runs), called on a linear case's inputs (attnbench.linear), checked against the variant's
-own torch formulation on batch row 0 (sequences are independent; the reference materialises
-T x T per head, so the whole batch would cost B times more), timed as EngineObjective does
-(CUDA events, the runner's L2 policy). The study minimises the time.
+then runs: the trial's config for both passes, except the engine's default, which stands for
+the untuned pair, plan.training_configs), called on a linear case's inputs
+(attnbench.linear), checked against the variant's own torch formulation on batch row 0
+(sequences are independent; the reference materialises T x T per head, so the whole batch
+would cost B times more), timed as EngineObjective does (CUDA events, the runner's L2
+policy). The study minimises the time.
 
 The kernels take no traced spec (the mods are a torch pre-pass), so studies and tune-file
 entries are keyed by engine.runtime.linear_tuning.TUNE_SPEC: one entry serves every variant.
@@ -64,12 +66,24 @@ class LinearObjective:
 
         return get_linear_variant(self.problem.variant)
 
+    def _shape(self):
+        from engine.kernels.linear_fwd.tune_shape import shape_from
+
+        return shape_from(self.problem.shape(), self.case.dtype)
+
+    def _backward_config(self, cfg):
+        """The backward's config beside `cfg` in a training step (the pair a tune-file entry
+        of cfg then runs: engine.kernels.linear_fwd.plan.training_configs)."""
+        from engine.kernels.linear_fwd.plan import training_configs
+
+        return training_configs(self._shape(), cfg)[1]
+
     def _module(self, cfg):
         from attnbench.linear import build_linear
 
         mod = build_linear(self.case, self._variant(), "tilelang")
         mod.config = cfg
-        mod.backward_config = cfg if self.backward else None
+        mod.backward_config = self._backward_config(cfg) if self.backward else None
         return mod
 
     def traced_spec(self) -> None:
@@ -88,15 +102,15 @@ class LinearObjective:
 
     def compile(self, cfg) -> None:
         """nvcc-compile the kernels the timed call runs (no initial or final state): the
-        forward's, and in 'bwd' mode the backward's, found through the registry."""
-        from engine.kernels.linear_fwd.tune_shape import shape_from
+        forward's, and in 'bwd' mode the backward's (at its config beside cfg), found through
+        the registry."""
         from engine.kernels.registry import kind_for
 
-        p = self.problem
-        shape = shape_from(p.shape(), self.case.dtype)
+        shape, family = self._shape(), self.problem.family
         with compile_failures():
-            for mode in ("fwd", "bwd") if self.backward else ("fwd",):
-                kind_for(p.family, mode).build(shape, cfg).compile()
+            kind_for(family, "fwd").build(shape, cfg).compile()
+            if self.backward:
+                kind_for(family, "bwd").build(shape, self._backward_config(cfg)).compile()
 
     def evaluate(self, cfg) -> Measurement:
         import torch

@@ -21,6 +21,7 @@ from engine.kernels.linear_fwd.plan import (
     LinearShape,
     backward_config_for_shape,
     config_for_shape,
+    training_configs,
 )
 from engine.kernels.linear_fwd.tune_shape import tune_shape
 from engine.kernels.registry import LINEAR_BWD, LINEAR_FWD, KernelKind
@@ -73,13 +74,14 @@ def pick(shape: LinearShape, config: LinearConfig | None,
          ) -> tuple[LinearConfig, LinearConfig | None]:
     """(forward config, backward config or None: the forward's) to run. The module's configs
     win; a training call with neither runs the linear_bwd entry for both passes; a backward
-    entry is used beside another forward config only where its chunk is the forward's."""
+    entry is used beside another forward config only where its chunk is the forward's. An
+    entry that is config_for_shape's config stands for the untuned pair (training_configs)."""
     if training and config is None and backward_config is None and tuned.training:
-        return tuned.training, tuned.training
+        return training_configs(shape, tuned.training)
     fwd = config or tuned.forward or config_for_shape(shape)
     bwd = backward_config
     if bwd is None and tuned.training is not None and tuned.training.chunk == fwd.chunk:
-        bwd = tuned.training
+        bwd = training_configs(shape, tuned.training)[1]
     if bwd is None and config is None and tuned.forward is None:
         bwd = backward_config_for_shape(shape)
     return fwd, (None if bwd == fwd else bwd)

@@ -199,3 +199,14 @@ def backward_config_for_shape(shape: LinearShape, sm_count: int = 132) -> Linear
     if cfg.single_pass and shape.head_dim > 128:
         return default_linear_config(shape.head_dim, shape.head_dim_v, elem_bytes(shape.dtype))
     return cfg
+
+
+def training_configs(shape: LinearShape, cfg: LinearConfig, sm_count: int = 132
+                     ) -> tuple[LinearConfig, LinearConfig]:
+    """The (forward, backward) configs a training call runs for a linear_bwd config `cfg`:
+    `cfg` for both passes, except config_for_shape's own, which stands for the untuned
+    default pair (its backward backward_config_for_shape's), so that a tuner measures as the
+    baseline, and a tune file's "baseline" entry runs, what an untuned call runs."""
+    if cfg == config_for_shape(shape, sm_count):
+        return cfg, backward_config_for_shape(shape, sm_count)
+    return cfg, cfg
