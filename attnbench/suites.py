@@ -302,20 +302,7 @@ def _expand_block(label, block, spec, suite_name, shape_override, variants_known
         except ValueError as exc:
             errors.append(f"{label}: {exc}")
 
-    if "seqlens" in spec:
-        if "seqlen_q" in spec or "seqlen_kv" in spec:
-            errors.append(f"{label}: give either 'seqlens' or 'seqlen_q'/'seqlen_kv', not both")
-        seqs = [(s, s) for s in _as_list(spec["seqlens"])]
-    elif "seqlen_q" in spec and "seqlen_kv" in spec:
-        seqs = list(itertools.product(_as_list(spec["seqlen_q"]), _as_list(spec["seqlen_kv"])))
-    else:
-        errors.append(f"{label}: missing 'seqlens' (or both 'seqlen_q' and 'seqlen_kv')")
-        seqs = []
-    for sq, skv in seqs:
-        for key, val in (("seqlen_q", sq), ("seqlen_kv", skv)):
-            if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
-                errors.append(f"{label}: {key} must be a positive integer, got {val!r}")
-
+    seqs = _seq_pairs(label, spec, errors)
     if "tokens" in spec and "batch" in spec:
         # a block's own batch/tokens overrides the other one given as a suite default
         in_block = [k for k in ("batch", "tokens") if k in block]
@@ -361,6 +348,25 @@ def _expand_block(label, block, spec, suite_name, shape_override, variants_known
                 baseline=baseline, ragged=ragged, page_size=page, **_heads_and_dims(preset, kind),
             ))
     return out
+
+
+def _seq_pairs(label: str, spec: dict, errors: list[str]) -> list[tuple]:
+    """A block's (seqlen_q, seqlen_kv) pairs: `seqlens` (equal), or the product of `seqlen_q`
+    and `seqlen_kv`; each checked positive."""
+    if "seqlens" in spec:
+        if "seqlen_q" in spec or "seqlen_kv" in spec:
+            errors.append(f"{label}: give either 'seqlens' or 'seqlen_q'/'seqlen_kv', not both")
+        seqs = [(s, s) for s in _as_list(spec["seqlens"])]
+    elif "seqlen_q" in spec and "seqlen_kv" in spec:
+        seqs = list(itertools.product(_as_list(spec["seqlen_q"]), _as_list(spec["seqlen_kv"])))
+    else:
+        errors.append(f"{label}: missing 'seqlens' (or both 'seqlen_q' and 'seqlen_kv')")
+        seqs = []
+    for sq, skv in seqs:
+        for key, val in (("seqlen_q", sq), ("seqlen_kv", skv)):
+            if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
+                errors.append(f"{label}: {key} must be a positive integer, got {val!r}")
+    return seqs
 
 
 def _heads_and_dims(preset: ShapePreset, kind: str) -> dict[str, int]:

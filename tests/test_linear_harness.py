@@ -246,19 +246,21 @@ def test_reference_slices_heads_exactly(monkeypatch):
 
 
 # ---------------------------------------------------------------- the runner on a CPU
+TINY = {
+    "tiny": ShapePreset("tiny", 2, 2, 16, 16, "x"),
+    "tiny-ssd": ShapePreset("tiny-ssd", 3, 3, 8, 8, "x", None, (
+        ("heads_q", 1), ("heads_k", 1), ("heads", 3), ("head_dim", 16), ("head_dim_v", 8))),
+}
+
+
 def test_runner_times_linear_cases_on_a_cpu(tmp_path):
-    shapes = {
-        "tiny": ShapePreset("tiny", 2, 2, 16, 16, "x"),
-        "tiny-ssd": ShapePreset("tiny-ssd", 3, 3, 8, 8, "x", None, (
-            ("heads_q", 1), ("heads_k", 1), ("heads", 3), ("head_dim", 16), ("head_dim_v", 8))),
-    }
     data = {"kind": "linear", "impls": ["reference", "fla", "engine"], "baseline": "fla",
             "modes": ["fwd", "fwd+bwd"], "dtypes": ["float32"], "repeats": 2, "warmup": 0,
             "cases": [{"variants": ["simple_gla", "retnet_linear"], "shapes": ["tiny"],
                        "seqlens": [40], "batch": 2},
                       {"variants": ["mamba2"], "shapes": ["tiny-ssd"], "seqlens": [40],
                        "batch": 2, "impls": ["reference", "fla", "engine", "mamba_ssm"]}]}
-    suite = parse_suite(data, name="lin", shapes=shapes)
+    suite = parse_suite(data, name="lin", shapes=TINY)
     impls = {**registry(), "mamba_ssm": cpu(MambaSsmImpl(op=lambda: naive_ssd)),
              "fla": cpu(FlaImpl(op=lambda: naive_simple_gla,
                                 backward_context=contextlib.nullcontext))}
@@ -329,11 +331,6 @@ def test_step_bytes_count_the_state_twice_and_the_new_positions():
 
 
 def test_runner_checks_continuations_against_the_whole_sequences(tmp_path):
-    shapes = {
-        "tiny": ShapePreset("tiny", 2, 2, 16, 16, "x"),
-        "tiny-ssd": ShapePreset("tiny-ssd", 3, 3, 8, 8, "x", None, (
-            ("heads_q", 1), ("heads_k", 1), ("heads", 3), ("head_dim", 16), ("head_dim_v", 8))),
-    }
     data = {"kind": "linear", "impls": ["reference", "fla", "engine"], "baseline": "fla",
             "modes": ["fwd"], "dtypes": ["float32"], "repeats": 2, "warmup": 0,
             "seqlen_q": [1, 3], "seqlen_kv": [70],
@@ -341,7 +338,7 @@ def test_runner_checks_continuations_against_the_whole_sequences(tmp_path):
                        "batch": 2},
                       {"variants": ["mamba2"], "shapes": ["tiny-ssd"], "batch": 2,
                        "impls": ["reference", "fla", "mamba_ssm"]}]}
-    suite = parse_suite(data, name="step", shapes=shapes)
+    suite = parse_suite(data, name="step", shapes=TINY)
     impls = {**registry(), "mamba_ssm": cpu(MambaSsmImpl(op=lambda: naive_ssd)),
              "fla": cpu(FlaImpl(op=lambda: naive_simple_gla, recurrent_op=lambda:
                                 naive_recurrent_gla, backward_context=contextlib.nullcontext))}
@@ -361,11 +358,10 @@ def test_runner_checks_continuations_against_the_whole_sequences(tmp_path):
 
 
 def test_a_wrong_state_fails_the_continuation(tmp_path):
-    shapes = {"tiny": ShapePreset("tiny", 2, 2, 16, 16, "x")}
     data = {"kind": "linear", "impls": ["fla"], "modes": ["fwd"], "dtypes": ["float32"],
             "repeats": 1, "warmup": 0, "seqlen_q": [2], "seqlen_kv": [50],
             "cases": [{"variants": ["simple_gla"], "shapes": ["tiny"], "batch": 1}]}
-    suite = parse_suite(data, name="step", shapes=shapes)
+    suite = parse_suite(data, name="step", shapes=TINY)
 
     def from_zero(*args, initial_state=None, **kw):  # ignores the state it is given
         return naive_recurrent_gla(*args, initial_state=torch.zeros_like(initial_state), **kw)

@@ -268,18 +268,25 @@ def _fake_kernels(monkeypatch, seen):
     monkeypatch.setattr(linear_backend, "launch_step", fake_step)
 
 
+def _kernel_and_reference_modules(monkeypatch, seen: dict, name: str, seqlen: int):
+    """(variant, sizes, its module on the faked kernels, its module on the reference backend)
+    at head dims 32."""
+    _fake_kernels(monkeypatch, seen)
+    var = get_linear_variant(name)
+    sz = _sizes(name, seqlen=seqlen, head_dim=32, head_dim_v=32)
+    ref_mod = var.build(sz, torch.bfloat16, backend="reference")
+    mod = var.build(sz, torch.bfloat16, backend="tilelang")
+    monkeypatch.setattr(mod, "resolved_backend", lambda device: "tilelang")
+    return var, sz, mod, ref_mod
+
+
 @pytest.mark.parametrize("name", ["simple_gla", "mamba2"])
 def test_scale_mods_are_folded_into_the_step(monkeypatch, name):
     """A generation step (T = 2 from a state) hands the step kernel q and v unmodded with the
     q scale and value weights as its folds; its output and final state match the reference
     backend's."""
     seen = {}
-    _fake_kernels(monkeypatch, seen)
-    var = get_linear_variant(name)
-    sz = _sizes(name, seqlen=2, head_dim=32, head_dim_v=32)
-    ref_mod = var.build(sz, torch.bfloat16, backend="reference")
-    mod = var.build(sz, torch.bfloat16, backend="tilelang")
-    monkeypatch.setattr(mod, "resolved_backend", lambda device: "tilelang")
+    var, sz, mod, ref_mod = _kernel_and_reference_modules(monkeypatch, seen, name, seqlen=2)
     inp = var.make_inputs(sz, torch.bfloat16, seed=5)
     h0 = torch.randn(sz["batch"], sz["heads"], 32, 32)
     o, h = mod(*inp.values(), initial_state=h0, output_final_state=True)
@@ -298,12 +305,7 @@ def test_scale_mods_are_folded_into_the_kernels(monkeypatch, name):
     backend's pre-pass. Mods that are not such scales (linear_elu's feature maps) still run as
     a pre-pass."""
     seen = {}
-    _fake_kernels(monkeypatch, seen)
-    var = get_linear_variant(name)
-    sz = _sizes(name, seqlen=40, head_dim=32, head_dim_v=32)
-    ref_mod = var.build(sz, torch.bfloat16, backend="reference")
-    mod = var.build(sz, torch.bfloat16, backend="tilelang")
-    monkeypatch.setattr(mod, "resolved_backend", lambda device: "tilelang")
+    var, sz, mod, ref_mod = _kernel_and_reference_modules(monkeypatch, seen, name, seqlen=40)
     want_scale = 32 ** -0.5 if name == "simple_gla" else None
     assert mod.q_scale == want_scale and (mod.v_weight is not None) == (name == "mamba2")
     inp = var.make_inputs(sz, torch.bfloat16, seed=4, requires_grad=True)
