@@ -7,7 +7,9 @@ walk, head dims 64 and 256, Dv != D) and dtypes; the forward at its default conf
 tuner-space configs, with static and dynamic shapes; the backward at its default and
 tuner-space configs, fast and deterministic, with and without custom gradients, and with the
 automatic pipeline forced where the warp-specialised schedule would be chosen. A case the
-engine refuses is recorded as the exception's type, so that refusals stay the same too.
+engine refuses is recorded as the exception's type, so that refusals stay the same too. Decode
+kernels at two cache shapes, contiguous and paged; the linear-attention kernels (chunked
+forward and backward, the recurrent step) over shapes, configs, states and folds.
 
     python tests/engine/kernel_corpus.py            # compare with kernel_hashes.json
     python tests/engine/kernel_corpus.py --write    # record new hashes (only on purpose)
@@ -216,9 +218,68 @@ def _decode_cases() -> Iterator[tuple[str, object]]:
                            lambda n=name, s=shape, p=page, c=cfg: _decode_sources(n, s, p, c))
 
 
+# Linear attention (kinds linear_fwd, linear_bwd, linear_step): the kernels take the core
+# problem, so shapes, configs, states and folds make the cases, not variants. (HQ, HK, H, T, D,
+# Dv, packed sequences: cu_seqlens ends, else None) at the default config (config_for_shape)
+# and three fixed ones (chunk, block_K, block_V, num_stages, threads, single_pass).
+LINEAR_SHAPES = {
+    "lin-mha": (4, 4, 4, 200, 128, 128, None),
+    "lin-shared": (1, 1, 4, 200, 128, 64, None),  # Mamba2's one q/k head
+    "lin-d256": (4, 4, 4, 300, 256, 512, None),
+    "lin-packed": (4, 4, 4, 300, 64, 64, (0, 37, 150, 300)),
+}
+LINEAR_CONFIGS = [None, (128, 64, 64, 2, 256, False), (64, 64, 64, 2, 256, True),
+                  (64, 64, 32, 3, 128, False)]
+
+
+def _linear_meta(shape: tuple, seqlen: int | None = None) -> tuple:
+    hq, hk, h, t, d, dv, ends = shape
+    b = 1 if ends else 2
+    t = seqlen or t
+    return tuple(torch.empty(b, n, t, dim, dtype=torch.bfloat16, device="meta")
+                 for n, dim in ((hq, d), (hk, d), (h, dv)))
+
+
+def _linear_sources(shape: tuple, cfg_fields, folds, states: bool) -> dict[str, str]:
+    from engine.kernels.linear_fwd.plan import LinearConfig
+    from engine.runtime import linear_backend
+
+    ends = shape[-1]
+    cu = None if ends is None else torch.tensor(ends, dtype=torch.int32)
+    cfg = None if cfg_fields is None else LinearConfig(*cfg_fields)
+    srcs = linear_backend.kernel_sources(
+        linear_backend.LinearKernelCache(), *_linear_meta(shape), config=cfg,
+        modes=("fwd", "bwd"), initial_state=states, final_state=states, cu_seqlens=cu,
+        folds=folds)
+    return {str(i): src for i, src in enumerate(srcs)}
+
+
+def _step_sources(shape: tuple, folds, initial: bool) -> dict[str, str]:
+    from engine.runtime import linear_backend
+
+    step_shape = linear_backend.linear_shape(*_linear_meta(shape, seqlen=2), None)
+    step = linear_backend.LinearKernelCache().step(step_shape, folds=folds)
+    return {"step": step.sources(initial)[0]}
+
+
+def _linear_cases() -> Iterator[tuple[str, object]]:
+    from engine.kernels.linear_fwd.plan import NO_FOLDS, Folds
+
+    folds_options = {"plain": NO_FOLDS, "folded": Folds(q_scale=0.37, v_weight=True)}
+    for name, shape in LINEAR_SHAPES.items():
+        for (ftag, folds), states in itertools.product(folds_options.items(), (False, True)):
+            for cfg in LINEAR_CONFIGS:
+                tag = "default" if cfg is None else "_".join(map(str, cfg))
+                yield (f"{name}|bf16|linear|{tag}|{ftag}|states={int(states)}",
+                       lambda s=shape, c=cfg, f=folds, st=states: _linear_sources(s, c, f, st))
+            if shape[-1] is None:
+                yield (f"{name}|bf16|linear_step|{ftag}|h0={int(states)}",
+                       lambda s=shape, f=folds, st=states: _step_sources(s, f, st))
+
+
 def cases() -> Iterator[tuple[str, object]]:
-    """(case key, thunk returning {role: source}) for every case, prefill and decode."""
-    return itertools.chain(_cases(), _decode_cases())
+    """(case key, thunk returning {role: source}) for every case: prefill, decode, linear."""
+    return itertools.chain(_cases(), _decode_cases(), _linear_cases())
 
 
 def corpus_hashes() -> dict[str, str]:
