@@ -229,8 +229,7 @@ class LinearAttentionEngine(torch.nn.Module):
         q, k, v, g = self._apply_mods(q, k, v, decay, by_name, folded=kernels)
         q, k, v, g = (x.contiguous() for x in (q, k, v, g))
         if kernels:
-            fwd, bwd = self._configs(q, k, v, cu_seqlens,
-                                     linear_backend.needs_grad(q, k, v, g, initial_state, w))
+            fwd, bwd = self._call_configs(q, k, v, g, initial_state, w, cu_seqlens)
             o, final = linear_backend.run(self._kernels, q, k, v, g, initial_state, cu_seqlens,
                                           output_final_state, config=fwd, backward_config=bwd,
                                           step_config=self.step_config,
@@ -238,6 +237,17 @@ class LinearAttentionEngine(torch.nn.Module):
         else:
             o, final = chunked(q, k, v, g, initial_state, cu_seqlens)
         return (o, final) if output_final_state else o
+
+    def _call_configs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                      h0: torch.Tensor | None, w: torch.Tensor | None,
+                      cu_seqlens: torch.Tensor | None) -> tuple[Any, Any]:
+        """_configs' for this call; none for a recurrent step, which runs step_config (a
+        generation loop's every call: no config pick, no tune-file lookup)."""
+        training = linear_backend.needs_grad(q, k, v, g, h0, w)
+        if self.config is None and not training and linear_backend.is_step(
+                linear_backend.linear_shape(q, k, v, cu_seqlens), q, k, v, g, h0, w):
+            return None, None
+        return self._configs(q, k, v, cu_seqlens, training)
 
     def _configs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  cu_seqlens: torch.Tensor | None, training: bool) -> tuple[Any, Any]:

@@ -140,6 +140,28 @@ def test_linear_module_forward_host_path(benchmark, monkeypatch):
     assert benchmark(call).shape == (1, 8, 128, 64)
 
 
+def test_linear_step_host_path(benchmark, monkeypatch):
+    """A linear generation step's own host work (simple GLA, one new position from a state,
+    kernels stubbed): checks, the step kernel's lookup (no config pick or tune-file lookup),
+    the outputs, the launch."""
+    from engine import linear_api
+    from engine.variants.linear import LINEAR_VARIANTS
+
+    _stub_kernels(monkeypatch, linear_api.LinearAttentionEngine)
+    sizes = dict(batch=1, heads_q=8, heads_k=8, heads=8, seqlen=1, head_dim=64, head_dim_v=64)
+    variant = LINEAR_VARIANTS["simple_gla"]
+    mod = variant.build(sizes, torch.bfloat16, backend="tilelang")
+    args = list(variant.make_inputs(sizes, torch.bfloat16, "cpu", seed=0).values())
+    h0 = torch.randn(1, 8, 64, 64)
+
+    def call():
+        with torch.no_grad():
+            return mod(*args, initial_state=h0, output_final_state=True)
+
+    o, ht = benchmark(call)
+    assert o.shape == (1, 8, 1, 64) and ht.shape == (1, 8, 64, 64)
+
+
 def test_module_decode_host_path(benchmark, monkeypatch):
     """A decode step's own host work (kernels stubbed, CPU tensors, value check off as in a
     serving loop): argument checks, the kernel lookup, the output, the launch."""

@@ -232,33 +232,10 @@ def _run_study(objective: Objective, space: SearchSpace, opts: TuneOptions,
         exhaustive = len(valid) <= max(space.exhaustive_max_valid, opts.trials)
     target = len(valid) if exhaustive else opts.trials
     gpu = objective.gpu_name(opts.devices[0])
-    kind = opts.kind or ("grid" if opts.search == "grid" else "tpe")
-    name = study_name(problem, spec_hash=objective.spec_hash(), gpu=gpu, kind=kind)
     storage_url = opts.storage or default_storage_url()
     storage = make_storage(storage_url, heartbeat_s=opts.heartbeat_s)
-    study = optuna.create_study(
-        study_name=name, storage=storage, direction="minimize", load_if_exists=True
-    )
-    if not _same_space(study, space):
-        # Optuna refuses to go on with other choices for a parameter ("dynamic value space"):
-        # a search space that changed since (a new field or value) gets a study of its own.
-        name += ":space-" + space_digest(space)
-        log.warning("study %s was drawn from another search space; using %s", study.study_name,
-                    name)
-        study = optuna.create_study(
-            study_name=name, storage=storage, direction="minimize", load_if_exists=True
-        )
-    for k, v in {
-        "template": problem.template, "variant": problem.variant,
-        "spec_hash": objective.spec_hash(),
-        "shape": problem.shape(), "dtype": problem.dtype, "mode": problem.mode, "gpu": gpu,
-        "tilelang_version": tune_file.tilelang_version(), "search_space": space.source,
-        "n_valid": len(valid),
-    }.items():
-        study.set_user_attr(k, v)
-    reaped = reap_dead_trials(study)
-    if reaped:
-        log.warning("study %s: %d trial(s) of a dead tuner failed and re-queued", name, reaped)
+    study = _open_study(objective, space, opts, gpu, storage, len(valid))
+    name = study.study_name
     seeds = valid if exhaustive else [c for c in space.seeds if c in set(valid)]
     baseline = current_config(objective, space, gpu, opts.tune_file)
     if baseline is not None and baseline not in set(valid):
@@ -330,6 +307,39 @@ def _run_study(objective: Objective, space: SearchSpace, opts: TuneOptions,
         for b in benches:
             b.close()
     return result
+
+
+def _open_study(objective: Objective, space: SearchSpace, opts: TuneOptions, gpu: str, storage,
+                n_valid: int) -> optuna.Study:
+    """The problem's study in `storage` (created, or resumed), its attributes set and the
+    trials of a dead tuner re-queued."""
+    problem = objective.problem
+    kind = opts.kind or ("grid" if opts.search == "grid" else "tpe")
+    name = study_name(problem, spec_hash=objective.spec_hash(), gpu=gpu, kind=kind)
+    study = optuna.create_study(
+        study_name=name, storage=storage, direction="minimize", load_if_exists=True
+    )
+    if not _same_space(study, space):
+        # Optuna refuses to go on with other choices for a parameter ("dynamic value space"):
+        # a search space that changed since (a new field or value) gets a study of its own.
+        name += ":space-" + space_digest(space)
+        log.warning("study %s was drawn from another search space; using %s", study.study_name,
+                    name)
+        study = optuna.create_study(
+            study_name=name, storage=storage, direction="minimize", load_if_exists=True
+        )
+    for k, v in {
+        "template": problem.template, "variant": problem.variant,
+        "spec_hash": objective.spec_hash(),
+        "shape": problem.shape(), "dtype": problem.dtype, "mode": problem.mode, "gpu": gpu,
+        "tilelang_version": tune_file.tilelang_version(), "search_space": space.source,
+        "n_valid": n_valid,
+    }.items():
+        study.set_user_attr(k, v)
+    reaped = reap_dead_trials(study)
+    if reaped:
+        log.warning("study %s: %d trial(s) of a dead tuner failed and re-queued", name, reaped)
+    return study
 
 
 def _watch(threads: list[threading.Thread], study: optuna.Study, problem, target: int,

@@ -52,10 +52,10 @@ class LinearKernelCache:
 
     def step(self, shape: LinearShape, cfg: StepConfig | None = None, folds: Folds = NO_FOLDS
              ) -> StepKernels:
-        cfg = cfg or default_step_config(shape.head_dim, shape.head_dim_v)
-        key = ("step", shape, cfg, folds)
+        key = ("step", shape, cfg, folds)  # None: the default, not rebuilt per call
         if key not in self.kernels:
-            self.kernels[key] = build_step(shape, cfg, folds)
+            self.kernels[key] = build_step(
+                shape, cfg or default_step_config(shape.head_dim, shape.head_dim_v), folds)
         return self.kernels[key]
 
 

@@ -1,8 +1,9 @@
 """The generated kernels are byte-identical to those of the recorded corpus (kernel_corpus.py):
 every variant's forward (static and dynamic shapes) and backward (fast and deterministic,
 warp-specialised and the automatic pipeline, with custom gradients) at default and
-tuner-space configs, the decode kernels, and the linear-attention kernels. A deliberate change to a generator re-records the hashes with
-`python tests/engine/kernel_corpus.py --write` and says why in its commit."""
+tuner-space configs, the decode kernels, and the linear-attention kernels. A deliberate
+change to a generator re-records the hashes with `python tests/engine/kernel_corpus.py
+--write` and says why in its commit."""
 
 from __future__ import annotations
 
