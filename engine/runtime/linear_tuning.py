@@ -19,7 +19,6 @@ from engine.dtypes import elem_bytes
 from engine.kernels.linear_fwd.plan import (
     LinearConfig,
     LinearShape,
-    backward_config_for_shape,
     config_for_shape,
     training_configs,
 )
@@ -83,7 +82,7 @@ def pick(shape: LinearShape, config: LinearConfig | None,
     if bwd is None and tuned.training is not None and tuned.training.chunk == fwd.chunk:
         bwd = training_configs(shape, tuned.training)[1]
     if bwd is None and config is None and tuned.forward is None:
-        bwd = backward_config_for_shape(shape)
+        bwd = training_configs(shape, fwd)[1]  # fwd is config_for_shape's: the untuned pair
     return fwd, (None if bwd == fwd else bwd)
 
 

@@ -46,9 +46,8 @@ class MaskTables:
     def get(self, customs: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, ...]:
         key: Any = device  # hashable; its text per call cost host time
         if self.data_dependent:
-            key = str(device) + "|" + "|".join(f"{n}:{t.data_ptr()}:{t._version}:"
-                                               f"{tuple(t.shape)}"
-                                               for n, t in sorted(customs.items()))
+            key = (device, *((n, t.data_ptr(), t._version, tuple(t.shape))
+                             for n, t in sorted(customs.items())))
         if key in self._cache:
             return self._cache[key]
         out = kept(lambda: self._build(customs, device), device)
