@@ -6,8 +6,7 @@ With dS_c the gradient of the state leaving chunk c and D_c[t, s] = exp(G_t - G_
 - dV kernel (grid slots x heads): dV_c = exp(G_end - G) * (K_c dS_c) + ((K_c Q_c^T) * D_c^T) dO_c;
 - dQ/dK kernel (grid D/block_K x slots x heads): with dA = (dO_c V_c^T) * D_c,
   dQ_c = exp(G) * (dO_c S_c^T) + dA K_c, dK_c = exp(G_end - G) * (V_c dS_c^T) + dA^T Q_c,
-  and the decays' gradient per position, q.dq - k.dk (the gradient of the running sum G; the
-  launcher sums it from the end of each sequence).
+  and the decays' gradient, whole (`emit_decay_gradient`).
 dQ and dK are per output head (fp32) when heads share q or k heads; the launcher sums them.
 `v_weight` (a value weight folded, Folds.v_weight): the kernels read v and the weights W
 [B, H, T] and work with W * v: the dQ/dK kernel weights dA's columns and V dS^T's rows, and
@@ -200,7 +199,11 @@ def generate_dqk(s: LinearShape, cfg: LinearConfig, v_weight: bool = False) -> G
                  f'dq = T.alloc_fragment(({C}, {BK}), "float32")',
                  f'dk = T.alloc_fragment(({C}, {BK}), "float32")',
                  f'prod = T.alloc_fragment(({C}, {BK}), "float32")',
-                 f'dg = T.alloc_fragment(({C},), "float32")'])
+                 f'dg = T.alloc_fragment(({C},), "float32")',
+                 f'kap = T.alloc_fragment(({C},), "float32")',
+                 'xl = T.alloc_local((1,), "float32")',
+                 f'x_s = T.alloc_shared(({cfg.threads},), "float32")',
+                 *(f'{name} = T.alloc_shared(({C},), "float32")' for name in ("r_s", "e_s"))])
         if v_weight:
             w.line(f'W_s = T.alloc_shared(({C},), "float32")')
         cols = f"ik * {BK}:(ik + 1) * {BK}"
@@ -209,7 +212,8 @@ def generate_dqk(s: LinearShape, cfg: LinearConfig, v_weight: bool = False) -> G
         emit_decays(w, "row0", "nrows", C)
         if v_weight:
             emit_weights_load(w, C)
-        w.lines(["T.clear(dA)", "T.clear(dq)", "T.clear(dk)"])
+        w.lines(["T.clear(dA)", "T.clear(dq)", "T.clear(dk)", "tx = T.get_thread_binding()",
+                 "xl[0] = T.float32(0)"])
         with w.block(f"for iv in T.serial({s.head_dim_v // BV}):"):
             vcols = f"iv * {BV}:(iv + 1) * {BV}"
             w.line(f"T.copy(V[b, h, row0:row0 + {C}, {vcols}], V_s)")
@@ -219,6 +223,7 @@ def generate_dqk(s: LinearShape, cfg: LinearConfig, v_weight: bool = False) -> G
             w.line("T.gemm(dO_s, V_s, dA, transpose_B=True)")
             w.line("T.gemm(dO_s, S_s, dq, transpose_B=True)")
             w.line("T.gemm(V_s, dS_s, dk, transpose_B=True)")
+            emit_state_product(w, BK, BV, cfg.threads)
         with w.block(f"for t, d in T.Parallel({C}, {BK}):"):
             w.line("dq[t, d] = dq[t, d] * T.exp(G_s[t])")
             w.line("dk[t, d] = T.if_then_else(t < nrows, dk[t, d] * "
@@ -228,17 +233,59 @@ def generate_dqk(s: LinearShape, cfg: LinearConfig, v_weight: bool = False) -> G
             w.line("dA_s[t, u] = T.if_then_else(T.And(u <= t, t < nrows), "
                    + cast(dt, "dA[t, u] * " + weighted("T.exp(G_s[t] - G_s[u])", "u", v_weight))
                    + f", {cast(dt, 0)})")
+        # the key terms of pairs leaving the chunk, before dk takes the chunk's own (and after
+        # dA is spent: beside it, prod spilled)
+        emit_row_dot(w, C, BK, "K_s", "dk", "kap")
+        w.line("x_s[tx] = xl[0]")
         w.line("T.gemm(dA_s, K_s, dq)")
         w.line("T.gemm(dA_s, Q_s, dk, transpose_A=True)")
         with w.block(f"for t, d in T.Parallel({C}, {BK}):"):
             w.line('prod[t, d] = T.Cast("float32", Q_s[t, d]) * dq[t, d] - '
                    'T.Cast("float32", K_s[t, d]) * dk[t, d]')
         w.line("T.reduce_sum(prod, dg, dim=1)")
-        with w.block(f"for t in T.Parallel({C}):"), w.block("if t < nrows:"):
-            w.line("dG[ik, b, h, row0 + t] = dg[t]")
+        emit_decay_gradient(w, C, cfg.threads)
         for (name, t_out, _, head), acc in ((q_out, "dq"), (k_out, "dk")):
             value = f"{acc}[t, d]" if t_out == "float32" else cast(t_out, f"{acc}[t, d]")
             with w.block(f"for t, d in T.Parallel({C}, {BK}):"), w.block("if t < nrows:"):
                 w.line(f"{name}[b, {head}, row0 + t, ik * {BK} + d] = {value}")
     return GeneratedKernel(w.text(), tuple(params))
 
+
+
+def emit_row_dot(w: SourceWriter, C: int, BK: int, x: str, acc: str, out: str) -> None:
+    """out[t] = x[t, :] . acc[t, :] over this block's key columns (prod as scratch)."""
+    with w.block(f"for t, d in T.Parallel({C}, {BK}):"):
+        w.line(f'prod[t, d] = T.Cast("float32", {x}[t, d]) * {acc}[t, d]')
+    w.line(f"T.reduce_sum(prod, {out}, dim=1)")
+
+
+def emit_state_product(w: SourceWriter, BK: int, BV: int, threads: int) -> None:
+    """xl += this thread's share of <dS, S> over this value tile (the gradient of the state
+    leaving the chunk and the state entering it, on this block's key rows): a per-thread
+    running sum, as a [BK, BV] fragment would spill (the kernel is near 255 registers)."""
+    e = f"tx + e * {threads}"
+    with w.block(f"for e in T.serial({BK * BV // threads}):"):
+        w.line(f'xl[0] = xl[0] + T.Cast("float32", S_s[({e}) // {BV}, ({e}) % {BV}]) * '
+               f'T.Cast("float32", dS_s[({e}) // {BV}, ({e}) % {BV}])')
+
+
+def emit_decay_gradient(w: SourceWriter, C: int, threads: int) -> None:
+    """dG for each row u of the chunk, from dg = q.dq - k.dk per row (the gradient of the
+    running sum G), kap = k.dk's part through the state, and x_s (<dS, S> of the chunk, by
+    thread). The gradient of g_u sums the pairs (t, s) with s < u <= t; here it is split so that no pair
+    is added in one term and cancelled in another, rounded differently (summing q.dq - k.dk
+    from the sequence's end did that: the states' bf16 rounding then reached every earlier
+    position, and Mamba2's A gradient was 9-32% off at T 2k-8k): pairs inside the chunk and
+    pairs with s before it, the sum of dg over rows t >= u minus their kap; pairs with s in
+    the chunk and t after it, the chunk's sum of kap; pairs across the whole chunk,
+    exp(G_end) <dS, S>."""
+    with w.block(f"for t in T.Parallel({C}):"):
+        w.line("r_s[t] = dg[t]")
+        parts = " + ".join(f"x_s[t + {m * C}]" for m in range(threads // C))
+        w.line(f"e_s[t] = kap[t] + T.exp(G_s[{C - 1}]) * ({parts})")
+    with w.block(f"for u, t in T.Parallel({C}, {C}):"):
+        w.line("dA[u, t] = T.if_then_else(T.And(t >= u, t < nrows), r_s[t], T.float32(0)) "
+               "+ e_s[t]")
+    w.line("T.reduce_sum(dA, dg, dim=1)")
+    with w.block(f"for t in T.Parallel({C}):"), w.block("if t < nrows:"):
+        w.line("dG[ik, b, h, row0 + t] = dg[t]")

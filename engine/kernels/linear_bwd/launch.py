@@ -1,7 +1,7 @@
 """Build and launch the chunked backward: the forward's state pass again (the per-chunk
 states are recomputed, not kept: they would hold chunks x D x Dv per head), the reverse state
-pass, the dV kernel and the dQ/dK kernel; then the decays' gradient, summed from each
-sequence's end (plus the final state's own term), and the sums over heads that share q or k."""
+pass, the dV kernel and the dQ/dK kernel (which gives the decays' gradient too); then the
+sums over key tiles and over heads that share q or k."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from engine.dtypes import elem_bytes
 from engine.kernels.linear_bwd.codegen import generate_dqk, generate_dstates, generate_dv
 from engine.kernels.linear_fwd.launch import ForwardKernels, ForwardState, run_states
 from engine.kernels.linear_fwd.plan import LinearConfig, LinearShape, check_config
-from engine.kernels.linear_fwd.tables import per_sequence, sequence_reverse_cumsum
 from engine.runtime.kernel import Kernel
 
 
@@ -92,9 +91,7 @@ def launch_backward(fk: ForwardKernels, bk: BackwardKernels, q: torch.Tensor, k:
         dq = _group_sum(dq, s.heads_q, q.dtype)
     if s.heads_k != s.heads:
         dk = _group_sum(dk, s.heads_k, k.dtype)
-    dg = sequence_reverse_cumsum(dgp.sum(0) if nk > 1 else dgp[0], tb)
-    if dht is not None:  # the final state's decay exp(G_T) reaches every position's g
-        dg = dg + per_sequence((dht * fwd.final).sum((-2, -1)), tb, s)
+    dg = dgp.sum(0) if nk > 1 else dgp[0]  # whole per key tile, the final state's part too
     return dq, dk, dv, dg, dh0, dw
 
 

@@ -19,10 +19,6 @@ from engine.kernels.linear_fwd.plan import LinearShape
 class ChunkTables:
     seqs: torch.Tensor
     chunks: torch.Tensor
-    # packed sequences only: per position, its sequence and that sequence's end (int64 [T]);
-    # None for equal-length batch rows
-    seq_of: torch.Tensor | None = None
-    end_of: torch.Tensor | None = None
 
 
 def chunk_tables(s: LinearShape, chunk: int, cu_seqlens: torch.Tensor | None,
@@ -57,22 +53,4 @@ def _packed_tables(s: LinearShape, chunk: int, cu: torch.Tensor) -> ChunkTables:
     length = ((lens[n] - i * chunk).clamp(0, chunk)) * used
     row0 = (bos[n] + i * chunk) * used
     chunks = torch.stack([torch.zeros_like(j), row0, length, torch.zeros_like(j)], 1)
-    t = torch.arange(s.seqlen, device=device)
-    seq_of = (torch.searchsorted(cu[1:], t, right=True)).clamp(max=N - 1)
-    return ChunkTables(seqs, chunks.to(torch.int32), seq_of, cu[1:][seq_of])
-
-
-def sequence_reverse_cumsum(x: torch.Tensor, tables: ChunkTables) -> torch.Tensor:
-    """y_t = sum of x over positions t.. of t's sequence, for x [B, H, T]."""
-    rc = x.flip(-1).cumsum(-1).flip(-1)
-    if tables.seq_of is None:
-        return rc
-    padded = torch.nn.functional.pad(rc, (0, 1))  # rc at T is 0
-    return rc - padded[..., tables.end_of]
-
-
-def per_sequence(x: torch.Tensor, tables: ChunkTables, shape: LinearShape) -> torch.Tensor:
-    """A per-(sequence, head) value x [N, H] broadcast to every position [B, H, T]."""
-    if tables.seq_of is None:
-        return x.unsqueeze(-1).expand(shape.batch, shape.heads, shape.seqlen)
-    return x[tables.seq_of].t().unsqueeze(0)
+    return ChunkTables(seqs, chunks.to(torch.int32))
