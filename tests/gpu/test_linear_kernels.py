@@ -22,10 +22,11 @@ pytestmark = pytest.mark.gpu
 HEADS = ((4, 4, 4), (1, 1, 4), (2, 1, 4))
 DIMS = ((64, 64), (128, 128), (256, 256), (128, 64), (256, 512))
 PACKED = (0, 37, 150, 300)
-# The decays' gradient is q.dq - k.dk summed over the rest of the sequence: a difference of
-# two terms each as accurate as dq and dk (2-3e-3 in half precision), which loses digits
-# where they nearly cancel; measured up to 2.2e-2 (results/NOTES.md). Everything else: 2e-2.
-# The value weights' gradient sums dv' * v over a row, which cancels the same way.
+# The decays' gradient sums, per position, the terms of the pairs of positions around it
+# (engine/kernels/linear_bwd/codegen.py, emit_decay_gradient): terms of both signs, each as
+# accurate as dq and dk (2-3e-3 in half precision), so it loses digits where they nearly
+# cancel; measured up to 2.2e-2 here before NOTES 137's split. Everything else: 2e-2. The
+# value weights' gradient sums dv' * v over a row, which cancels the same way.
 LIMITS = {"dg": 3e-2, "dw": 3e-2}
 C128 = LinearConfig(chunk=128, block_K=128, block_V=64, threads=256)
 ONE = LinearConfig(block_K=64, single_pass=True, threads=256)  # the single-pass forward
