@@ -136,6 +136,13 @@ def linear_args(variant, inputs: dict[str, torch.Tensor],
     return args, tuple(fresh.values())
 
 
+def decay_needs_grad(variant) -> bool:
+    """Whether a gradient-mode call differentiates the variant's decay (after decay_mod): where
+    any input is learnable (all of them feed the decay in the library's variants; RetNet's,
+    with none, runs the backward without the decays' gradient)."""
+    return bool(getattr(variant, "learnable", ()))
+
+
 def build_linear(case: Case, variant, backend: str):
     """The variant's LinearAttentionEngine for the case's sizes and dtype."""
     return variant.build(linear_sizes(case), torch_dtype(case.dtype), backend=backend)

@@ -187,17 +187,18 @@ class LinearAttentionEngine(torch.nn.Module):
         return "\n\n".join(self.kernel_sources())
 
     def kernel_sources(self, modes: tuple[str, ...] = ("fwd",), *, initial_state: bool = False,
-                       final_state: bool = False) -> list[str]:
+                       final_state: bool = False, decay_grad: bool = True) -> list[str]:
         """The TileLang sources a call at qkv_meta's shapes runs, at the configs it runs: the
         forward's, and with "bwd" in `modes` a training call's forward and backward; of a call
-        with an initial state or not, returning the final state or not."""
+        with an initial state or not, returning the final state or not, whose decay (after
+        decay_mod) needs a gradient or not (`decay_grad`: RetNet's fixed one needs none)."""
         q, k, v = self._meta
         fwd, bwd = self._configs(q, k, v, None, "bwd" in modes)
         return linear_backend.kernel_sources(self._kernels, q, k, v, config=fwd,
                                              backward_config=bwd, modes=modes,
                                              initial_state=initial_state,
                                              final_state=final_state,
-                                             folds=self._kernel_folds)
+                                             folds=self._kernel_folds, decay_grad=decay_grad)
 
     def extra_repr(self) -> str:
         p = self.problem

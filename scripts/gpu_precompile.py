@@ -27,11 +27,13 @@ def _decode_sources(mod, case) -> list[str]:
 def _linear_sources(impl, case) -> list[str]:
     """The linear kernels the case's call builds (no initial or final state: the suite's
     call), at the configs the module runs (its tune file's, else the plan's)."""
-    from attnbench.linear import build_linear
+    from attnbench.linear import build_linear, decay_needs_grad
     from engine.variants.linear import get_linear_variant
 
-    mod = build_linear(case, get_linear_variant(case.variant), impl.backend)
-    return mod.kernel_sources(("fwd", "bwd") if set(case.modes) - {"fwd"} else ("fwd",))
+    variant = get_linear_variant(case.variant)
+    mod = build_linear(case, variant, impl.backend)
+    return mod.kernel_sources(("fwd", "bwd") if set(case.modes) - {"fwd"} else ("fwd",),
+                              decay_grad=decay_needs_grad(variant))
 
 
 def main(names: list[str], patterns: list[str]) -> int:

@@ -104,13 +104,15 @@ class LinearObjective:
         """nvcc-compile the kernels the timed call runs (no initial or final state): the
         forward's, and in 'bwd' mode the backward's (at its config beside cfg), found through
         the registry."""
+        from attnbench.linear import decay_needs_grad
         from engine.kernels.registry import kind_for
 
         shape, family = self._shape(), self.problem.family
         with compile_failures():
             kind_for(family, "fwd").build(shape, cfg).compile()
             if self.backward:
-                kind_for(family, "bwd").build(shape, self._backward_config(cfg)).compile()
+                kind_for(family, "bwd").build(shape, self._backward_config(cfg)).compile(
+                    decay_grad=decay_needs_grad(self._variant()))
 
     def evaluate(self, cfg) -> Measurement:
         import torch
@@ -121,11 +123,13 @@ class LinearObjective:
         mod = self._module(cfg)
         inputs, args, grad_out = self._inputs()
         qkv = [inputs[n] for n in ("q", "k", "v")]
-        if self.backward:
-            leaves = [t.detach().requires_grad_(True) for t in qkv]
+        if self.backward:  # q, k, v and the learnable inputs (leaves in args), as in training;
+            # the check reads q, k and v's
+            qkv = [t.detach().requires_grad_(True) for t in qkv]
+            leaves = qkv + list({id(a): a for a in args if a.requires_grad}.values())
 
             def step():
-                o = mod(*leaves, *args)
+                o = mod(*qkv, *args)
                 return o, torch.autograd.grad(o, leaves, grad_out)
         else:
 
@@ -148,7 +152,7 @@ class LinearObjective:
             _INPUTS.clear()  # one study per worker: free the last one's inputs first
             _REFERENCE.clear()
             inputs, grad_out = make_linear_inputs(self.case, self._variant(), "cuda", self.seed)
-            args, _ = linear_args(self._variant(), inputs, False)
+            args, _ = linear_args(self._variant(), inputs, self.backward)
             _INPUTS[key] = (inputs, args, grad_out)
         return _INPUTS[key]
 

@@ -110,7 +110,8 @@ class _ChunkedLinear(torch.autograd.Function):
         initial_grad = h0 is not None and ctx.needs_input_grad[9]
         dq, dk, dv, dg, dh0, dw = launch_backward(
             ctx.fk, bk, q, k, v, g, ctx.state, h0, do.contiguous(),
-            None if dht is None else dht.contiguous(), initial_grad, w)
+            None if dht is None else dht.contiguous(), initial_grad, w,
+            decay_grad=ctx.needs_input_grad[8])
         dw = dw if ctx.needs_input_grad[10] else None
         return None, None, None, None, None, dq, dk, dv, dg, dh0, dw, None, None
 
@@ -160,16 +161,18 @@ def kernel_sources(cache: LinearKernelCache, q: torch.Tensor, k: torch.Tensor,
                    backward_config: LinearConfig | None = None,
                    modes: tuple[str, ...] = ("fwd",), *, initial_state: bool = False,
                    final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
-                   folds: Folds = NO_FOLDS) -> list[str]:
+                   folds: Folds = NO_FOLDS, decay_grad: bool = True) -> list[str]:
     """The TileLang sources run for tensors shaped as q, k, v (meta tensors will do): the
     forward's, and with "bwd" in `modes` the backward's, of a call with an initial state or
     not and returning the final state or not (the backward then takes that state's gradient
-    and gives the initial state's), packed by `cu_seqlens` or not."""
+    and gives the initial state's), packed by `cu_seqlens` or not, whose decays need a
+    gradient (`decay_grad`) or not."""
     shape = linear_shape(q, k, v, cu_seqlens)
     fwd, bwd = configs(shape, config, backward_config)
     fk = cache.forward(shape, fwd, folds)
     out = fk.sources(initial_state, final_state)
     if "bwd" in modes:  # the backward reruns the state pass (no final state), then its own
         out += [fk.states(initial_state, False).source,
-                *cache.backward(shape, bwd, folds.v_weight).sources(final_state, initial_state)]
+                *cache.backward(shape, bwd, folds.v_weight).sources(final_state, initial_state,
+                                                                     decay_grad)]
     return list(dict.fromkeys(out))

@@ -241,7 +241,7 @@ def _linear_meta(shape: tuple, seqlen: int | None = None) -> tuple:
 
 
 def _linear_sources(shape: tuple, cfg_fields, folds, states: bool) -> dict[str, str]:
-    from engine.kernels.linear_fwd.plan import LinearConfig
+    from engine.kernels.linear_fwd.plan import NO_FOLDS, LinearConfig
     from engine.runtime import linear_backend
 
     ends = shape[-1]
@@ -251,7 +251,12 @@ def _linear_sources(shape: tuple, cfg_fields, folds, states: bool) -> dict[str, 
         linear_backend.LinearKernelCache(), *_linear_meta(shape), config=cfg,
         modes=("fwd", "bwd"), initial_state=states, final_state=states, cu_seqlens=cu,
         folds=folds)
-    return {str(i): src for i, src in enumerate(srcs)}
+    out = {str(i): src for i, src in enumerate(srcs)}
+    if not states and folds == NO_FOLDS:  # the dQ/dK kernel of a decay with no gradient
+        out["dqk-no-dg"] = linear_backend.kernel_sources(
+            linear_backend.LinearKernelCache(), *_linear_meta(shape), config=cfg,
+            modes=("fwd", "bwd"), cu_seqlens=cu, decay_grad=False)[-1]
+    return out
 
 
 def _step_sources(shape: tuple, folds, initial: bool) -> dict[str, str]:

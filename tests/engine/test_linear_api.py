@@ -210,7 +210,7 @@ def test_tl_code_joins_the_kernel_sources(monkeypatch):
     seen = {}
 
     def fake_sources(cache, q, k, v, config=None, backward_config=None, modes=("fwd",),
-                     initial_state=False, final_state=False, folds=None):
+                     initial_state=False, final_state=False, folds=None, decay_grad=True):
         seen.update(cache=cache, shapes=[tuple(t.shape) for t in (q, k, v)], config=config)
         return ["fwd one", "fwd two"]
 
@@ -246,8 +246,10 @@ def _fake_kernels(monkeypatch, seen):
         o = (o * fk.folds.q_scale).to(q.dtype)
         return o, ForwardState(None, ht if final else None, {})
 
-    def fake_backward(fk, bk, q, k, v, g, state, h0, do, dht, initial_grad, w=None):
+    def fake_backward(fk, bk, q, k, v, g, state, h0, do, dht, initial_grad, w=None,
+                      decay_grad=True):
         assert bk.v_weight == (w is not None) == fk.folds.v_weight
+        seen.setdefault("decay_grad", []).append(decay_grad)
         names = ["q", "k", "v", "g", *(["w"] if w is not None else [])]
         leaves = [t.detach().requires_grad_() for t in (q, k, v, g, w)[:len(names)]]
         with torch.enable_grad():
@@ -255,7 +257,8 @@ def _fake_kernels(monkeypatch, seen):
             o, _ = core(*leaves[:2], vw, leaves[3], h0)  # unscaled: the function scales do
             grads = torch.autograd.grad(o, leaves, do.float())
         out = [gr.to(t.dtype) for gr, t in zip(grads, leaves, strict=True)]
-        return (*out[:4], None, out[4] if w is not None else None)
+        return (*out[:3], out[3] if decay_grad else None, None,
+                out[4] if w is not None else None)
 
     def fake_step(sk, q, k, v, g, h0, w=None):
         seen.setdefault("step_folds", []).append(sk.folds)
@@ -278,6 +281,19 @@ def _kernel_and_reference_modules(monkeypatch, seen: dict, name: str, seqlen: in
     mod = var.build(sz, torch.bfloat16, backend="tilelang")
     monkeypatch.setattr(mod, "resolved_backend", lambda device: "tilelang")
     return var, sz, mod, ref_mod
+
+
+@pytest.mark.parametrize("name", ["simple_gla", "mamba2", "retnet_linear"])
+def test_backward_gives_the_decays_gradient_where_it_is_needed(monkeypatch, name):
+    """The backward asks its kernels for the decays' gradient exactly where autograd needs it:
+    simple GLA's decay and Mamba2's A and dt are learnable, RetNet's fixed decay is not."""
+    seen = {}
+    var, sz, mod, _ = _kernel_and_reference_modules(monkeypatch, seen, name, seqlen=40)
+    inp = var.make_inputs(sz, torch.bfloat16, seed=4, requires_grad=True)
+    leaves = list({id(t): t for t in inp.values() if t.requires_grad}.values())
+    grads = torch.autograd.grad(mod(*inp.values()).float().sum(), leaves)
+    assert seen["decay_grad"] == [name != "retnet_linear"]
+    assert all(g is not None and g.abs().sum() > 0 for g in grads)
 
 
 @pytest.mark.parametrize("name", ["simple_gla", "mamba2"])

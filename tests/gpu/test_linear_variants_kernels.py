@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from attnbench.linear import decay_needs_grad
 from engine.kernels.linear_fwd.plan import LinearConfig
 from engine.reference.executor import rel_err
 from engine.reference.linear import chunked
@@ -37,8 +38,9 @@ def case_id(c: tuple) -> str:
 def _case_sources(case: tuple) -> list[str]:
     """A training call's kernels at the case's sizes (the module's folds included)."""
     name, dt, d = case
-    return LINEAR_VARIANTS[name].build(_sizes(name, d), dt, backend="tilelang").kernel_sources(
-        ("fwd", "bwd"))
+    variant = LINEAR_VARIANTS[name]
+    return variant.build(_sizes(name, d), dt, backend="tilelang").kernel_sources(
+        ("fwd", "bwd"), decay_grad=decay_needs_grad(variant))
 
 
 def _generation_sources(name: str) -> list[str]:

@@ -21,9 +21,9 @@ class BackwardKernels:
     shape: LinearShape
     config: LinearConfig
     dv: Kernel
-    dqk: Kernel
     v_weight: bool = False  # the kernels take the value weights W (and dv writes dW)
     _dstates: dict[tuple[bool, bool], Kernel] = field(default_factory=dict)
+    _dqk: dict[bool, Kernel] = field(default_factory=dict)
 
     def dstates(self, final_grad: bool, initial_grad: bool) -> Kernel:
         key = (final_grad, initial_grad)
@@ -31,13 +31,23 @@ class BackwardKernels:
             self._dstates[key] = Kernel(generate_dstates(self.shape, self.config, *key))
         return self._dstates[key]
 
-    def sources(self, final_grad: bool = False, initial_grad: bool = False) -> list[str]:
-        return [self.dstates(final_grad, initial_grad).source, self.dv.source, self.dqk.source]
+    def dqk(self, decay_grad: bool = True) -> Kernel:
+        """The dQ/dK kernel, giving the decays' gradient too with `decay_grad`."""
+        if decay_grad not in self._dqk:
+            self._dqk[decay_grad] = Kernel(generate_dqk(self.shape, self.config, self.v_weight,
+                                                        decay_grad))
+        return self._dqk[decay_grad]
 
-    def compile(self, final_grad: bool = False, initial_grad: bool = False) -> None:
+    def sources(self, final_grad: bool = False, initial_grad: bool = False,
+                decay_grad: bool = True) -> list[str]:
+        return [self.dstates(final_grad, initial_grad).source, self.dv.source,
+                self.dqk(decay_grad).source]
+
+    def compile(self, final_grad: bool = False, initial_grad: bool = False,
+                decay_grad: bool = True) -> None:
         self.dstates(final_grad, initial_grad).compiled()
         self.dv.compiled()
-        self.dqk.compiled()
+        self.dqk(decay_grad).compiled()
 
 
 def build_backward(shape: LinearShape, cfg: LinearConfig, v_weight: bool = False
@@ -45,8 +55,7 @@ def build_backward(shape: LinearShape, cfg: LinearConfig, v_weight: bool = False
     """The backward kernels at `shape` and `cfg` (checked; its chunk must be the forward's),
     with `v_weight` for a forward that folds value weights (they read v and the weights)."""
     check_config(cfg, shape.head_dim, shape.head_dim_v, elem_bytes(shape.dtype))
-    return BackwardKernels(shape, cfg, Kernel(generate_dv(shape, cfg, v_weight)),
-                           Kernel(generate_dqk(shape, cfg, v_weight)), v_weight)
+    return BackwardKernels(shape, cfg, Kernel(generate_dv(shape, cfg, v_weight)), v_weight)
 
 
 def _group_sum(x: torch.Tensor, heads: int, dtype: torch.dtype) -> torch.Tensor:
@@ -58,8 +67,10 @@ def _group_sum(x: torch.Tensor, heads: int, dtype: torch.dtype) -> torch.Tensor:
 def launch_backward(fk: ForwardKernels, bk: BackwardKernels, q: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor, g: torch.Tensor, fwd: ForwardState, initial_state: torch.Tensor | None,
                     do: torch.Tensor, dht: torch.Tensor | None, initial_grad: bool,
-                    w: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-    """(dq, dk, dv, dg [B, H, T] fp32, dh0 or None, dw or None); with value weights w
+                    w: torch.Tensor | None = None, decay_grad: bool = True
+                    ) -> tuple[torch.Tensor | None, ...]:
+    """(dq, dk, dv, dg [B, H, T] fp32 or, without `decay_grad`, None, dh0 or None, dw or
+    None); with value weights w
     [B, H, T] float32 (folded into fk's and bk's kernels), the gradients of the problem with
     w * v in place of v, and dw [B, H, T] float32."""
     s = bk.shape
@@ -83,15 +94,17 @@ def launch_backward(fk: ForwardKernels, bk: BackwardKernels, q: torch.Tensor, k:
           **({"V": v, "dW": dw} if bk.v_weight else {}))
     dq, dk = _outputs(s, q, k)
     nk = s.head_dim // bk.config.block_K
-    dgp = torch.empty(nk, s.batch, s.heads, s.seqlen, dtype=torch.float32, device=dev)
-    bk.dqk(Q=q, K=k, V=v, dO=do, **common, Hs=hs, dHs=dhs, dG=dgp, **weights,
-           **{("dQ" if s.heads_q == s.heads else "dQh"): dq,
-              ("dK" if s.heads_k == s.heads else "dKh"): dk})
+    dgp = (torch.empty(nk, s.batch, s.heads, s.seqlen, dtype=torch.float32, device=dev)
+           if decay_grad else None)
+    bk.dqk(decay_grad)(Q=q, K=k, V=v, dO=do, **common, Hs=hs, dHs=dhs, **weights,
+                       **({"dG": dgp} if decay_grad else {}),
+                       **{("dQ" if s.heads_q == s.heads else "dQh"): dq,
+                          ("dK" if s.heads_k == s.heads else "dKh"): dk})
     if s.heads_q != s.heads:
         dq = _group_sum(dq, s.heads_q, q.dtype)
     if s.heads_k != s.heads:
         dk = _group_sum(dk, s.heads_k, k.dtype)
-    dg = dgp.sum(0) if nk > 1 else dgp[0]  # whole per key tile, the final state's part too
+    dg = None if dgp is None else dgp.sum(0) if nk > 1 else dgp[0]  # whole per key tile
     return dq, dk, dv, dg, dh0, dw
 
 
