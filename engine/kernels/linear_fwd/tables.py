@@ -1,6 +1,6 @@
 """The chunk tables of a call, built on the device with no host synchronisation (a packed
 batch's chunk count is only known there: slots are sized for the most chunks its total length
-allows, and unused slots have length 0), and the per-sequence sums the backward needs.
+allows, and unused slots have length 0).
 
 Seqs [N, 4]: per sequence its batch row, first position, length and first slot.
 Chunks [slots, 4]: per slot its batch row, first position, length (0: unused), 0.
