@@ -521,3 +521,41 @@ def test_d256_training_keeps_the_backward_on_128_threads():
     fla = dataclasses.replace(yoco, heads_q=16, heads_k=16, heads=16, head_dim=128,
                               head_dim_v=128)
     assert backward_config_for_shape(fla) == config_for_shape(fla)
+
+
+def test_a_decay_scaled_by_a_custom_read_is_one_multiply(monkeypatch):
+    """Mamba2's decay mod (decay * A, A (1, heads)) runs as one broadcast multiply, equal to
+    the generic evaluator's value and gradients bit for bit; other mods still go through the
+    evaluator."""
+    from engine import linear_api
+    from engine.ir.tensor_mods import trace_tensor_mod
+    from engine.reference.tensor_mods import apply_tensor_mod
+
+    var = get_linear_variant("mamba2")
+    sz = _sizes("mamba2", seqlen=5, head_dim=32, head_dim_v=32)
+    mod = var.build(sz, torch.bfloat16, backend="reference")
+    inp = var.make_inputs(sz, torch.bfloat16, seed=6)
+    customs = {"A": inp["A"].clone().requires_grad_(), "dt": inp["dt"]}
+    decay = inp["decay"].clone().requires_grad_()
+
+    def generic(m, d, c):
+        return apply_tensor_mod(m, d.transpose(1, 2).unsqueeze(-1), c).squeeze(-1).transpose(1, 2)
+
+    fast = linear_api._scaled_by_custom(mod.decay_mod, decay, customs)
+    want = generic(mod.decay_mod, decay, customs)
+    assert fast is not None and torch.equal(fast, want)
+    w = torch.randn_like(want)
+    assert all(torch.equal(a, b) for a, b in zip(
+        torch.autograd.grad(fast, [decay, customs["A"]], w),
+        torch.autograd.grad(want, [decay, customs["A"]], w), strict=True))
+    evaluated = []
+    monkeypatch.setattr(linear_api, "apply_tensor_mod",
+                        lambda *a, **k: evaluated.append(1) or apply_tensor_mod(*a, **k))
+    assert torch.equal(linear_api._decay_of(mod.decay_mod, decay, customs), want)
+    assert not evaluated
+    shifted = trace_tensor_mod("decay_mod", lambda d, cio: d * cio.input_tensors["A"] + 1.0,
+                               "q", mod.custom_io, arities=linear_api._MOD_FORMS,
+                               features=False)
+    assert linear_api._scaled_by_custom(shifted, decay, customs) is None
+    assert torch.equal(linear_api._decay_of(shifted, decay, customs), want + 1.0)
+    assert evaluated
