@@ -69,10 +69,9 @@ def launch_backward(fk: ForwardKernels, bk: BackwardKernels, q: torch.Tensor, k:
                     do: torch.Tensor, dht: torch.Tensor | None, initial_grad: bool,
                     w: torch.Tensor | None = None, decay_grad: bool = True
                     ) -> tuple[torch.Tensor | None, ...]:
-    """(dq, dk, dv, dg [B, H, T] fp32 or, without `decay_grad`, None, dh0 or None, dw or
-    None); with value weights w
-    [B, H, T] float32 (folded into fk's and bk's kernels), the gradients of the problem with
-    w * v in place of v, and dw [B, H, T] float32."""
+    """(dq, dk, dv, dg [B, H, T] fp32 (None without `decay_grad`), dh0 or None, dw or None);
+    with value weights w [B, H, T] float32 (folded into fk's and bk's kernels), the gradients
+    of the problem with w * v in place of v, and dw [B, H, T] float32."""
     s = bk.shape
     tb, dev = fwd.tables, q.device
     hs, _ = run_states(fk, k, v, tb, fwd.slot_data, initial_state, False)
