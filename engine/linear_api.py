@@ -19,6 +19,7 @@ from engine.ir.tensor_mods import (
 )
 from engine.kernels.linear_fwd.plan import NO_FOLDS, Folds
 from engine.logs import log_once
+from engine.reference.evaluate import Env, custom_view
 from engine.reference.linear import chunked
 from engine.reference.tensor_mods import apply_tensor_mod
 from engine.runtime import linear_backend, linear_tuning
@@ -83,34 +84,18 @@ def _decay_of(mod: TensorMod, decay: torch.Tensor, customs: dict[str, torch.Tens
 def _scaled_by_custom(mod: TensorMod, decay: torch.Tensor, customs: dict[str, torch.Tensor]
                       ) -> torch.Tensor | None:
     """decay [B, H, T] times a custom read that is a view of its tensor (Mamba2's decay * A,
-    A (1, heads)) as one broadcast multiply, the evaluator's float32 product without its
-    per-call host work (about 40% of a Mamba2 generation step's, NOTES 136); None for any
-    other mod."""
+    A (1, heads); the evaluator's custom_view over the [B, H, T] layout) as one broadcast
+    multiply, the evaluator's float32 product without its per-call host work (about 40% of a
+    Mamba2 generation step's, NOTES 136); None for any other mod."""
     e = mod.expr
     if e.op != "mul" or sorted(a.op for a in e.args) != sorted(("custom", TENSOR_LEAF)):
         return None
-    read = next(a for a in e.args if a.op == "custom")
-    name, _, index = read.attr
-    view = _bht_view(customs[name], index, mod.pos, decay.shape)
+    name, _, index = next(a for a in e.args if a.op == "custom").attr
+    B, H, T = decay.shape
+    layout = Env(dtype=torch.float32, device=decay.device,
+                 ranges={"b": (0, B), "h": (1, H), mod.pos: (2, T)}, rank=3)
+    view = custom_view(customs[name], index, layout)
     return None if view is None else decay * view.to(torch.float32)
-
-
-def _bht_view(t: torch.Tensor, index: tuple, pos: str, shape: torch.Size
-              ) -> torch.Tensor | None:
-    """Custom tensor `t` read at `index` (entries "b", "h", `pos` or 0) as a view broadcasting
-    over [B, H, T] = `shape`: each name once, in that order, over its whole extent; else None."""
-    axes = {"b": 0, "h": 1, pos: 2}
-    names = [i for i in index if isinstance(i, str)]
-    dims = [axes.get(n) for n in names]
-    if len(index) != t.dim() or None in dims or dims != sorted(set(dims)):
-        return None
-    y = t
-    for d in reversed(range(len(index))):  # entries 0 select the first element
-        if not isinstance(index[d], str):
-            y = y.select(d, 0)
-    if any(y.shape[i] != shape[a] for i, a in enumerate(dims)):
-        return None
-    return y.reshape([shape[a] if a in dims else 1 for a in range(3)])
 
 
 class LinearAttentionEngine(torch.nn.Module):

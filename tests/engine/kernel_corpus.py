@@ -247,15 +247,15 @@ def _linear_sources(shape: tuple, cfg_fields, folds, states: bool) -> dict[str, 
     ends = shape[-1]
     cu = None if ends is None else torch.tensor(ends, dtype=torch.int32)
     cfg = None if cfg_fields is None else LinearConfig(*cfg_fields)
+    cache = linear_backend.LinearKernelCache()  # shared: the second call builds only its dQ/dK
     srcs = linear_backend.kernel_sources(
-        linear_backend.LinearKernelCache(), *_linear_meta(shape), config=cfg,
-        modes=("fwd", "bwd"), initial_state=states, final_state=states, cu_seqlens=cu,
-        folds=folds)
+        cache, *_linear_meta(shape), config=cfg, modes=("fwd", "bwd"), initial_state=states,
+        final_state=states, cu_seqlens=cu, folds=folds)
     out = {str(i): src for i, src in enumerate(srcs)}
     if not states and folds == NO_FOLDS:  # the dQ/dK kernel of a decay with no gradient
         out["dqk-no-dg"] = linear_backend.kernel_sources(
-            linear_backend.LinearKernelCache(), *_linear_meta(shape), config=cfg,
-            modes=("fwd", "bwd"), cu_seqlens=cu, decay_grad=False)[-1]
+            cache, *_linear_meta(shape), config=cfg, modes=("fwd", "bwd"), cu_seqlens=cu,
+            decay_grad=False)[-1]
     return out
 
 
