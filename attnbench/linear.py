@@ -33,7 +33,7 @@ from engine.dtypes import torch_dtype
 
 LINEAR_TENSORS = ("q", "k", "v", "decay")  # the call's leading tensors, in order
 STATE = "initial_state"  # a continuation case's state input (module docstring)
-GRAD_TENSORS = ("q", "k", "v")  # the inputs whose gradients every row checks
+GRAD_TENSORS = ("q", "k", "v")  # checked in every gradient row, with `learned_names`'
 REF_CHUNK_ELEMS = 2**28  # T x T elements per reference slice (1 GiB in float32)
 
 
@@ -89,50 +89,69 @@ def head_chunk(case: Case, budget: int | None = None) -> int:
 def linear_reference(case: Case, variant, inputs: dict[str, torch.Tensor],
                      grad_out: torch.Tensor | None, dtype: torch.dtype,
                      with_grads: bool) -> tuple[torch.Tensor, ...]:
-    """(o,) or (o, dq, dk, dv) in the engine's layout and `dtype`, from the variant's
-    `reference_fn` run on `dtype` copies of the inputs one (sequence, group of heads) at a time:
-    sequences and heads are independent, and the reference materialises T x T per head.
-    Gradients of inputs a slice shares (one q head for all) add up over the slices."""
+    """(o,) or (o, dq, dk, dv, *the learnable inputs' gradients) in the engine's layout and
+    `dtype`, from the variant's `reference_fn` run on `dtype` copies of the inputs one (sequence,
+    group of heads) at a time: sequences and heads are independent, and the reference
+    materialises T x T per head. The learnable inputs are `learned_names`' (one gradient per
+    distinct tensor, as a training step's leaves); gradients of inputs a slice shares (one q head
+    for all, Mamba2's A) add up over the slices."""
     v = inputs["v"]
     out = torch.empty(case.batch, case.heads, case.seqlen_q, case.head_dim_v, dtype=dtype,
                       device=v.device)
-    grads = {n: torch.zeros(inputs[n].shape, dtype=dtype, device=v.device)
-             for n in GRAD_TENSORS} if with_grads else {}
+    names = (*GRAD_TENSORS, *learned_names(variant, inputs)) if with_grads else ()
+    grads = {n: torch.zeros(inputs[n].shape, dtype=dtype, device=v.device) for n in names}
     per = head_chunk(case)
     for b in range(case.batch):
         for h0 in range(0, case.heads, per):
             heads = slice(h0, min(h0 + per, case.heads))
-            sl = {n: t.detach()[_index(t, b, heads, case)].to(dtype) if t.is_floating_point()
-                  else t for n, t in inputs.items()}
+            sl = _slice(inputs, b, heads, case, dtype)
             where = (slice(b, b + 1), heads)
             if not with_grads:
                 with torch.no_grad():
                     out[where] = variant.reference_fn(sl)
                 continue
-            leaves = [sl[n].requires_grad_(True) for n in GRAD_TENSORS]
+            leaves = [sl[n].requires_grad_(True) for n in names]
             o = variant.reference_fn(sl)
             out[where] = o.detach()
             assert grad_out is not None
-            for n, g in zip(GRAD_TENSORS, torch.autograd.grad(o, leaves, grad_out[where].to(
-                    o.dtype)), strict=True):
+            for n, g in zip(names, torch.autograd.grad(o, leaves, grad_out[where].to(o.dtype)),
+                            strict=True):
                 grads[n][_index(inputs[n], b, heads, case)] += g
     return (out, *grads.values())
+
+
+def _slice(inputs: dict[str, torch.Tensor], b: int, heads: slice, case: Case,
+           dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Sequence `b`, heads `heads` of every input as `dtype` copies, one per distinct tensor
+    (Mamba2's dt, the decay and a custom input, stays one tensor: one leaf, one gradient)."""
+    copies: dict[int, torch.Tensor] = {}
+    return {n: copies.setdefault(id(t), t.detach()[_index(t, b, heads, case)].to(dtype))
+            if t.is_floating_point() else t for n, t in inputs.items()}
+
+
+def learned_names(variant, inputs: dict[str, torch.Tensor]) -> tuple[str, ...]:
+    """The inputs after q, k, v that a gradient-mode call differentiates, in the call's order
+    (decay, then the customs), one name per distinct tensor (its first): the variant's
+    learnable inputs and any name sharing a tensor with one (Mamba2's decay is its dt)."""
+    learnable = set(getattr(variant, "learnable", ()))
+    names = ["decay", *linear_customs(inputs)]
+    seen: dict[int, str] = {}
+    for n in names:
+        t = inputs[n]
+        if any(m in learnable for m in names if inputs[m] is t):
+            seen.setdefault(id(t), n)
+    return tuple(seen.values())
 
 
 def linear_args(variant, inputs: dict[str, torch.Tensor],
                 needs_grad: bool) -> tuple[list[torch.Tensor], tuple[torch.Tensor, ...]]:
     """The call's arguments after q, k, v (decay, then the customs in order) and those of them
-    that a backward differentiates: in the gradient modes the variant's learnable inputs are
+    that a backward differentiates: in the gradient modes the inputs of `learned_names` are
     fresh leaves, one per distinct tensor (Mamba2's dt is the decay and a custom input: one
-    leaf, so that both uses add to one gradient, as in training)."""
-    learnable = set(getattr(variant, "learnable", ()))
-    names = ["decay", *linear_customs(inputs)]
-    fresh: dict[int, torch.Tensor] = {}
-    for n in names:
-        t = inputs[n]
-        if needs_grad and any(m in learnable for m in names if inputs[m] is t):
-            fresh.setdefault(id(t), t.detach().clone().requires_grad_(True))
-    args = [fresh.get(id(inputs[n]), inputs[n]) for n in names]
+    leaf, so that both uses add to one gradient, as in training), in that order."""
+    fresh = {id(inputs[n]): inputs[n].detach().clone().requires_grad_(True)
+             for n in (learned_names(variant, inputs) if needs_grad else ())}
+    args = [fresh.get(id(inputs[n]), inputs[n]) for n in ["decay", *linear_customs(inputs)]]
     return args, tuple(fresh.values())
 
 

@@ -23,20 +23,21 @@ of the GPU's peak memory bandwidth.
 
 Linear cases (kind "linear", attnbench.linear) take their variant from the linear-attention
 library, their inputs (q, k, v, decay and customs in [B, H, T, D]) from the variant, are checked
-against the variant's `reference_fn` (outputs and dq, dk, dv; one sequence at a time), and count
-the chunked algorithm's FLOPs (`metrics.linear_flops`). Their common layout is the engine's
+against the variant's `reference_fn` (outputs, dq, dk, dv and the gradients of its learnable
+inputs, the decay or custom tensors; one sequence at a time), and count the chunked
+algorithm's FLOPs (`metrics.linear_flops`). Their common layout is the engine's
 [B, H, T, D]; an implementation's `Prepared.to_common` maps to it. A continuation case (the last
 seqlen_q positions of sequences of seqlen_kv, from the state before them) times the forward
 only, checks the output and the final state, counts the recurrent form's FLOPs below a chunk
 and carries bytes, TB/s and the bandwidth fraction as decode rows do (`metrics.linear_step_bytes`:
 the state read and written, the new positions' q, k, v, decay and o).
 
-Accuracy: rel_err is the max over the output (and dq, dk, dv for bwd modes) of
-||x - ref|| / ||ref||; a NaN/inf anywhere, or rel_err above `metrics.REL_TOL[dtype]`, fails
-the row. For plain softmax variants too large to materialise at once, the reference runs per
-(batch, group of query heads) slice, which is exact because those slices are independent; for
-other variants that large, the engine's reference executor runs a block of query rows at a
-time.
+Accuracy: rel_err is the max over the output (and dq, dk, dv for bwd modes; a linear case's
+learnable inputs' gradients too) of ||x - ref|| / ||ref||; a NaN/inf anywhere, or rel_err above
+`metrics.REL_TOL[dtype]`, fails the row. For plain softmax variants too large to materialise at
+once, the reference runs per (batch, group of query heads) slice, which is exact because those
+slices are independent; for other variants that large, the engine's reference executor runs a
+block of query rows at a time.
 
 Peak memory: the CUDA allocator's peak during the implementation's preparation and
 measurement, above what was allocated before it started (so the shared case inputs and the
@@ -371,9 +372,11 @@ class Runner:
                 out = p.forward()
                 # Keep the graph only when the backward alone is timed on it below.
                 grads = torch.autograd.grad(out, p.leaves, g, retain_graph=mode == "bwd")
-                # q, k, v's gradients are checked here; a learnable custom input's (timed
-                # too) is checked by the GPU tests against the reference executor
-                outs = [p.to_common(out), *p.grads_to_common(grads[:3])]
+                # q, k, v's gradients are checked here, and a linear case's learnable inputs'
+                # (its reference has them); an attention variant's learnable custom input's
+                # (timed too) is checked by the GPU tests against the reference executor
+                checked = grads if case.kind == "linear" else grads[:3]
+                outs = [p.to_common(out), *p.grads_to_common(checked)]
                 refs = list(ctx.reference(True))
                 if mode == "bwd":
                     def fn():

@@ -180,8 +180,10 @@ def test_fla_mapping_matches_the_variant_reference(variant):
                                   True)
     call = fla_call(c, inputs, needs_grad=True)
     out = naive_simple_gla(call.q, call.k, call.v, **call.kwargs())[0]
-    grads = torch.autograd.grad(out, call.leaves[:3], to_fla(grad_out))
+    grads = torch.autograd.grad(out, call.leaves, to_fla(grad_out))
     got = (from_fla(out), *call.grads_back(grads))
+    # the learnable inputs' gradients too: simple GLA's decay, Mamba2's dt and A
+    assert len(ref) == 4 + {"simple_gla": 1, "retnet_linear": 0, "mamba2": 2}[variant]
     for g, r in zip(got, ref, strict=True):
         assert g.shape == r.shape
         torch.testing.assert_close(g.double(), r, rtol=1e-6, atol=1e-6)  # float32 decays
@@ -199,10 +201,15 @@ def test_fla_retention_needs_a_fixed_gamma():
 def test_mamba_ssm_mapping_matches_the_variant_reference():
     c = case("mamba2")
     inputs = _inputs(c)
-    ref = linear.linear_reference(c, LINEAR_VARIANTS["mamba2"], inputs, None, torch.float64,
-                                  False)[0]
-    p = MambaSsmImpl(op=lambda: naive_ssd).prepare(c, LINEAR_VARIANTS["mamba2"], inputs, False)
-    torch.testing.assert_close(p.to_common(p.forward()), ref, rtol=1e-6, atol=1e-6)
+    grad_out = torch.randn(c.batch, c.heads, c.seqlen_q, c.head_dim_v, dtype=torch.float64)
+    ref = linear.linear_reference(c, LINEAR_VARIANTS["mamba2"], inputs, grad_out,
+                                  torch.float64, True)
+    p = MambaSsmImpl(op=lambda: naive_ssd).prepare(c, LINEAR_VARIANTS["mamba2"], inputs, True)
+    out = p.forward()
+    got = (p.to_common(out), *p.grads_to_common(torch.autograd.grad(
+        out, p.leaves, p.from_common(grad_out))))
+    for g, r in zip(got, ref, strict=True):  # o, dC, dB, dx, ddt, dA
+        torch.testing.assert_close(g.double(), r, rtol=1e-6, atol=1e-6)
 
 
 def test_gated_backward_hands_fla_its_states_in_the_input_dtype(monkeypatch):
@@ -280,6 +287,24 @@ def test_runner_times_linear_cases_on_a_cpu(tmp_path):
     engine = [r for r in rows if r["impl"] == "engine"]
     assert {r["status"] for r in engine} == {"skipped"}
     assert {r["reason"] for r in engine} == {"needs a Hopper GPU"}
+
+
+def test_a_wrong_decay_gradient_fails_the_row(tmp_path):
+    # the output and q, k, v's gradients are right; only the decay's is 1.5x: the row must fail
+    def wrong_dg(q, k, v, g=None, **kw):
+        return naive_simple_gla(q, k, v, g=g + 0.5 * (g - g.detach()), **kw)
+
+    data = {"kind": "linear", "impls": ["fla"], "baseline": "fla", "modes": ["fwd", "fwd+bwd"],
+            "dtypes": ["float32"], "repeats": 1, "warmup": 0,
+            "cases": [{"variants": ["simple_gla"], "shapes": ["tiny"], "seqlens": [40],
+                       "batch": 2}]}
+    impls = {"fla": cpu(FlaImpl(op=lambda: wrong_dg, backward_context=contextlib.nullcontext))}
+    rows = Runner(parse_suite(data, name="lin", shapes=TINY),
+                  RunOptions(device="cpu", out_dir=tmp_path, noise_threshold=10.0),
+                  impls=impls, log=lambda s: None).run().rows
+    status = {r["mode"]: (r["status"], r["reason"]) for r in rows}
+    assert status["fwd"] == ("ok", "")
+    assert status["fwd+bwd"][0] == "failed" and "rel_err" in status["fwd+bwd"][1]
 
 
 # ---------------------------------------------------------------- continuations (the step)

@@ -19,8 +19,9 @@ any timing:
                    head to all H, v = x * dt, g = dt * A, scale = 1
 
 The leaves of a gradient run are fla's own tensors (the broadcast copies, v * dt, g); `grads_back`
-takes their gradients back to the case's q, k, v by the chain rule (sum over the broadcast
-heads, times dt) so that they are checked against the variant's reference like every row's.
+takes their gradients back to the case's q, k, v and learnable inputs (simple GLA's decay,
+Mamba2's dt and A) by the chain rule (sum over the broadcast heads, times dt, ...) so that they
+are checked against the variant's reference like every row's.
 """
 
 from __future__ import annotations
@@ -31,8 +32,6 @@ from dataclasses import dataclass
 import torch
 
 from attnbench.linear import linear_sizes
-
-Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -45,7 +44,9 @@ class FlaCall:
     g: torch.Tensor | None
     g_gamma: torch.Tensor | None
     scale: float
-    grads_back: Callable[[Grads], Grads]  # dq, dk, dv of q, k, v -> the case's, [B, H, T, D]
+    # fla's gradients of `leaves` -> the case's: dq, dk, dv [B, H, T, D], then the learnable
+    # inputs' (attnbench.linear.learned_names)
+    grads_back: Callable[[tuple], tuple]
 
     @property
     def leaves(self) -> tuple[torch.Tensor, ...]:
@@ -77,18 +78,22 @@ def _qk(inputs: dict, sizes: dict, needs_grad: bool) -> tuple[torch.Tensor, torc
                  for n in ("q", "k"))
 
 
-def _grads_back(sizes: dict, dv_scale: torch.Tensor | None = None) -> Callable[[Grads], Grads]:
-    """fla's dq, dk, dv -> the case's: summed over a broadcast head, dv times `dv_scale`
-    ([B, H, T]) where fla's v was v * dv_scale."""
-    def back(grads: Grads) -> Grads:
-        dq, dk, dv = (from_fla(x) for x in grads)
+def _grads_back(sizes: dict, dv_scale: torch.Tensor | None = None,
+                learned: Callable[[tuple], tuple] = lambda grads: ()
+                ) -> Callable[[tuple], tuple]:
+    """fla's gradients (dq, dk, dv and, with a data-dependent decay, dg) -> the case's: dq, dk
+    summed over a broadcast head, dv times `dv_scale` ([B, H, T]) where fla's v was v * dv_scale,
+    then `learned(grads)`: the gradients of the case's learnable inputs
+    (attnbench.linear.learned_names), in its layout."""
+    def back(grads: tuple) -> tuple:
+        dq, dk, dv = (from_fla(x) for x in grads[:3])
         if sizes["heads_q"] == 1 < sizes["heads"]:
             dq = dq.float().sum(1, keepdim=True)
         if sizes["heads_k"] == 1 < sizes["heads"]:
             dk = dk.float().sum(1, keepdim=True)
         if dv_scale is not None:
             dv = dv.float() * dv_scale.unsqueeze(-1)
-        return dq, dk, dv
+        return dq, dk, dv, *learned(grads)
 
     return back
 
@@ -97,7 +102,8 @@ def _simple_gla(inputs: dict, sizes: dict, needs_grad: bool) -> FlaCall:
     q, k = _qk(inputs, sizes, needs_grad)
     v = _leaf(to_fla(inputs["v"]), needs_grad)
     g = _leaf(to_fla(inputs["decay"].float()), needs_grad)
-    return FlaCall(q, k, v, g, None, sizes["head_dim"] ** -0.5, _grads_back(sizes))
+    return FlaCall(q, k, v, g, None, sizes["head_dim"] ** -0.5,
+                   _grads_back(sizes, learned=lambda grads: (from_fla(grads[3]),)))
 
 
 def _retnet_linear(inputs: dict, sizes: dict, needs_grad: bool) -> FlaCall:
@@ -118,7 +124,15 @@ def _mamba2(inputs: dict, sizes: dict, needs_grad: bool) -> FlaCall:
     x = inputs["v"]
     v = _leaf(to_fla((x.float() * dt.unsqueeze(-1)).to(x.dtype)), needs_grad)
     g = _leaf(to_fla(inputs["decay"].float() * a.view(1, -1, 1)), needs_grad)
-    return FlaCall(q, k, v, g, None, 1.0, _grads_back(sizes, dt))
+
+    def learned(grads: tuple) -> tuple:
+        # dt (the decay and the value weight: one tensor) and A, by the chain rule through
+        # v = x * dt and g = dt * A
+        dv, dg = from_fla(grads[2]).float(), from_fla(grads[3]).float()
+        ddt = (dv * x.float()).sum(-1) + dg * a.view(1, -1, 1)
+        return ddt, (dg * dt).sum((0, 2)).view_as(a)
+
+    return FlaCall(q, k, v, g, None, 1.0, _grads_back(sizes, dt, learned))
 
 
 # linear variant -> its mapping (module docstring)

@@ -64,11 +64,14 @@ class MambaSsmImpl(Impl):
             raise Unsupported("mamba_ssm: B and C of one group (heads_q = heads_k = 1) only")
         c, b, x = (to_fla(inputs[n]).requires_grad_(needs_grad) for n in ("q", "k", "v"))
         dt = to_fla(inputs["dt"].float()).requires_grad_(needs_grad)
-        a = inputs["A"].float().reshape(-1).contiguous()
+        a = inputs["A"].float().reshape(-1).contiguous().requires_grad_(needs_grad)
         op, chunk = self.load_op(), self.chunk_size
 
         def forward():
             return op(x, dt, a, b, c, chunk_size=chunk)
 
-        return Prepared(forward=forward, leaves=(c, b, x, dt), to_common=from_fla,
-                        from_common=to_fla)
+        def grads_back(grads: tuple) -> tuple:  # dC, dB, dx, ddt, dA -> the case's (dt, A last)
+            return (*(from_fla(g) for g in grads[:4]), grads[4].view_as(inputs["A"]))
+
+        return Prepared(forward=forward, leaves=(c, b, x, dt, a), to_common=from_fla,
+                        from_common=to_fla, grad_map=grads_back)
