@@ -11,11 +11,16 @@ with a data-dependent decay (`fla.ops.common.chunk_o.chunk_bwd_dqkwg`) raises on
 Triton >= 3.4 and < 3.7.1 ("produces incorrect results", fla issue #640; the GPU host has
 torch 2.11's Triton 3.6), and fla's fix, its TileLang backend (`FLA_TILELANG`, on by default on
 Hopper), refuses simple GLA's call: its verifier wants the chunk states in q's dtype and
-`chunk_simple_gla_bwd` passes them in float32 (`states_in_fp32=True`), so the dispatch falls
-back to Triton and raises. Inside the row's timing context the adapter below hands that one
-call its states in q's dtype, which fla's TileLang kernel takes (the rounding shows in the
-row's rel_err). Decays fixed per head (g_gamma: retention) never reach the check. Where the
-TileLang backend is unavailable (no nvcc), the refusal becomes a skipped backward row.
+`chunk_simple_gla_bwd` computes them in float32 (`states_in_fp32=True` for its recomputed h and
+for dh, "for safety"; its forward stores h in q's dtype), so the dispatch falls back to Triton
+and raises. Inside the row's timing context the adapter below has the backward's two state
+passes write their states in q's dtype, as the forward's does, which fla's TileLang kernel
+takes (the rounding shows in the row's rel_err). Until 2026-11-28 it converted float32 states
+after the fact instead: two extra passes over h and dh (330 us of fla's 2.58 ms at Mamba2-2.7B
+B 1 x T 8k, results/NOTES.md 142), which the gated forward+backward rows charged to fla.
+Decays fixed per head (g_gamma: retention) never reach the check and run fla's own float32
+states. Where the TileLang backend is unavailable (no nvcc), the refusal becomes a skipped
+backward row.
 
 A continuation case (attnbench.linear: a few positions after a state) runs as fla's layers run
 generation: `fused_recurrent_simple_gla` for at most 64 positions (their
@@ -39,6 +44,8 @@ from attnbench.linear import STATE
 
 ISSUE_640 = "#640"  # fla's error text for the Hopper gated-backward refusal
 RECURRENT_MAX = 64  # fla's layers run at most this many positions with the recurrent kernel
+# chunk_simple_gla_bwd's state passes (the chunk states h, recomputed, and their gradient dh)
+STATE_PASSES = ("chunk_fwd_h", "chunk_bwd_dh")
 
 
 def load_op() -> Callable:
@@ -58,20 +65,23 @@ def _with_state(result: tuple) -> tuple:
 
 @contextlib.contextmanager
 def gated_backward_on_hopper() -> Iterator[None]:
-    """simple GLA's gated dq/dk backward through fla's TileLang kernel (module docstring)."""
+    """simple GLA's gated dq/dk backward through fla's TileLang kernel (module docstring): the
+    backward's two state passes write their states in the input dtype, as its forward's does."""
     chunk = importlib.import_module("fla.ops.simple_gla.chunk")
-    original = chunk.chunk_bwd_dqkwg
+    originals = {n: getattr(chunk, n) for n in STATE_PASSES}
 
-    def states_in_input_dtype(*, q, h, dh, **kwargs):
-        return original(q=q, h=h.to(q.dtype), dh=dh.to(q.dtype), **kwargs)
+    def in_input_dtype(original: Callable) -> Callable:
+        return lambda **kwargs: original(**{**kwargs, "states_in_fp32": False})
 
     before = os.environ.get("FLA_TILELANG")
     os.environ["FLA_TILELANG"] = "1"
-    chunk.chunk_bwd_dqkwg = states_in_input_dtype
+    for n, f in originals.items():
+        setattr(chunk, n, in_input_dtype(f))
     try:
         yield
     finally:
-        chunk.chunk_bwd_dqkwg = original
+        for n, f in originals.items():
+            setattr(chunk, n, f)
         if before is None:
             os.environ.pop("FLA_TILELANG", None)
         else:
