@@ -32,6 +32,9 @@
 #     alone ($OUT/host-overhead-decode.json)
 #   decode-sweep: the decode kernels' TB/s over DecodeConfigs (scripts/decode_sweep.py;
 #     $OUT/decode-sweep.json; SWEEP_FILTER, SWEEP_CONFIGS)
+#   linear-breakdown: each linear case's kernels' GPU time, engine and fla, forward and
+#     forward+backward, as its rows run them (scripts/linear_breakdown.py;
+#     $OUT/linear-breakdown.json; BREAKDOWN_FILTER, default all cases)
 #   clock-trace: a long kernel's repetition times beside the SM clock and power (NVML)
 #     (scripts/clock_trace.py; $OUT/clock-trace.json)
 set -uo pipefail
@@ -99,6 +102,11 @@ for step in "${steps[@]}"; do
     # SWEEP_FILTER: a glob over the decode suite's case names; SWEEP_CONFIGS: N:STAGES:SPLITS ...
     python scripts/decode_sweep.py "$OUT/decode-sweep.json" "${SWEEP_FILTER:-*}" \
       ${SWEEP_CONFIGS:-} 2>&1 | grep -v INFO | tail -60
+  elif [ "$step" = linear-breakdown ]; then
+    python scripts/gpu_precompile.py linear --filter "${BREAKDOWN_FILTER:-*}" 2>&1 | grep -v INFO \
+      | tail -3
+    python scripts/linear_breakdown.py "$OUT/linear-breakdown.json" "${BREAKDOWN_FILTER:-*}" \
+      2>&1 | grep -v "INFO\|Warning" | tail -40
   elif [ "$step" = clock-trace ]; then
     python scripts/clock_trace.py "$OUT/clock-trace.json" 2>&1 | tail -5
   elif [ "$step" = tune-decode ]; then

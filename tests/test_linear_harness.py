@@ -403,3 +403,40 @@ def test_a_wrong_state_fails_the_continuation(tmp_path):
     rows = Runner(suite, RunOptions(device="cpu", out_dir=tmp_path), impls={"fla": fla},
                   log=lambda s: None).run().rows
     assert [r["status"] for r in rows] == ["failed"] and "rel_err" in rows[0]["reason"]
+
+
+# ---------------------------------------------------------------- scripts/linear_breakdown.py
+def _breakdown_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "linear_breakdown.py"
+    spec = importlib.util.spec_from_file_location("linear_breakdown", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_breakdown_averages_each_kernel_by_its_place_in_a_call():
+    agg = _breakdown_module().aggregate
+    # two calls of three kernels (a name twice in a call: two entries), out of order
+    events = [("b", 11.0, 6.0), ("a", 0.0, 2.0), ("a", 2.0, 4.0), ("a", 10.0, 4.0),
+              ("b", 1.0, 10.0), ("a", 12.0, 8.0)]
+    got = agg(events, 2)
+    assert got["kernels"] == {"0:a": 3.0, "1:b": 8.0, "2:a": 6.0}
+    assert list(got["kernels"]) == ["0:a", "1:b", "2:a"] and got["kernels_us"] == 17.0
+    with pytest.raises(ValueError, match="5 kernels do not split into 2 equal calls"):
+        agg(events[:5], 2)
+
+
+def test_breakdown_runs_each_impl_as_its_rows_do(monkeypatch):
+    # the reference impl on a CPU, the profiler replaced: each mode's call runs (a gradient
+    # call returns q, k, v's and the learnable inputs' gradients)
+    mod = _breakdown_module()
+    seen = []
+    monkeypatch.setattr(mod, "TIMES", lambda fn: seen.append(fn()) or {"kernels_us": 1.0})
+    c = case("mamba2", dtype="float32")
+    got = mod.breakdown(c, ["reference"], device="cpu")
+    assert got == {"reference": {"fwd": {"kernels_us": 1.0}, "fwd+bwd": {"kernels_us": 1.0}}}
+    fwd, grads = seen
+    assert fwd.shape == (c.batch, c.heads, c.seqlen_q, c.head_dim_v) and len(grads) == 5
