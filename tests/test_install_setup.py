@@ -4,7 +4,6 @@ GPU (scripts/setup_torch.py check)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -13,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.script_module import load_script
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "setup_torch.py"
 
-_spec = importlib.util.spec_from_file_location("setup_torch", SCRIPT)
-setup_torch = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(setup_torch)
+setup_torch = load_script("setup_torch")
 
 
 def _never():

@@ -407,14 +407,9 @@ def test_a_wrong_state_fails_the_continuation(tmp_path):
 
 # ---------------------------------------------------------------- scripts/linear_breakdown.py
 def _breakdown_module():
-    import importlib.util
-    from pathlib import Path
+    from tests.script_module import load_script
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "linear_breakdown.py"
-    spec = importlib.util.spec_from_file_location("linear_breakdown", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("linear_breakdown")
 
 
 def test_breakdown_averages_each_kernel_by_its_place_in_a_call():

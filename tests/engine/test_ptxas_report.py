@@ -3,10 +3,8 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 from engine.runtime.ptxas import pv_wait_placement
+from tests.script_module import load_script
 
 SASS = """
         /*2e90*/                   HGMMA.64x128x16.F32.BF16 R24, R180, gdesc[UR12].tnspB, R24, gsb0 ;
@@ -31,11 +29,7 @@ def test_exponentials_are_counted_up_to_each_pv_wait():
 
 
 def _survey_module():
-    path = Path(__file__).resolve().parents[2] / "scripts" / "ptxas_survey.py"
-    spec = importlib.util.spec_from_file_location("ptxas_survey", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("ptxas_survey")
 
 
 def test_survey_picks_corpus_kernels_by_key_and_role():
