@@ -360,10 +360,7 @@ class Runner:
         case = ctx.case
         with p.context():
             if mode == "fwd":
-                def fn():
-                    with torch.no_grad():
-                        return p.forward()
-
+                fn = p.timed_call(mode)
                 got = p.to_common(fn())  # a continuation's: (out, final state)
                 outs = list(got) if isinstance(got, tuple) else [got]
                 refs = list(ctx.reference(False)[:len(outs)])
@@ -382,8 +379,7 @@ class Runner:
                     def fn():
                         return torch.autograd.grad(out, p.leaves, g, retain_graph=True)
                 else:
-                    def fn():
-                        return torch.autograd.grad(p.forward(), p.leaves, g)
+                    fn = p.timed_call(mode, g)
             rel, mx = _accuracy(outs, refs)
             flops = ctx.flops(mode)
             if (rejected := self._rejected_by_one_call(p, fn, flops)) is not None:

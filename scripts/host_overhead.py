@@ -114,17 +114,9 @@ def decode_setup():
 def kernels_busy_us(fn, n: int = 200) -> float:
     """The GPU's busy time per call of `fn` (the sum of its kernels' durations, from the
     profiler): back-to-back event timing of a host-bound step measures the host instead."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
+    from attnbench.kernel_profile import kernel_events
 
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.device_time for e in prof.events() if e.device_type.name == "CUDA") / n
+    return sum(dur for _, _, dur in kernel_events(fn, n, 10)) / n
 
 
 def decode_record() -> dict:

@@ -138,6 +138,20 @@ class Prepared:
             return tuple(self.grad_map(grads))
         return tuple(self.to_common(g) for g in grads)
 
+    def timed_call(self, mode: str, grad_out: torch.Tensor | None = None
+                   ) -> Callable[[], object]:
+        """What a row of `mode` times: "fwd", the forward without autograd; "fwd+bwd", the
+        forward and the gradients of `leaves` for `grad_out` (in this implementation's
+        layout)."""
+        if mode == "fwd":
+            def forward():
+                with torch.no_grad():
+                    return self.forward()
+            return forward
+        if mode != "fwd+bwd":
+            raise ValueError(f"mode: expected 'fwd' or 'fwd+bwd', got {mode!r}")
+        return lambda: torch.autograd.grad(self.forward(), self.leaves, grad_out)
+
 
 def learnable_customs(variant, inputs: dict, needs_grad: bool) -> dict[str, torch.Tensor]:
     """The custom tensors of `inputs`; in the gradient modes the variant's learnable ones are

@@ -121,12 +121,12 @@ class LinearObjective:
 
         require_cuda()
         mod = self._module(cfg)
-        inputs, args, grad_out = self._inputs()
+        inputs, args, learned, grad_out = self._inputs()
         qkv = [inputs[n] for n in ("q", "k", "v")]
-        if self.backward:  # q, k, v and the learnable inputs (leaves in args), as in training;
-            # the check reads q, k and v's
+        if self.backward:  # q, k, v and the learnable inputs, as in training; the check reads
+            # q, k and v's
             qkv = [t.detach().requires_grad_(True) for t in qkv]
-            leaves = qkv + list({id(a): a for a in args if a.requires_grad}.values())
+            leaves = [*qkv, *learned]
 
             def step():
                 o = mod(*qkv, *args)
@@ -143,8 +143,9 @@ class LinearObjective:
         return Measurement(med, {"rel_err": rel_err, "reps": n,
                                  "gpu_env": os.environ.get("CUDA_VISIBLE_DEVICES", "")})
 
-    def _inputs(self) -> tuple[dict, list, object]:
-        """(the case's inputs, the call's arguments after q, k, v, the output gradient)."""
+    def _inputs(self) -> tuple[dict, list, tuple, object]:
+        """(the case's inputs, the call's arguments after q, k, v, the leaves among them that
+        a backward differentiates, the output gradient)."""
         from attnbench.linear import linear_args, make_linear_inputs
 
         key = (self.problem, self.seed)
@@ -152,8 +153,8 @@ class LinearObjective:
             _INPUTS.clear()  # one study per worker: free the last one's inputs first
             _REFERENCE.clear()
             inputs, grad_out = make_linear_inputs(self.case, self._variant(), "cuda", self.seed)
-            args, _ = linear_args(self._variant(), inputs, self.backward)
-            _INPUTS[key] = (inputs, args, grad_out)
+            args, learned = linear_args(self._variant(), inputs, self.backward)
+            _INPUTS[key] = (inputs, args, learned, grad_out)
         return _INPUTS[key]
 
     def _check(self, out, grads) -> float:
@@ -173,7 +174,7 @@ class LinearObjective:
         from attnbench.linear import linear_reference
 
         case = self.case
-        inputs, _, grad_out = self._inputs()
+        inputs, _, _, grad_out = self._inputs()
         # batch-major tensors cut to row 0; the rest (batch 1, or no head axis) shared whole,
         # as attnbench.linear reads them
         row = {n: t[:1] if t.dim() >= 2 and t.shape[0] == case.batch else t
