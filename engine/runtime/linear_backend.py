@@ -43,11 +43,11 @@ class LinearKernelCache:
             self.kernels[key] = build_forward(shape, cfg, folds)
         return self.kernels[key]
 
-    def backward(self, shape: LinearShape, cfg: LinearConfig, v_weight: bool = False
+    def backward(self, shape: LinearShape, cfg: LinearConfig, folds: Folds = NO_FOLDS
                  ) -> BackwardKernels:
-        key = ("bwd", shape, cfg, v_weight)
+        key = ("bwd", shape, cfg, folds)
         if key not in self.kernels:
-            self.kernels[key] = build_backward(shape, cfg, v_weight)
+            self.kernels[key] = build_backward(shape, cfg, folds)
         return self.kernels[key]
 
     def step(self, shape: LinearShape, cfg: StepConfig | None = None, folds: Folds = NO_FOLDS
@@ -82,10 +82,8 @@ def configs(shape: LinearShape, config: LinearConfig | None,
 
 
 class _ChunkedLinear(torch.autograd.Function):
-    """o = core(q_scale * q, k, w * v, g, h0) with the folds (Folds) applied in the kernels.
-    The backward is the core's with q_scale * do (o is linear in q; the final state does not
-    depend on q, so its gradient is not scaled); its kernels fold w as the forward's do and
-    give dv and dw."""
+    """o = core(q_scale * q, k, w * v, g, h0) with the folds (Folds) applied in the kernels,
+    the backward's too (they read do as given and give dv and dw)."""
 
     @staticmethod
     def forward(ctx, cache, shape, fwd_cfg, bwd_cfg, folds, q, k, v, g, h0, w, cu_seqlens,
@@ -100,13 +98,10 @@ class _ChunkedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, g, h0, w = ctx.saved_tensors
-        q_scale = ctx.fk.folds.q_scale
         if do is None:  # only the final state is used
             s = ctx.shape
             do = q.new_zeros(s.batch, s.heads, s.seqlen, s.head_dim_v)
-        elif q_scale != 1.0:
-            do = do * q_scale
-        bk = ctx.cache.backward(ctx.shape, ctx.bwd_cfg, w is not None)
+        bk = ctx.cache.backward(ctx.shape, ctx.bwd_cfg, ctx.fk.folds)
         initial_grad = h0 is not None and ctx.needs_input_grad[9]
         dq, dk, dv, dg, dh0, dw = launch_backward(
             ctx.fk, bk, q, k, v, g, ctx.state, h0, do.contiguous(),
@@ -173,6 +168,6 @@ def kernel_sources(cache: LinearKernelCache, q: torch.Tensor, k: torch.Tensor,
     out = fk.sources(initial_state, final_state)
     if "bwd" in modes:  # the backward reruns the state pass (no final state), then its own
         out += [fk.states(initial_state, False).source,
-                *cache.backward(shape, bwd, folds.v_weight).sources(final_state, initial_state,
+                *cache.backward(shape, bwd, folds).sources(final_state, initial_state,
                                                                      decay_grad)]
     return list(dict.fromkeys(out))

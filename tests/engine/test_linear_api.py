@@ -248,14 +248,14 @@ def _fake_kernels(monkeypatch, seen):
 
     def fake_backward(fk, bk, q, k, v, g, state, h0, do, dht, initial_grad, w=None,
                       decay_grad=True):
-        assert bk.v_weight == (w is not None) == fk.folds.v_weight
+        assert bk.v_weight == (w is not None) == fk.folds.v_weight and bk.folds == fk.folds
         seen.setdefault("decay_grad", []).append(decay_grad)
         names = ["q", "k", "v", "g", *(["w"] if w is not None else [])]
         leaves = [t.detach().requires_grad_() for t in (q, k, v, g, w)[:len(names)]]
         with torch.enable_grad():
             vw = leaves[2] if w is None else leaves[2].float() * leaves[4].unsqueeze(-1)
-            o, _ = core(*leaves[:2], vw, leaves[3], h0)  # unscaled: the function scales do
-            grads = torch.autograd.grad(o, leaves, do.float())
+            o, _ = core(*leaves[:2], vw, leaves[3], h0)  # the kernels fold the q scale
+            grads = torch.autograd.grad(o * bk.folds.q_scale, leaves, do.float())
         out = [gr.to(t.dtype) for gr, t in zip(grads, leaves, strict=True)]
         return (*out[:3], out[3] if decay_grad else None, None,
                 out[4] if w is not None else None)

@@ -92,7 +92,7 @@ def _sources(case: tuple, folds: Folds = NO_FOLDS) -> list[str]:
     cache = linear_backend.LinearKernelCache()
     shape = linear_backend.linear_shape(q, k, v, torch.empty(len(PACKED)) if packed else None)
     fwd, bwd = linear_backend.configs(shape, cfg, None)
-    fk, bk = cache.forward(shape, fwd, folds), cache.backward(shape, bwd, folds.v_weight)
+    fk, bk = cache.forward(shape, fwd, folds), cache.backward(shape, bwd, folds)
     # the forward's kernels, the backward's, and the state pass the backward reruns
     return [*fk.sources(states, states), fk.states(states, False).source,
             *bk.sources(states, states)]

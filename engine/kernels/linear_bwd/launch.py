@@ -12,7 +12,7 @@ import torch
 from engine.dtypes import elem_bytes
 from engine.kernels.linear_bwd.codegen import generate_dqk, generate_dstates, generate_dv
 from engine.kernels.linear_fwd.launch import ForwardKernels, ForwardState, run_states
-from engine.kernels.linear_fwd.plan import LinearConfig, LinearShape, check_config
+from engine.kernels.linear_fwd.plan import NO_FOLDS, Folds, LinearConfig, LinearShape, check_config
 from engine.runtime.kernel import Kernel
 
 
@@ -21,20 +21,27 @@ class BackwardKernels:
     shape: LinearShape
     config: LinearConfig
     dv: Kernel
-    v_weight: bool = False  # the kernels take the value weights W (and dv writes dW)
+    # the forward's folds: value weights W (the kernels take them, dv writes dW) and the q
+    # scale (folded where the kernels meet q or dO: the output gradient is read as given)
+    folds: Folds = NO_FOLDS
     _dstates: dict[tuple[bool, bool], Kernel] = field(default_factory=dict)
     _dqk: dict[bool, Kernel] = field(default_factory=dict)
+
+    @property
+    def v_weight(self) -> bool:
+        return self.folds.v_weight
 
     def dstates(self, final_grad: bool, initial_grad: bool) -> Kernel:
         key = (final_grad, initial_grad)
         if key not in self._dstates:
-            self._dstates[key] = Kernel(generate_dstates(self.shape, self.config, *key))
+            self._dstates[key] = Kernel(generate_dstates(self.shape, self.config, *key,
+                                                         self.folds.q_scale))
         return self._dstates[key]
 
     def dqk(self, decay_grad: bool = True) -> Kernel:
         """The dQ/dK kernel, giving the decays' gradient too with `decay_grad`."""
         if decay_grad not in self._dqk:
-            self._dqk[decay_grad] = Kernel(generate_dqk(self.shape, self.config, self.v_weight,
+            self._dqk[decay_grad] = Kernel(generate_dqk(self.shape, self.config, self.folds,
                                                         decay_grad))
         return self._dqk[decay_grad]
 
@@ -50,12 +57,12 @@ class BackwardKernels:
         self.dqk(decay_grad).compiled()
 
 
-def build_backward(shape: LinearShape, cfg: LinearConfig, v_weight: bool = False
+def build_backward(shape: LinearShape, cfg: LinearConfig, folds: Folds = NO_FOLDS
                    ) -> BackwardKernels:
-    """The backward kernels at `shape` and `cfg` (checked; its chunk must be the forward's),
-    with `v_weight` for a forward that folds value weights (they read v and the weights)."""
+    """The backward kernels at `shape` and `cfg` (checked; its chunk must be the forward's)
+    of a forward with `folds` (value weights: they read v and the weights; a q scale)."""
     check_config(cfg, shape.head_dim, shape.head_dim_v, elem_bytes(shape.dtype))
-    return BackwardKernels(shape, cfg, Kernel(generate_dv(shape, cfg, v_weight)), v_weight)
+    return BackwardKernels(shape, cfg, Kernel(generate_dv(shape, cfg, folds)), folds)
 
 
 def _group_sum(x: torch.Tensor, heads: int, dtype: torch.dtype) -> torch.Tensor:
@@ -69,9 +76,10 @@ def launch_backward(fk: ForwardKernels, bk: BackwardKernels, q: torch.Tensor, k:
                     do: torch.Tensor, dht: torch.Tensor | None, initial_grad: bool,
                     w: torch.Tensor | None = None, decay_grad: bool = True
                     ) -> tuple[torch.Tensor | None, ...]:
-    """(dq, dk, dv, dg [B, H, T] fp32 (None without `decay_grad`), dh0 or None, dw or None);
-    with value weights w [B, H, T] float32 (folded into fk's and bk's kernels), the gradients
-    of the problem with w * v in place of v, and dw [B, H, T] float32."""
+    """(dq, dk, dv, dg [B, H, T] fp32 (None without `decay_grad`), dh0 or None, dw or None)
+    of the problem with bk's folds: with value weights w [B, H, T] float32 (folded into fk's
+    and bk's kernels), w * v in place of v, and dw [B, H, T] float32; with a q scale,
+    q_scale * q in place of q (`do` is the output's gradient as given)."""
     s = bk.shape
     tb, dev = fwd.tables, q.device
     hs, _ = run_states(fk, k, v, tb, fwd.slot_data, initial_state, False)
