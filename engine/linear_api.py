@@ -136,7 +136,10 @@ class LinearAttentionEngine(torch.nn.Module):
     step_config (a StepConfig) fixes its tiles. tune_file (alias tune_filename): the tune file
     (default results/tune/<gpu>/linear_fwd.json and linear_bwd.json). tune, tune_bwd: the
     linear kernels are tuned by `attnbench tune --mode linear`, not on the first call; with
-    either set the module says so once and loads what that command wrote.
+    either set the module says so once and loads what that command wrote. deterministic: the
+    backward adds no gradients with atomics (where q or k heads are shared, as Mamba2's, it
+    otherwise adds their gradients over the output heads with float32 atomics, whose order
+    varies between runs), so that a call's gradients are bitwise the same every run.
     """
 
     def __init__(
@@ -159,6 +162,7 @@ class LinearAttentionEngine(torch.nn.Module):
         tune_filename: str | None = None,
         tune_bwd: bool = False,
         step_config: Any = None,
+        deterministic: bool = False,
     ):
         super().__init__()
         self.problem: LinearProblem
@@ -166,7 +170,8 @@ class LinearAttentionEngine(torch.nn.Module):
         self._meta = tuple(qkv_meta)  # shapes and dtype only (meta tensors hold no memory)
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
-        for name, flag in (("tune", tune), ("tune_bwd", tune_bwd)):
+        for name, flag in (("tune", tune), ("tune_bwd", tune_bwd),
+                           ("deterministic", deterministic)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name}: expected a bool, got {flag!r}")
         _, tune_file = _pick("tune_file", "tune_filename", tune_file, tune_filename)
@@ -195,7 +200,8 @@ class LinearAttentionEngine(torch.nn.Module):
         self.tune_file = tune_file
         self.tune_bwd = tune_bwd
         self.check_offset_values = True  # cu_seqlens' values (a host synchronisation)
-        self._kernels = linear_backend.LinearKernelCache()
+        self.deterministic = deterministic
+        self._kernels = linear_backend.LinearKernelCache(deterministic)
         self._tuned = linear_tuning.TuneLookup()
 
     # ------------------------------------------------------------------ introspection

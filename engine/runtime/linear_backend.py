@@ -28,10 +28,12 @@ from engine.kernels.linear_step.plan import MAX_STEP_TOKENS, StepConfig, default
 
 
 class LinearKernelCache:
-    """The kernels one LinearAttentionEngine has built, by shape and config."""
+    """The kernels one LinearAttentionEngine has built, by shape and config; `deterministic`:
+    backward kernels without atomics (engine.kernels.linear_bwd.plan)."""
 
-    def __init__(self) -> None:
+    def __init__(self, deterministic: bool = False) -> None:
         self.kernels: dict = {}
+        self.deterministic = deterministic
 
     def clear(self) -> None:
         self.kernels.clear()
@@ -47,7 +49,7 @@ class LinearKernelCache:
                  ) -> BackwardKernels:
         key = ("bwd", shape, cfg, folds)
         if key not in self.kernels:
-            self.kernels[key] = build_backward(shape, cfg, folds)
+            self.kernels[key] = build_backward(shape, cfg, folds, self.deterministic)
         return self.kernels[key]
 
     def step(self, shape: LinearShape, cfg: StepConfig | None = None, folds: Folds = NO_FOLDS

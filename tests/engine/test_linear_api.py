@@ -228,6 +228,24 @@ def test_tl_code_is_the_generated_forward():
     assert len(mod.kernel_sources(("fwd", "bwd"))) > len(mod.kernel_sources())
 
 
+def test_shared_heads_gradients_by_atomics_unless_deterministic():
+    # Mamba2's one q/k head for every output head: the dQ/dK kernel adds into it with atomics
+    # (no per-head float32 gradients and torch sum after it), except in the deterministic mode;
+    # unshared heads never use atomics
+    shared = tuple(meta_tensor(2, n, 64, d, dtype=torch.bfloat16)
+                   for n, d in ((1, 64), (1, 64), (4, 64)))
+    def dqk(mod):
+        return [s for s in mod.kernel_sources(("fwd", "bwd")) if "dq dk" in s]
+
+    (fast,) = dqk(LinearAttentionEngine(shared))
+    (det,) = dqk(LinearAttentionEngine(shared, deterministic=True))
+    assert "T.atomic_add(dQa[" in fast and "T.atomic_add(dKa[" in fast
+    assert "atomic" not in det and "dQh[" in det and "dKh[" in det
+    mha = tuple(meta_tensor(2, 4, 64, 64, dtype=torch.bfloat16) for _ in range(3))
+    assert not any("atomic" in s for s in LinearAttentionEngine(mha).kernel_sources(
+        ("fwd", "bwd")))
+
+
 def _fake_kernels(monkeypatch, seen):
     """launch_forward / launch_backward as the reference core (float32, CPU), so that the
     kernel path's wiring (the folded q scale, the autograd function) runs without a GPU."""
@@ -380,6 +398,8 @@ CTOR_ERRORS = [
     (lambda: LinearAttentionEngine(META, custom_io=CustomIO({"a": ("seq_len_kv",)})),
      r"custom_io\['a'\]: dim 'seq_len_kv' has no meaning"),
     (lambda: LinearAttentionEngine(META[:2]), r"qkv_meta: expected a tuple of 3 meta tensors"),
+    (lambda: LinearAttentionEngine(META, deterministic=1),
+     r"deterministic: expected a bool, got 1"),
     (lambda: LinearAttentionEngine((META[0], meta_tensor(2, 3, 20, 8, dtype=F32), META[2])),
      r"qkv_meta: k heads 3 must divide v's heads 4"),
     (lambda: LinearAttentionEngine((META[0], META[1], meta_tensor(2, 4, 21, 4, dtype=F32))),

@@ -11,6 +11,7 @@ import torch
 
 from engine.dtypes import elem_bytes
 from engine.kernels.linear_bwd.codegen import generate_dqk, generate_dstates, generate_dv
+from engine.kernels.linear_bwd.plan import shared_heads_by_atomics
 from engine.kernels.linear_fwd.launch import ForwardKernels, ForwardState, run_states
 from engine.kernels.linear_fwd.plan import NO_FOLDS, Folds, LinearConfig, LinearShape, check_config
 from engine.runtime.kernel import Kernel
@@ -24,6 +25,8 @@ class BackwardKernels:
     # the forward's folds: value weights W (the kernels take them, dv writes dW) and the q
     # scale (folded where the kernels meet q or dO: the output gradient is read as given)
     folds: Folds = NO_FOLDS
+    # shared q/k heads' gradients by float32 atomics into them (plan.shared_heads_by_atomics)
+    atomic: bool = False
     _dstates: dict[tuple[bool, bool], Kernel] = field(default_factory=dict)
     _dqk: dict[bool, Kernel] = field(default_factory=dict)
 
@@ -42,7 +45,7 @@ class BackwardKernels:
         """The dQ/dK kernel, giving the decays' gradient too with `decay_grad`."""
         if decay_grad not in self._dqk:
             self._dqk[decay_grad] = Kernel(generate_dqk(self.shape, self.config, self.folds,
-                                                        decay_grad))
+                                                        decay_grad, self.atomic))
         return self._dqk[decay_grad]
 
     def sources(self, final_grad: bool = False, initial_grad: bool = False,
@@ -57,12 +60,14 @@ class BackwardKernels:
         self.dqk(decay_grad).compiled()
 
 
-def build_backward(shape: LinearShape, cfg: LinearConfig, folds: Folds = NO_FOLDS
-                   ) -> BackwardKernels:
+def build_backward(shape: LinearShape, cfg: LinearConfig, folds: Folds = NO_FOLDS,
+                   deterministic: bool = False) -> BackwardKernels:
     """The backward kernels at `shape` and `cfg` (checked; its chunk must be the forward's)
-    of a forward with `folds` (value weights: they read v and the weights; a q scale)."""
+    of a forward with `folds` (value weights: they read v and the weights; a q scale);
+    `deterministic`: no atomics (plan.shared_heads_by_atomics)."""
     check_config(cfg, shape.head_dim, shape.head_dim_v, elem_bytes(shape.dtype))
-    return BackwardKernels(shape, cfg, Kernel(generate_dv(shape, cfg, folds)), folds)
+    return BackwardKernels(shape, cfg, Kernel(generate_dv(shape, cfg, folds)), folds,
+                           shared_heads_by_atomics(shape, deterministic))
 
 
 def _group_sum(x: torch.Tensor, heads: int, dtype: torch.dtype) -> torch.Tensor:
@@ -99,28 +104,36 @@ def launch_backward(fk: ForwardKernels, bk: BackwardKernels, q: torch.Tensor, k:
     dv = torch.empty_like(v)
     bk.dv(Q=q, K=k, dO=do, **common, dHs=dhs, dV=dv, **weights,
           **({"V": v, "dW": dw} if bk.v_weight else {}))
-    dq, dk = _outputs(s, q, k)
+    dq, dk = _outputs(s, q, k, bk.atomic)
     nk = s.head_dim // bk.config.block_K
     dgp = (torch.empty(nk, s.batch, s.heads, s.seqlen, dtype=torch.float32, device=dev)
            if decay_grad else None)
     bk.dqk(decay_grad)(Q=q, K=k, V=v, dO=do, **common, Hs=hs, dHs=dhs, **weights,
                        **({"dG": dgp} if decay_grad else {}),
-                       **{("dQ" if s.heads_q == s.heads else "dQh"): dq,
-                          ("dK" if s.heads_k == s.heads else "dKh"): dk})
+                       **{_grad_name("dQ", s.heads_q, s.heads, bk.atomic): dq,
+                          _grad_name("dK", s.heads_k, s.heads, bk.atomic): dk})
     if s.heads_q != s.heads:
-        dq = _group_sum(dq, s.heads_q, q.dtype)
+        dq = dq.to(q.dtype) if bk.atomic else _group_sum(dq, s.heads_q, q.dtype)
     if s.heads_k != s.heads:
-        dk = _group_sum(dk, s.heads_k, k.dtype)
+        dk = dk.to(k.dtype) if bk.atomic else _group_sum(dk, s.heads_k, k.dtype)
     dg = None if dgp is None else dgp.sum(0) if nk > 1 else dgp[0]  # whole per key tile
     return dq, dk, dv, dg, dh0, dw
 
 
-def _outputs(s: LinearShape, q: torch.Tensor, k: torch.Tensor
+def _outputs(s: LinearShape, q: torch.Tensor, k: torch.Tensor, atomic: bool
              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """dq and dk buffers: the inputs' shapes, or per output head in fp32 where heads share."""
+    """dq and dk buffers: the inputs' shapes; where heads share, fp32 zeros of the input's
+    shape for the kernel's atomics, or fp32 per output head."""
     def one(x: torch.Tensor, heads: int) -> torch.Tensor:
         if heads == s.heads:
             return torch.empty_like(x)
+        if atomic:
+            return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         return torch.empty(s.batch, s.heads, s.seqlen, s.head_dim, dtype=torch.float32,
                            device=x.device)
     return one(q, s.heads_q), one(k, s.heads_k)
+
+
+def _grad_name(name: str, heads: int, out_heads: int, atomic: bool) -> str:
+    """The dQ/dK kernel's parameter for that gradient (codegen._dqk_outputs)."""
+    return name if heads == out_heads else name + ("a" if atomic else "h")
