@@ -84,12 +84,12 @@ def _inputs(case: tuple, device: str = "cuda") -> dict:
     return out
 
 
-def _sources(case: tuple, folds: Folds = NO_FOLDS) -> list[str]:
+def _sources(case: tuple, folds: Folds = NO_FOLDS, deterministic: bool = False) -> list[str]:
     dt, (hq, hk, h), (d, dv), b, t, states, packed, cfg = case
     q = torch.empty(b, hq, t, d, dtype=dt, device="meta")
     k = torch.empty(b, hk, t, d, dtype=dt, device="meta")
     v = torch.empty(b, h, t, dv, dtype=dt, device="meta")
-    cache = linear_backend.LinearKernelCache()
+    cache = linear_backend.LinearKernelCache(deterministic)
     shape = linear_backend.linear_shape(q, k, v, torch.empty(len(PACKED)) if packed else None)
     fwd, bwd = linear_backend.configs(shape, cfg, None)
     fk, bk = cache.forward(shape, fwd, folds), cache.backward(shape, bwd, folds)
@@ -115,6 +115,8 @@ def _precompiled(request):
     srcs += [s for c in FOLD_CASES if c in chosen for s in _sources(c, FOLDS)]
     srcs += [s for c in STEP_CASES if c in selected_params(request, "case") for s in
              _step_sources(c)]
+    srcs += [s for c in SHARED_CASES if c in selected_params(request, "case") for s in
+             (*_sources(c), *_sources(c, deterministic=True))]
     for err in precompile(list(dict.fromkeys(srcs))).values():
         print("precompile failed:", err[:300])
 
@@ -164,6 +166,33 @@ def _compare(case: tuple, q_scale: float = 1.0, weighted: bool = False) -> None:
     bad = {n: f"{e:.2e}" for n, e in errs.items() if not e < LIMITS.get(n, 2e-2)}
     assert not bad, f"relative errors over {LIMITS}: {bad} (all: " + \
         ", ".join(f"{n} {e:.1e}" for n, e in errs.items()) + ")"
+
+
+# Shared q/k heads: float32 atomics into the shared head by default, per-head sums in the
+# deterministic mode (engine.kernels.linear_bwd.plan.shared_heads_by_atomics)
+SHARED_CASES = [(BF16, (1, 1, 4), (128, 64), 2, 300, False, False, None),
+                (BF16, (2, 1, 4), (64, 64), 2, 200, False, False, None)]
+
+
+@pytest.mark.parametrize("case", SHARED_CASES, ids=case_id)
+def test_shared_heads_atomics_and_the_deterministic_mode(case):
+    """Both modes' gradients agree to rounding; the deterministic mode's are bitwise the
+    same on a second call (the reference check of both modes: test_linear_kernels_match_
+    reference runs the atomics, this test the per-head sums against them)."""
+    x = _inputs(case)
+    do = torch.randn(*x["v"].shape, device="cuda", dtype=x["v"].dtype)
+
+    def grads(cache):
+        leaves = [x[n].detach().clone().requires_grad_(True) for n in ("q", "k", "v", "g")]
+        o, _ = linear_backend.run(cache, *leaves, None, None, False, config=case[-1])
+        return torch.autograd.grad(o, leaves, do)
+
+    det = linear_backend.LinearKernelCache(deterministic=True)
+    first, again = grads(det), grads(det)
+    fast = grads(linear_backend.LinearKernelCache())
+    for name, a, b, f in zip(("dq", "dk", "dv", "dg"), first, again, fast, strict=True):
+        assert torch.equal(a, b), f"{name}: the deterministic mode differs between calls"
+        assert rel_err(f, a.double()) < 5e-3, (name, rel_err(f, a.double()))
 
 
 # The recurrent step (engine.kernels.linear_step): a few positions per row, no gradient.
