@@ -264,3 +264,39 @@ def test_the_default_linear_bwd_config_stands_for_the_untuned_pair(sizes, heads)
         fwd, bwd)
     assert linear_tuning.pick(shape, None, None, linear_tuning.Tuned(training=TRAIN), True) == (
         TRAIN, TRAIN)
+
+
+def test_linear_objective_checks_the_learnable_inputs_gradients():
+    """A trial whose decay gradient is wrong fails, through the gradient of Mamba2's dt (one
+    value per position: batch row 0 is checked); A's, which sums over the rows, is checked at
+    batch 1 only."""
+    from attnbench.linear import learned_names, linear_args, linear_reference, make_linear_inputs
+    from attnbench.tune import linear_objective
+    from attnbench.tune.linear_objective import LinearObjective
+    from engine.variants.linear import get_linear_variant
+
+    variant = get_linear_variant("mamba2")
+    for batch in (2, 1):
+        problem = Problem("mamba2", batch=batch, heads_q=1, heads_kv=1, seqlen_q=40,
+                          seqlen_kv=40, head_dim=32, head_dim_v=32, heads=2, family="linear",
+                          mode="bwd")
+        obj = LinearObjective(problem)
+        inputs, grad_out = make_linear_inputs(obj.case, variant, "cpu", 0)
+        args, learned = linear_args(variant, inputs, True)
+        linear_objective._INPUTS[(problem, 0)] = (inputs, args, learned, grad_out)
+        linear_objective._REFERENCE.clear()
+        out, *grads = linear_reference(obj.case, variant, inputs, grad_out, torch.float32, True)
+        names = learned_names(variant, inputs)
+        assert {"decay", "A"} <= set(names)  # Mamba2's dt is its decay input
+        assert obj._check(out, grads) < 1e-5
+        for name in names:
+            bad = [g.clone() for g in grads]
+            bad[3 + names.index(name)][:1] *= 1.1
+            shared = inputs[name].shape[0] != batch
+            if shared and batch > 1:
+                assert obj._check(out, bad) < 1e-5  # A: not checked beside other rows
+            else:
+                with pytest.raises(TrialFailed, match=f"d{name} rel err"):
+                    obj._check(out, bad)
+    linear_objective._INPUTS.clear()
+    linear_objective._REFERENCE.clear()
