@@ -13,7 +13,7 @@ import torch
 from attnbench import linear, metrics
 from attnbench.cases import Case
 from attnbench.impls import DeviceInfo, get_impl, registry
-from attnbench.impls.base import ALL_DTYPES
+from attnbench.impls.base import ALL_DTYPES, Prepared
 from attnbench.impls.fla import FlaImpl, gated_backward_on_hopper
 from attnbench.impls.fla_inputs import fla_call, from_fla, head_problem, to_fla
 from attnbench.impls.mamba_ssm import NOT_INSTALLED, MambaSsmImpl
@@ -436,3 +436,29 @@ def test_breakdown_runs_each_impl_as_its_rows_do(monkeypatch):
     assert got == {"reference": {"fwd": {"kernels_us": 1.0}, "fwd+bwd": {"kernels_us": 1.0}}}
     fwd, grads = seen
     assert fwd.shape == (c.batch, c.heads, c.seqlen_q, c.head_dim_v) and len(grads) == 5
+
+
+def test_breakdown_runs_the_engine_at_a_named_config():
+    # `engine@bwd=KEY`: the engine's module with that backward config beside its defaults;
+    # an implementation without a module, or a malformed spec, is refused
+    from engine.kernels.linear_fwd.plan import LinearConfig
+
+    mod = _breakdown_module()
+    narrow = LinearConfig(64, 64, 64, 2, 128)
+    assert mod.impl_spec("engine") == ("engine", {})
+    assert mod.impl_spec("engine@bwd=C64_K64_V64_s2_t128") == (
+        "engine", {"backward_config": narrow})
+    assert mod.impl_spec("engine@fwd=C64_K128_V64_s2_t256_1p@bwd=C64_K64_V64_s2_t128") == (
+        "engine", {"config": LinearConfig(64, 128, 64, 2, 256, True),
+                   "backward_config": narrow})
+    for bad in ("engine@bwd", "engine@back=C64_K64_V64_s2_t128", "engine@bwd=C64"):
+        with pytest.raises(ValueError, match="expected"):
+            mod.impl_spec(bad)
+    c = case("mamba2", dtype="float32")
+    variant = LINEAR_VARIANTS["mamba2"]
+    inputs, _ = linear.make_linear_inputs(c, variant, "cpu", 0)
+    p = get_impl("engine").prepare(c, variant, inputs, True)
+    mod.set_configs(p, {"backward_config": narrow})
+    assert p.extra["module"].backward_config == narrow and p.extra["module"].config is None
+    with pytest.raises(ValueError, match="exposes no module"):
+        mod.set_configs(Prepared(forward=lambda: None), {"config": narrow})

@@ -131,6 +131,8 @@ class Prepared:
     # implementation whose leaves are a mapping of the case's q, k, v (fla's Mamba2: q and k
     # broadcast over heads, v * dt), the chain rule back to them.
     grad_map: Callable[[tuple], tuple] | None = None
+    # what an implementation exposes beyond the call (the engine's linear module: scripts
+    # that time it at other configs, scripts/linear_breakdown.py)
     extra: dict = field(default_factory=dict)
 
     def grads_to_common(self, grads: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:

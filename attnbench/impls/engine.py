@@ -145,7 +145,8 @@ class _EngineBase(Impl):
         def forward():
             return mod(q, k, v, *args, **state)
 
-        return Prepared(forward=forward, leaves=(q, k, v, *learned), refusal=_linear_refusal)
+        return Prepared(forward=forward, leaves=(q, k, v, *learned), refusal=_linear_refusal,
+                        extra={"module": mod})
 
     @staticmethod
     def prepare_module(mod, variant, inputs: dict, needs_grad: bool) -> Prepared:

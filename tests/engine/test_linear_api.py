@@ -579,3 +579,14 @@ def test_a_decay_scaled_by_a_custom_read_is_one_multiply(monkeypatch):
     assert linear_api._scaled_by_custom(shifted, decay, customs) is None
     assert torch.equal(linear_api._decay_of(shifted, decay, customs), want + 1.0)
     assert evaluated
+
+
+def test_a_linear_config_is_read_back_from_its_key():
+    from engine.kernels.linear_fwd.plan import LinearConfig
+    from engine.plan.config import ConfigError
+
+    for cfg in (LinearConfig(), LinearConfig(128, 64, 32, 3, 256, True)):
+        assert LinearConfig.from_key(cfg.key()) == cfg
+    for bad in ("C64", "C64_K64_V64_s2_t128_2p", " C64_K64_V64_s2_t128"):
+        with pytest.raises(ConfigError, match="expected the form"):
+            LinearConfig.from_key(bad)

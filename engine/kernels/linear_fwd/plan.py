@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from dataclasses import dataclass
 
 from engine.dtypes import elem_bytes
@@ -49,6 +50,19 @@ class LinearConfig:
     def key(self) -> str:
         return (f"C{self.chunk}_K{self.block_K}_V{self.block_V}_s{self.num_stages}_"
                 f"t{self.threads}" + ("_1p" if self.single_pass else ""))
+
+    @classmethod
+    def from_key(cls, key: str) -> LinearConfig:
+        """The config whose key() is `key` (as kernel headers and results name them)."""
+        m = _KEY.fullmatch(key)
+        if m is None:
+            raise ConfigError(f"LinearConfig key {key!r}: expected the form "
+                              "C64_K128_V64_s2_t256, with _1p for the single pass")
+        c, k, v, s, t, one = m.groups()
+        return cls(int(c), int(k), int(v), int(s), int(t), one is not None)
+
+
+_KEY = re.compile(r"C(\d+)_K(\d+)_V(\d+)_s(\d+)_t(\d+)(_1p)?")
 
 
 @dataclass(frozen=True)
