@@ -67,12 +67,18 @@ def make_linear_inputs(case: Case, variant, device: str,
     return inputs, grad_out
 
 
+def batch_major(t: torch.Tensor, batch: int) -> bool:
+    """Whether input `t` holds one slice per sequence on its first axis (else the sequences
+    share it: Mamba2's A, or a batch of one)."""
+    return t.dim() >= 2 and t.shape[0] == batch
+
+
 def _index(t: torch.Tensor, b: int, heads: slice, case: Case) -> tuple:
     """The part of input `t` that sequence `b`, heads `heads` read: dim 0 is the batch (or 1,
     shared), dim 1 the heads (H: cut; 1: shared); a tensor of fewer dims is shared whole."""
     if t.dim() < 2:
         return ()
-    rows = slice(b, b + 1) if t.shape[0] == case.batch else slice(None)
+    rows = slice(b, b + 1) if batch_major(t, case.batch) else slice(None)
     return (rows, heads if t.shape[1] == case.heads else slice(None))
 
 
@@ -104,7 +110,7 @@ def linear_reference(case: Case, variant, inputs: dict[str, torch.Tensor],
     for b in range(case.batch):
         for h0 in range(0, case.heads, per):
             heads = slice(h0, min(h0 + per, case.heads))
-            sl = _slice(inputs, b, heads, case, dtype)
+            sl = slice_inputs(inputs, b, heads, case, dtype)
             where = (slice(b, b + 1), heads)
             if not with_grads:
                 with torch.no_grad():
@@ -120,8 +126,8 @@ def linear_reference(case: Case, variant, inputs: dict[str, torch.Tensor],
     return (out, *grads.values())
 
 
-def _slice(inputs: dict[str, torch.Tensor], b: int, heads: slice, case: Case,
-           dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def slice_inputs(inputs: dict[str, torch.Tensor], b: int, heads: slice, case: Case,
+                 dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Sequence `b`, heads `heads` of every input as `dtype` copies, one per distinct tensor
     (Mamba2's dt, the decay and a custom input, stays one tensor: one leaf, one gradient)."""
     copies: dict[int, torch.Tensor] = {}

@@ -164,16 +164,16 @@ class LinearObjective:
         (Mamba2's dt, a learned decay: their gradients carry the decays', which the dQ/dK
         kernel computes per config); one the rows share (Mamba2's A) sums over all rows, so
         only at batch 1. Those cancel as the decays' gradient does: learned_rtol."""
-        from attnbench.linear import learned_names
+        from attnbench.linear import batch_major, learned_names
 
         key = (self.problem, self.seed)
         if key not in _REFERENCE:
             _REFERENCE[key] = self._reference()
         want = _REFERENCE[key]
-        inputs, batch = self._inputs()[0], self.case.batch
-        names = ["output", "dq", "dk", "dv",
-                 *("d" + n for n in learned_names(self._variant(), inputs))]
-        per_row = [True] * 4 + [_per_row(inputs[n[1:]], batch) for n in names[4:]]
+        inputs = self._inputs()[0]
+        learned = learned_names(self._variant(), inputs)
+        names = ["output", "dq", "dk", "dv", *("d" + n for n in learned)]
+        per_row = [True] * 4 + [batch_major(inputs[n], self.case.batch) for n in learned]
         pairs = [(n, got[:1], w) for n, got, w, row in
                  zip(names, (out, *grads), want, per_row, strict=False) if row]
         where = f"batch row 0 of {self.case.name}"
@@ -183,20 +183,12 @@ class LinearObjective:
     def _reference(self) -> tuple:
         import torch
 
-        from attnbench.linear import linear_reference
+        from attnbench.linear import linear_reference, slice_inputs
 
         case = self.case
         inputs, _, _, grad_out = self._inputs()
-        # batch-major tensors cut to row 0; the rest (batch 1, or no head axis) shared whole,
-        # as attnbench.linear reads them; a tensor under two names (Mamba2's dt) stays one
-        cut: dict[int, torch.Tensor] = {}
-        row = {n: cut.setdefault(id(t), t[:1]) if _per_row(t, case.batch) else t
-               for n, t in inputs.items()}
+        # sequence 0 of every input (the rest shared whole, a tensor under two names one)
+        row = slice_inputs(inputs, 0, slice(None), case, torch.float32)
         one = dataclasses.replace(case, batch=1)
         return linear_reference(one, self._variant(), row, grad_out[:1], torch.float32,
                                 self.backward)
-
-
-def _per_row(t, batch: int) -> bool:
-    """Whether `t`'s first axis is the batch's (so t[:1] is sequence 0's)."""
-    return t.dim() >= 2 and t.shape[0] == batch
