@@ -20,6 +20,8 @@ output gradient as given, with no pass over it first.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from engine.codegen.params import GeneratedKernel, KernelParam, param
 from engine.codegen.source import SourceWriter, write_header
 from engine.kernels.linear_fwd.codegen import (
@@ -175,16 +177,26 @@ def emit_weight_gradient(w: SourceWriter, C: int, BV: int, vcols: str) -> None:
         w.line("acc[u, v] = acc[u, v] * W_s[u]")
 
 
-def _dqk_outputs(s: LinearShape, atomic: bool) -> tuple[tuple, tuple]:
-    """(name, dtype, heads, head index) of dQ and dK: where output heads share a q or k head,
-    float32 added by atomics into that head (`atomic`) or per output head (summed by the
-    launcher)."""
-    def one(grad: str, shared_heads: int, index: str) -> tuple:
+class GradOutput(NamedTuple):
+    """How the dQ/dK kernel writes dQ or dK: its parameter's name, dtype and heads, the head
+    index its blocks write, and whether by atomics (into a zeroed buffer)."""
+
+    name: str
+    dtype: str
+    heads: int
+    index: str
+    atomic: bool = False
+
+
+def dqk_outputs(s: LinearShape, atomic: bool) -> tuple[GradOutput, GradOutput]:
+    """dQ's and dK's: where output heads share a q or k head, float32 added by atomics into
+    that head (`atomic`) or per output head (summed by the launcher); else the input's."""
+    def one(grad: str, shared_heads: int, index: str) -> GradOutput:
         if shared_heads == s.heads:
-            return (grad, s.dtype, shared_heads, index)
+            return GradOutput(grad, s.dtype, shared_heads, index)
         if atomic:
-            return (f"{grad}a", "float32", shared_heads, index)
-        return (f"{grad}h", "float32", s.heads, "h")
+            return GradOutput(f"{grad}a", "float32", shared_heads, index, True)
+        return GradOutput(f"{grad}h", "float32", s.heads, "h")
     return one("dQ", s.heads_q, "hq"), one("dK", s.heads_k, "hk")
 
 
@@ -195,7 +207,7 @@ def _dqk_params(s: LinearShape, cfg: LinearConfig, v_weight: bool, decay_grad: b
             state_param("Hs", s, cfg), state_param("dHs", s, cfg),
             *([position_param("W", s)] if v_weight else []),
             *(param(name, (s.batch, heads, s.seqlen, s.head_dim), t)
-              for name, t, heads, _ in _dqk_outputs(s, atomic)),
+              for name, t, heads, _, _ in dqk_outputs(s, atomic)),
             *([param("dG", (NK, s.batch, s.heads, s.seqlen), "float32")] if decay_grad
               else [])]
 
@@ -218,7 +230,7 @@ def generate_dqk(s: LinearShape, cfg: LinearConfig, folds: Folds = NO_FOLDS,
                  decay_grad: bool = True, atomic: bool = False) -> GeneratedKernel:
     """dQ and dK, and with `decay_grad` the decays' gradient dG (a decay that needs none,
     RetNet's fixed one, skips its reductions); `folds` as the forward's, `atomic` as
-    _dqk_outputs' (module docstring)."""
+    dqk_outputs' (module docstring)."""
     C, BK, BV, dt = cfg.chunk, cfg.block_K, cfg.block_V, s.dtype
     v_weight = folds.v_weight
     params = _dqk_params(s, cfg, v_weight, decay_grad, atomic)
@@ -247,12 +259,11 @@ def generate_dqk(s: LinearShape, cfg: LinearConfig, folds: Folds = NO_FOLDS,
         _emit_dqk_chunk_products(w, C, BK, dt, folds, decay_grad)
         if decay_grad:
             emit_decay_gradient(w, C, cfg.threads)
-        for (name, t_out, _, head), acc in zip(_dqk_outputs(s, atomic), ("dq", "dk"),
-                                               strict=True):
-            value = f"{acc}[t, d]" if t_out == "float32" else cast(t_out, f"{acc}[t, d]")
-            target = f"{name}[b, {head}, row0 + t, ik * {BK} + d]"
+        for out, acc in zip(dqk_outputs(s, atomic), ("dq", "dk"), strict=True):
+            value = f"{acc}[t, d]" if out.dtype == "float32" else cast(out.dtype, f"{acc}[t, d]")
+            target = f"{out.name}[b, {out.index}, row0 + t, ik * {BK} + d]"
             with w.block(f"for t, d in T.Parallel({C}, {BK}):"), w.block("if t < nrows:"):
-                w.line(f"T.atomic_add({target}, {value})" if name.endswith("a")
+                w.line(f"T.atomic_add({target}, {value})" if out.atomic
                        else f"{target} = {value}")
     return GeneratedKernel(w.text(), tuple(params))
 

@@ -10,7 +10,13 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.dtypes import elem_bytes
-from engine.kernels.linear_bwd.codegen import generate_dqk, generate_dstates, generate_dv
+from engine.kernels.linear_bwd.codegen import (
+    GradOutput,
+    dqk_outputs,
+    generate_dqk,
+    generate_dstates,
+    generate_dv,
+)
 from engine.kernels.linear_bwd.plan import shared_heads_by_atomics
 from engine.kernels.linear_fwd.launch import ForwardKernels, ForwardState, run_states
 from engine.kernels.linear_fwd.plan import NO_FOLDS, Folds, LinearConfig, LinearShape, check_config
@@ -104,14 +110,14 @@ def launch_backward(fk: ForwardKernels, bk: BackwardKernels, q: torch.Tensor, k:
     dv = torch.empty_like(v)
     bk.dv(Q=q, K=k, dO=do, **common, dHs=dhs, dV=dv, **weights,
           **({"V": v, "dW": dw} if bk.v_weight else {}))
-    dq, dk = _outputs(s, q, k, bk.atomic)
+    outs = dqk_outputs(s, bk.atomic)
+    dq, dk = (_output(o, s, dev) for o in outs)
     nk = s.head_dim // bk.config.block_K
     dgp = (torch.empty(nk, s.batch, s.heads, s.seqlen, dtype=torch.float32, device=dev)
            if decay_grad else None)
     bk.dqk(decay_grad)(Q=q, K=k, V=v, dO=do, **common, Hs=hs, dHs=dhs, **weights,
                        **({"dG": dgp} if decay_grad else {}),
-                       **{_grad_name("dQ", s.heads_q, s.heads, bk.atomic): dq,
-                          _grad_name("dK", s.heads_k, s.heads, bk.atomic): dk})
+                       **{outs[0].name: dq, outs[1].name: dk})
     if s.heads_q != s.heads:
         dq = dq.to(q.dtype) if bk.atomic else _group_sum(dq, s.heads_q, q.dtype)
     if s.heads_k != s.heads:
@@ -120,20 +126,8 @@ def launch_backward(fk: ForwardKernels, bk: BackwardKernels, q: torch.Tensor, k:
     return dq, dk, dv, dg, dh0, dw
 
 
-def _outputs(s: LinearShape, q: torch.Tensor, k: torch.Tensor, atomic: bool
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """dq and dk buffers: the inputs' shapes; where heads share, fp32 zeros of the input's
-    shape for the kernel's atomics, or fp32 per output head."""
-    def one(x: torch.Tensor, heads: int) -> torch.Tensor:
-        if heads == s.heads:
-            return torch.empty_like(x)
-        if atomic:
-            return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        return torch.empty(s.batch, s.heads, s.seqlen, s.head_dim, dtype=torch.float32,
-                           device=x.device)
-    return one(q, s.heads_q), one(k, s.heads_k)
-
-
-def _grad_name(name: str, heads: int, out_heads: int, atomic: bool) -> str:
-    """The dQ/dK kernel's parameter for that gradient (codegen._dqk_outputs)."""
-    return name if heads == out_heads else name + ("a" if atomic else "h")
+def _output(out: GradOutput, s: LinearShape, device: torch.device) -> torch.Tensor:
+    """The buffer the dQ/dK kernel writes `out` into (zeros for its atomics)."""
+    alloc = torch.zeros if out.atomic else torch.empty
+    return alloc(s.batch, out.heads, s.seqlen, s.head_dim, dtype=getattr(torch, out.dtype),
+                 device=device)
