@@ -200,9 +200,20 @@ class LinearAttentionEngine(torch.nn.Module):
         self.tune_file = tune_file
         self.tune_bwd = tune_bwd
         self.check_offset_values = True  # cu_seqlens' values (a host synchronisation)
-        self.deterministic = deterministic
         self._kernels = linear_backend.LinearKernelCache(deterministic)
         self._tuned = linear_tuning.TuneLookup()
+
+    @property
+    def deterministic(self) -> bool:
+        """The backward without atomics (the class docstring); set it to switch a module:
+        its kernel cache keys the backward kernels by it."""
+        return self._kernels.deterministic
+
+    @deterministic.setter
+    def deterministic(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise ValueError(f"deterministic: expected a bool, got {value!r}")
+        self._kernels.deterministic = value
 
     # ------------------------------------------------------------------ introspection
     def mods(self) -> list[TensorMod]:

@@ -28,8 +28,9 @@ from engine.kernels.linear_step.plan import MAX_STEP_TOKENS, StepConfig, default
 
 
 class LinearKernelCache:
-    """The kernels one LinearAttentionEngine has built, by shape and config; `deterministic`:
-    backward kernels without atomics (engine.kernels.linear_bwd.plan)."""
+    """The kernels one LinearAttentionEngine has built, by shape and config; `deterministic`
+    (settable: later backwards build and run their own kernels): backward kernels without
+    atomics (engine.kernels.linear_bwd.plan)."""
 
     def __init__(self, deterministic: bool = False) -> None:
         self.kernels: dict = {}
@@ -47,7 +48,7 @@ class LinearKernelCache:
 
     def backward(self, shape: LinearShape, cfg: LinearConfig, folds: Folds = NO_FOLDS
                  ) -> BackwardKernels:
-        key = ("bwd", shape, cfg, folds)
+        key = ("bwd", shape, cfg, folds, self.deterministic)
         if key not in self.kernels:
             self.kernels[key] = build_backward(shape, cfg, folds, self.deterministic)
         return self.kernels[key]

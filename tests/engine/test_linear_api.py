@@ -590,3 +590,17 @@ def test_a_linear_config_is_read_back_from_its_key():
     for bad in ("C64", "C64_K64_V64_s2_t128_2p", " C64_K64_V64_s2_t128"):
         with pytest.raises(ConfigError, match="expected the form"):
             LinearConfig.from_key(bad)
+
+
+def test_setting_deterministic_switches_the_backward_kernels():
+    shared = tuple(meta_tensor(2, n, 64, 64, dtype=torch.bfloat16) for n in (1, 1, 4))
+    mod = LinearAttentionEngine(shared)
+
+    def dqk():
+        return [s for s in mod.kernel_sources(("fwd", "bwd")) if "dq dk" in s]
+
+    assert "atomic" in dqk()[0]
+    mod.deterministic = True
+    assert mod.deterministic and "atomic" not in dqk()[0]
+    with pytest.raises(ValueError, match="deterministic: expected a bool"):
+        mod.deterministic = 1
