@@ -6,6 +6,7 @@ and names, argument errors, and the call into the kernels' backend."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -244,6 +245,21 @@ def test_shared_heads_gradients_by_atomics_unless_deterministic():
     mha = tuple(meta_tensor(2, 4, 64, 64, dtype=torch.bfloat16) for _ in range(3))
     assert not any("atomic" in s for s in LinearAttentionEngine(mha).kernel_sources(
         ("fwd", "bwd")))
+
+
+def test_shared_heads_run_the_gradient_kernels_heads_first():
+    # where q or k heads are shared, the dV and dQ/dK kernels' blocks in flight are one chunk's
+    # heads (the shared tiles and the atomics' target stay in L2); else chunks first
+    def grids(q_heads):
+        metas = tuple(meta_tensor(2, n, 64, 64, dtype=torch.bfloat16) for n in (q_heads,
+                                                                                 q_heads, 4))
+        srcs = LinearAttentionEngine(metas).kernel_sources(("fwd", "bwd"))
+        return [re.sub(r", threads=\d+", "", line.strip()) for src in srcs
+                if "dq dk" in src or ": dv " in src
+                for line in src.splitlines() if "T.Kernel(" in line]
+
+    assert grids(1) == ["with T.Kernel(4, 2) as (h, j):", "with T.Kernel(4, 1, 2) as (h, ik, j):"]
+    assert grids(4) == ["with T.Kernel(2, 4) as (j, h):", "with T.Kernel(1, 2, 4) as (ik, j, h):"]
 
 
 def _fake_kernels(monkeypatch, seen):

@@ -14,3 +14,15 @@ def shared_heads_by_atomics(shape: LinearShape, deterministic: bool) -> bool:
     in the deterministic mode: the atomics' order, and so the sum's rounding, varies."""
     shared = shape.heads_q != shape.heads or shape.heads_k != shape.heads
     return shared and not deterministic
+
+
+def heads_first(shape: LinearShape) -> bool:
+    """Whether the dV and dQ/dK kernels' grids run the heads fastest (the blocks in flight then
+    cover one chunk's heads) rather than the chunks: where q or k heads are shared (Mamba2's
+    one B and C for 80 heads), so that the shared tiles each block loads are the few chunks'
+    that L2 holds, and the atomics of shared_heads_by_atomics add into a few chunks of their
+    target; chunks first, each head's blocks sweep the whole [B, T, D] of q and k and of the
+    float32 target (2 x 34 MB each at Mamba2-2.7B B 8 x T 8k) through the 50 MB L2. The
+    atomics gained 12% of forward+backward at B 8 x T 2k and nothing at T 4k and 8k
+    (results/NOTES.md 147, 149)."""
+    return shape.heads_q != shape.heads or shape.heads_k != shape.heads
