@@ -145,8 +145,9 @@ def test_tune_file_lookup_and_pick(tmp_path, engine_gpu):
     pick = linear_tuning.pick
     assert pick(SHAPE, None, None, tuned, False) == (TUNED, None)
     assert pick(SHAPE, None, None, tuned, True) == (TRAIN, TRAIN)
-    assert pick(SHAPE, None, None, linear_tuning.Tuned(), True) == (config_for_shape(SHAPE),
-                                                                   None)
+    # untuned: the default pair (beside this single pass, 64 key rows on 128 threads)
+    assert pick(SHAPE, None, None, linear_tuning.Tuned(), True) == (
+        config_for_shape(SHAPE), backward_config_for_shape(SHAPE))
     mine = LinearConfig(chunk=64)
     assert pick(SHAPE, mine, None, tuned, True) == (mine, TRAIN)  # same chunk: its backward
     assert pick(SHAPE, TUNED, None, tuned, True) == (TUNED, None)  # another chunk: the forward's

@@ -541,7 +541,9 @@ def test_single_pass_default_with_a_block_per_sm(batch, heads, head_dim, head_di
 
 def test_d256_training_keeps_the_backward_on_128_threads():
     """Beside the single-pass forward at D 256 a training call's backward takes
-    default_linear_config's tiles (128 threads; NOTES 132); at D 128 the forward's."""
+    default_linear_config's tiles (128 threads; NOTES 132); at D 128 64-row key tiles on 128
+    threads (the dQ/dK kernel's blocks per SM; NOTES 149); beside the two kernels the
+    forward's config with its whole key tile."""
     from engine.kernels.linear_fwd.plan import (
         LinearShape,
         backward_config_for_shape,
@@ -556,7 +558,13 @@ def test_d256_training_keeps_the_backward_on_128_threads():
     assert bwd.threads == 128 and bwd.chunk == config_for_shape(yoco).chunk
     fla = dataclasses.replace(yoco, heads_q=16, heads_k=16, heads=16, head_dim=128,
                               head_dim_v=128)
-    assert backward_config_for_shape(fla) == config_for_shape(fla)
+    fwd = config_for_shape(fla)
+    assert fwd.single_pass and backward_config_for_shape(fla) == dataclasses.replace(
+        fwd, block_K=64, threads=128, single_pass=False)
+    low = dataclasses.replace(fla, batch=2, seqlen=16384)  # two kernels at 64 key rows
+    assert not config_for_shape(low).single_pass and config_for_shape(low).block_K == 64
+    assert backward_config_for_shape(low) == dataclasses.replace(config_for_shape(low),
+                                                                 block_K=128)
 
 
 def test_a_decay_scaled_by_a_custom_read_is_one_multiply(monkeypatch):

@@ -30,6 +30,8 @@ PACKED = (0, 37, 150, 300)
 LIMITS = {"dg": 3e-2, "dw": 3e-2}
 C128 = LinearConfig(chunk=128, block_K=128, block_V=64, threads=256)
 ONE = LinearConfig(block_K=64, single_pass=True, threads=256)  # the single-pass forward
+# a training call's backward beside the single pass at D <= 128 (backward_config_for_shape)
+NARROW = LinearConfig(chunk=64, block_K=64, block_V=64, threads=128)
 # (dtype, (HQ, HK, H), (D, Dv), B, T, states, packed, config or None: the default)
 CASES = ([(dt, h, d, 2, 200, True, False, None) for dt in (BF16, FP16) for h in HEADS
           for d in DIMS]
@@ -45,6 +47,9 @@ CASES = ([(dt, h, d, 2, 200, True, False, None) for dt in (BF16, FP16) for h in 
          + [(FP16, (4, 4, 4), (128, 128), 2, 200, True, False, ONE),
             (BF16, (1, 1, 4), (128, 128), 1, PACKED[-1], True, True, ONE),
             (BF16, (4, 4, 4), (64, 64), 2, 1, True, False, ONE)]
+         + [(BF16, h, d, 2, 200, True, False, NARROW) for h in HEADS
+            for d in ((64, 64), (128, 128), (128, 64))]
+         + [(FP16, (1, 1, 4), (128, 64), 1, PACKED[-1], True, True, NARROW)]
          # the single pass at D 256, the default where its blocks fill the SMs
          + [(BF16, (4, 4, 4), (256, 512), 2, 200, True, False, ONE),
             (FP16, (1, 1, 4), (256, 256), 2, 200, True, False, ONE),

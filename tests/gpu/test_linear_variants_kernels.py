@@ -20,26 +20,31 @@ from tests.gpu.cases import BF16, FP16, selected_params
 pytestmark = pytest.mark.gpu
 
 
-def _sizes(name: str, d: int) -> dict:
-    shared = 1 if name == "mamba2" else 4
-    return dict(batch=2, heads_q=shared, heads_k=shared, heads=4, seqlen=300, head_dim=d,
+def _sizes(name: str, d: int, heads: int = 4) -> dict:
+    shared = 1 if name == "mamba2" else heads
+    return dict(batch=2, heads_q=shared, heads_k=shared, heads=heads, seqlen=300, head_dim=d,
                 head_dim_v=d)
 
 
-CASES = [(name, dt, d) for name in sorted(LINEAR_VARIANTS) for dt in (BF16, FP16)
-         for d in (64, 128)]
+# 4 heads: the two-kernel forward beside a backward at its config; 80: enough blocks for the
+# single-pass forward, beside the narrower backward of backward_config_for_shape (a training
+# call's default pair at the suite's shapes)
+CASES = ([(name, dt, d, 4) for name in sorted(LINEAR_VARIANTS) for dt in (BF16, FP16)
+          for d in (64, 128)]
+         + [(name, BF16, 128, 80) for name in sorted(LINEAR_VARIANTS)])
 
 
 def case_id(c: tuple) -> str:
-    name, dt, d = c
-    return f"{name}-{'bf16' if dt is BF16 else 'fp16'}-D{d}"
+    name, dt, d, heads = c
+    return f"{name}-{'bf16' if dt is BF16 else 'fp16'}-D{d}" + (f"-H{heads}" if heads != 4
+                                                                   else "")
 
 
 def _case_sources(case: tuple) -> list[str]:
     """A training call's kernels at the case's sizes (the module's folds included)."""
-    name, dt, d = case
+    name, dt, d, heads = case
     variant = LINEAR_VARIANTS[name]
-    return variant.build(_sizes(name, d), dt, backend="tilelang").kernel_sources(
+    return variant.build(_sizes(name, d, heads), dt, backend="tilelang").kernel_sources(
         ("fwd", "bwd"), decay_grad=decay_needs_grad(variant))
 
 
@@ -74,8 +79,8 @@ def _precompiled(request):
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_variant_on_the_kernels_matches_the_reference_backend(case):
-    name, dt, d = case
-    variant, sizes = LINEAR_VARIANTS[name], _sizes(name, d)
+    name, dt, d, heads = case
+    variant, sizes = LINEAR_VARIANTS[name], _sizes(name, d, heads)
     got_mod = variant.build(sizes, dt, backend="tilelang")
     ref_mod = variant.build(sizes, dt, backend="reference")
     x = variant.make_inputs(sizes, dt, "cuda", seed=d, requires_grad=True)

@@ -205,14 +205,23 @@ def config_for_shape(shape: LinearShape, sm_count: int = 132, whole_key_tile: bo
 def backward_config_for_shape(shape: LinearShape, sm_count: int = 132) -> LinearConfig:
     """The training call's default backward config: config_for_shape's without the halved key
     tile of one_wave_block_k, which made the forward 1.12x faster at B 2 x T 16k but its
-    forward+backward 0.97x (the backward's kernels at 64 key rows; results/NOTES.md 130); and
-    beside a single-pass forward at D > 128, default_linear_config's 128 threads (on the
-    single pass's 256 the D 256 backward ran 1.17-1.19x slower; NOTES 132). The backward's
-    rerun of the state pass still takes the forward's config."""
+    forward+backward 0.97x (the backward's kernels at 64 key rows; results/NOTES.md 130).
+    Beside a single-pass forward: at D > 128, default_linear_config's 128 threads (on the
+    single pass's 256 the D 256 backward ran 1.17-1.19x slower; NOTES 132); at D <= 128,
+    64-row key tiles on 128 threads, where the dQ/dK kernel (most of the backward) holds two
+    or three blocks per SM (160-224 registers) against one at the single pass's 128 rows and
+    256 threads (148-199): 641 against 850 us at RetNet B 8 x T 4k (NOTES 142, 148-149). The
+    backward's rerun of the state pass still takes the forward's config."""
     cfg = config_for_shape(shape, sm_count, whole_key_tile=True)
-    if cfg.single_pass and shape.head_dim > 128:
+    if not cfg.single_pass:
+        return cfg
+    if shape.head_dim > 128:
         return default_linear_config(shape.head_dim, shape.head_dim_v, elem_bytes(shape.dtype))
-    return cfg
+    narrow = dataclasses.replace(cfg, block_K=min(64, cfg.block_K), threads=128,
+                                 single_pass=False)
+    if config_problems(narrow, shape.head_dim, shape.head_dim_v, elem_bytes(shape.dtype)):
+        return cfg
+    return narrow
 
 
 def training_configs(shape: LinearShape, cfg: LinearConfig, sm_count: int = 132
