@@ -12,8 +12,7 @@ def shared_heads_by_atomics(shape: LinearShape, deterministic: bool) -> bool:
     sum moved 2 x 335 MB per tensor at Mamba2-2.7B B 1 x T 8k (238 of the backward's 2010 us,
     results/NOTES.md 142), while the atomics' target is the shared head's (4 MB, in L2). Not
     in the deterministic mode: the atomics' order, and so the sum's rounding, varies."""
-    shared = shape.heads_q != shape.heads or shape.heads_k != shape.heads
-    return shared and not deterministic
+    return shares_heads(shape) and not deterministic
 
 
 def heads_first(shape: LinearShape) -> bool:
@@ -25,4 +24,9 @@ def heads_first(shape: LinearShape) -> bool:
     float32 target (2 x 34 MB each at Mamba2-2.7B B 8 x T 8k) through the 50 MB L2. The
     atomics gained 12% of forward+backward at B 8 x T 2k and nothing at T 4k and 8k
     (results/NOTES.md 147, 149)."""
+    return shares_heads(shape)
+
+
+def shares_heads(shape: LinearShape) -> bool:
+    """Whether several output heads read one q or k head."""
     return shape.heads_q != shape.heads or shape.heads_k != shape.heads
