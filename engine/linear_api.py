@@ -140,6 +140,10 @@ class LinearAttentionEngine(torch.nn.Module):
     backward adds no gradients with atomics (where q or k heads are shared, as Mamba2's, it
     otherwise adds their gradients over the output heads with float32 atomics, whose order
     varies between runs), so that a call's gradients are bitwise the same every run.
+    save_states: a training call's forward keeps the state entering every chunk for the
+    backward, which then skips rerunning the state pass: [T / chunk, H, D, Dv] per row in the
+    input dtype held from the forward to the backward (at Mamba2-2.7B, D 128 and Dv 64 at
+    chunk 64, twice the bytes of v), for a faster forward+backward (README's speed table).
     """
 
     def __init__(
@@ -163,6 +167,7 @@ class LinearAttentionEngine(torch.nn.Module):
         tune_bwd: bool = False,
         step_config: Any = None,
         deterministic: bool = False,
+        save_states: bool = False,
     ):
         super().__init__()
         self.problem: LinearProblem
@@ -171,7 +176,7 @@ class LinearAttentionEngine(torch.nn.Module):
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
         for name, flag in (("tune", tune), ("tune_bwd", tune_bwd),
-                           ("deterministic", deterministic)):
+                           ("deterministic", deterministic), ("save_states", save_states)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name}: expected a bool, got {flag!r}")
         _, tune_file = _pick("tune_file", "tune_filename", tune_file, tune_filename)
@@ -200,6 +205,7 @@ class LinearAttentionEngine(torch.nn.Module):
         self.tune_file = tune_file
         self.tune_bwd = tune_bwd
         self.check_offset_values = True  # cu_seqlens' values (a host synchronisation)
+        self.save_states = save_states
         self._kernels = linear_backend.LinearKernelCache(deterministic)
         self._tuned = linear_tuning.TuneLookup()
 
@@ -233,16 +239,18 @@ class LinearAttentionEngine(torch.nn.Module):
     def kernel_sources(self, modes: tuple[str, ...] = ("fwd",), *, initial_state: bool = False,
                        final_state: bool = False, decay_grad: bool = True) -> list[str]:
         """The TileLang sources a call at qkv_meta's shapes runs, at the configs it runs: the
-        forward's, and with "bwd" in `modes` a training call's forward and backward; of a call
-        with an initial state or not, returning the final state or not, whose decay (after
-        decay_mod) needs a gradient or not (`decay_grad`: RetNet's fixed one needs none)."""
+        forward's, and with "bwd" in `modes` a training call's forward and backward (with the
+        module's save_states); of a call with an initial state or not, returning the final
+        state or not, whose decay (after decay_mod) needs a gradient or not (`decay_grad`:
+        RetNet's fixed one needs none)."""
         q, k, v = self._meta
         fwd, bwd = self._configs(q, k, v, None, "bwd" in modes)
         return linear_backend.kernel_sources(self._kernels, q, k, v, config=fwd,
                                              backward_config=bwd, modes=modes,
                                              initial_state=initial_state,
                                              final_state=final_state,
-                                             folds=self._kernel_folds, decay_grad=decay_grad)
+                                             folds=self._kernel_folds, decay_grad=decay_grad,
+                                             save_states=self.save_states)
 
     def extra_repr(self) -> str:
         p = self.problem
@@ -278,7 +286,8 @@ class LinearAttentionEngine(torch.nn.Module):
             o, final = linear_backend.run(self._kernels, q, k, v, g, initial_state, cu_seqlens,
                                           output_final_state, config=fwd, backward_config=bwd,
                                           step_config=self.step_config,
-                                          q_scale=folds.q_scale, v_weight=w)
+                                          q_scale=folds.q_scale, v_weight=w,
+                                          save_states=self.save_states)
         else:
             o, final = chunked(q, k, v, g, initial_state, cu_seqlens)
         return (o, final) if output_final_state else o

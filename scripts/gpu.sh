@@ -22,7 +22,8 @@
 #     Optuna trials each kind; the linear_fwd / linear_bwd tune files copied to $OUT/tune
 #   user-loop: tune=True on three custom variants, then both modules timed in a user loop
 #     (scripts/tune_user_loop.py; record and tune files to $OUT/tune)
-#   RUN_FILTER=PATTERN: suites run only the cases matching PATTERN (attnbench run --filter)
+#   RUN_FILTER=PATTERN: suites run only the cases matching PATTERN (attnbench run --filter;
+#     several patterns separated by spaces: the cases matching any)
 #   RUN_RESUME=1: suites start from today's result file in results/runs (committed from an
 #     earlier call cut short) and skip the cases it holds from this commit (attnbench run
 #     --resume): a suite longer than one call finishes over several
@@ -121,12 +122,13 @@ for step in "${steps[@]}"; do
   else
     suite=${step%%:*}; args=()
     [ "$suite" != "$step" ] && args+=(--impl "${step#*:}")
-    [ -n "${RUN_FILTER:-}" ] && args+=(--filter "$RUN_FILTER")
+    read -ra pats <<< "${RUN_FILTER:-}"  # several patterns: space-separated (read: no globbing)
+    for p in "${pats[@]}"; do args+=(--filter "$p"); done
     if [ -n "${RUN_RESUME:-}" ]; then
       mkdir -p "$OUT/runs" && cp results/runs/"$(date -u +%F)"-*-"$suite".csv "$OUT/runs/" 2>/dev/null
       args+=(--resume)
     fi
-    pre=(); [ -n "${RUN_FILTER:-}" ] && pre=(--filter "$RUN_FILTER")
+    pre=(); for p in "${pats[@]}"; do pre+=(--filter "$p"); done
     python scripts/gpu_precompile.py "$suite" "${pre[@]}" 2>&1 | grep -v INFO | tail -5
     python -m attnbench run suite "$suite" "${args[@]}" --out "$OUT/runs" 2>&1 | grep -v INFO \
       > "$OUT/$suite.log"

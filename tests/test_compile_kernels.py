@@ -225,10 +225,10 @@ def test_paged_decode_compiles(page, tmp_path, monkeypatch):
 # ---------------------------------------------------------------- linear attention
 def _linear_sources(b: int, hq: int, hk: int, h: int, t: int, d: int, dv: int, config=None,
                     packed: int = 0, flags: tuple[tuple[bool, bool], ...] = ((False, False),),
-                    folds=None) -> list[str]:
+                    folds=None, save: bool = False) -> list[str]:
     """The forward and backward sources of a linear call (engine.runtime.linear_backend) with
     each (initial state, final state) of `flags`; `packed` sequences through cu_seqlens; mods
-    folded into the kernels (a Folds)."""
+    folded into the kernels (a Folds); the forward keeping its states (`save`)."""
     from engine.kernels.linear_fwd.plan import NO_FOLDS, default_linear_config
     from engine.runtime import linear_backend
 
@@ -239,7 +239,7 @@ def _linear_sources(b: int, hq: int, hk: int, h: int, t: int, d: int, dv: int, c
     cache = linear_backend.LinearKernelCache()
     return [s for initial, final in flags for s in linear_backend.kernel_sources(
         cache, *meta, config=cfg, modes=("fwd", "bwd"), initial_state=initial,
-        final_state=final, cu_seqlens=cu, folds=folds or NO_FOLDS)]
+        final_state=final, cu_seqlens=cu, folds=folds or NO_FOLDS, save_states=save)]
 
 
 def _step_sources() -> list[str]:
@@ -265,8 +265,8 @@ def test_linear_kernels_compile_for_sm90a(tmp_path, monkeypatch):
     kernel) and backward (reverse state pass with and without dht / dh0, dV, dQ/dK) at the
     default config; a packed batch; one q and k head shared by four (Mamba2's); D 256 with
     Dv 512 (RetNet); 128-position chunks on 256 threads; the single-pass forward; a folded q
-    scale and value weights, single pass and two kernels; the recurrent step. Distinct sources
-    compile once, in parallel."""
+    scale and value weights, single pass and two kernels; the single pass keeping its states
+    for the backward; the recurrent step. Distinct sources compile once, in parallel."""
     from engine.kernels.linear_fwd.plan import Folds, LinearConfig
     from engine.runtime.precompile import precompile
 
@@ -282,6 +282,8 @@ def test_linear_kernels_compile_for_sm90a(tmp_path, monkeypatch):
         *_linear_sources(2, 2, 2, 2, 200, 128, 128, flags=every,
                          config=LinearConfig(block_K=128, single_pass=True, threads=256)),
         *_linear_sources(2, 2, 2, 2, 200, 128, 128, folds=Folds(0.125, True),
+                         config=LinearConfig(block_K=128, single_pass=True, threads=256)),
+        *_linear_sources(2, 2, 2, 2, 200, 128, 128, flags=every, save=True,
                          config=LinearConfig(block_K=128, single_pass=True, threads=256)),
         *_linear_sources(2, 1, 1, 4, 200, 128, 64, folds=Folds(v_weight=True)),
         *_step_sources(),

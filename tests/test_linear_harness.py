@@ -86,7 +86,8 @@ def test_linear_suite_expands_against_the_linear_library():
     assert set(by_variant) == {"simple_gla", "retnet_linear", "mamba2"}
     for c in by_variant["mamba2"]:
         assert (c.heads_q, c.heads_kv, c.heads, c.head_dim, c.head_dim_v) == (1, 1, 80, 128, 64)
-        assert c.impls == ("fla", "engine", "mamba_ssm") and c.batch in (1, 8)
+        assert c.impls == ("fla", "engine", "engine-saved-states", "mamba_ssm")
+        assert c.batch in (1, 8)
         assert 2048 <= c.seqlen_q <= 8192
     dims = {(c.shape, c.batch, c.seqlen_q, c.heads, c.head_dim, c.head_dim_v)
             for c in by_variant["simple_gla"]}
@@ -149,6 +150,9 @@ def test_linear_capabilities_that_pass():
                ) == {None}
     assert get_impl("engine").check_modes(c, LINEAR_VARIANTS["simple_gla"], H100) == {
         "fwd": None, "fwd+bwd": None}
+    saved = get_impl("engine-saved-states").check_modes(c, LINEAR_VARIANTS["simple_gla"], H100)
+    assert saved["fwd+bwd"] is None and "mode fwd not supported" in saved["fwd"]
+    assert get_impl("engine-saved-states").caps.check(case(kind="attention"), H100)
     for variant in MAPPED:
         assert get_impl("fla").caps.check(case(variant, dtype="bfloat16"), H100) is None
     grouped = case(heads_q=2, heads_kv=2, heads=4, dtype="bfloat16")
@@ -462,3 +466,12 @@ def test_breakdown_runs_the_engine_at_a_named_config():
     assert p.extra["module"].backward_config == narrow and p.extra["module"].config is None
     with pytest.raises(ValueError, match="exposes no module"):
         mod.set_configs(Prepared(forward=lambda: None), {"config": narrow})
+
+
+def test_saved_states_impl_builds_the_module_that_keeps_them():
+    c = case("mamba2", dtype="float32")
+    variant = LINEAR_VARIANTS["mamba2"]
+    inputs, _ = linear.make_linear_inputs(c, variant, "cpu", 0)
+    kept = get_impl("engine-saved-states").prepare(c, variant, inputs, True)
+    assert kept.extra["module"].save_states is True
+    assert get_impl("engine").prepare(c, variant, inputs, True).extra["module"].save_states is False

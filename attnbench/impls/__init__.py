@@ -21,7 +21,7 @@ from attnbench.impls.base import (
 
 IMPL_NAMES: tuple[str, ...] = (
     "engine", "engine-dynamic", "engine-deterministic", "engine-flex", "engine-compiled",
-    "flash-attention-3",
+    "engine-saved-states", "flash-attention-3",
     "sdpa-cudnn",
     "sdpa-flash", "sdpa-efficient", "sdpa-math",
     "flex", "reference", "fla", "mamba_ssm",
@@ -39,6 +39,7 @@ def registry() -> dict[str, Impl]:
         EngineDynamicImpl,
         EngineFlexImpl,
         EngineImpl,
+        EngineSavedStatesImpl,
         ReferenceImpl,
     )
     from attnbench.impls.fa3 import FA3Impl
@@ -48,7 +49,8 @@ def registry() -> dict[str, Impl]:
     from attnbench.impls.sdpa import sdpa_impls
 
     impls: list[Impl] = [EngineImpl(), EngineDynamicImpl(), EngineDeterministicImpl(),
-                         EngineFlexImpl(), EngineCompiledImpl(), FA3Impl(),
+                         EngineFlexImpl(), EngineCompiledImpl(), EngineSavedStatesImpl(),
+                         FA3Impl(),
                          *sdpa_impls(), FlexImpl(), ReferenceImpl(), FlaImpl(),
                          MambaSsmImpl()]
     reg = {i.name: i for i in impls}

@@ -44,6 +44,7 @@ class _EngineBase(Impl):
     backend = ""
     dynamic_shapes: bool | None = None  # None: the engine's default (engine.kernels.attention_fwd.plan)
     deterministic = False
+    save_states = False  # linear: the forward keeps its states for the backward
     decode = False  # runs decode cases (the module's cache call)
     linear = False  # runs linear cases (the variant's LinearAttentionEngine)
 
@@ -137,6 +138,7 @@ class _EngineBase(Impl):
         except NotImplementedError as exc:
             raise Unsupported(f"engine linear backend {self.backend!r} not implemented: {exc}"
                               ) from exc
+        mod.save_states = self.save_states
         q, k, v = grad_leaves(inputs, needs_grad)
         args, learned = linear_args(variant, inputs, needs_grad)
         state = {} if STATE not in inputs else {"initial_state": inputs[STATE],
@@ -223,6 +225,29 @@ class EngineDeterministicImpl(EngineImpl):
     def caps(self) -> Capabilities:
         base = super().caps
         return dataclasses.replace(base, modes=base.modes - {"fwd"})
+
+
+class EngineSavedStatesImpl(EngineImpl):
+    """The linear engine keeping its forward's per-chunk states for the backward, which then
+    skips its state pass (LinearAttentionEngine(save_states=True)), timed beside `engine`,
+    which recomputes them as fla and mamba_ssm do: the rows' peak memory and latency give the
+    trade. Its forward is `engine`'s, so only linear cases' backward modes."""
+
+    name = "engine-saved-states"
+    description = "the engine's linear kernels with save_states=True (no state pass again)"
+    save_states = True
+    decode = False
+
+    @property
+    def caps(self) -> Capabilities:
+        base = super().caps
+        return dataclasses.replace(base, modes=base.modes - {"fwd"},
+                                   kinds=frozenset({"linear"}))
+
+    def check_modes(self, case: Case, variant, device: DeviceInfo) -> dict[str, str | None]:
+        # the linear rule of _EngineBase runs every mode; this one has no forward mode
+        out = super().check_modes(case, variant, device)
+        return {m: reason or self.caps.check_mode(m) for m, reason in out.items()}
 
 
 class EngineFlexImpl(EngineImpl):

@@ -90,9 +90,9 @@ class _ChunkedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, cache, shape, fwd_cfg, bwd_cfg, folds, q, k, v, g, h0, w, cu_seqlens,
-                want_final):
+                want_final, save_states):
         fk = cache.forward(shape, fwd_cfg, folds)
-        o, state = launch_forward(fk, q, k, v, g, h0, cu_seqlens, want_final, w)
+        o, state = launch_forward(fk, q, k, v, g, h0, cu_seqlens, want_final, w, save_states)
         ctx.cache, ctx.shape, ctx.bwd_cfg, ctx.fk, ctx.state = cache, shape, bwd_cfg, fk, state
         ctx.save_for_backward(q, k, v, g, h0, w)
         ctx.set_materialize_grads(False)  # an unused final state sends no gradient
@@ -111,21 +111,22 @@ class _ChunkedLinear(torch.autograd.Function):
             None if dht is None else dht.contiguous(), initial_grad, w,
             decay_grad=ctx.needs_input_grad[8])
         dw = dw if ctx.needs_input_grad[10] else None
-        return None, None, None, None, None, dq, dk, dv, dg, dh0, dw, None, None
+        return None, None, None, None, None, dq, dk, dv, dg, dh0, dw, None, None, None
 
 
 def run(cache: LinearKernelCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         g: torch.Tensor, initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
         output_final_state: bool, config: LinearConfig | None = None,
         backward_config: LinearConfig | None = None, step_config: StepConfig | None = None,
-        q_scale: float = 1.0, v_weight: torch.Tensor | None = None
+        q_scale: float = 1.0, v_weight: torch.Tensor | None = None, save_states: bool = False
         ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(o [B, H, T, Dv] in q's dtype, final state [N, H, D, Dv] float32 or None), differentiable
     in q, k, v, g, initial_state and v_weight (inputs already checked and contiguous), of the
     problem with q_scale * q in place of q and v_weight[..., None] * v in place of v
     (v_weight [B, H, T] float32: a v mod that is a per-position factor), both folded into the
     forward's kernels. A call of at most MAX_STEP_TOKENS positions per row that needs no
-    gradient runs the recurrent step."""
+    gradient runs the recurrent step. save_states: a training call's forward keeps its
+    per-chunk states for the backward, which then skips its state pass."""
     shape = linear_shape(q, k, v, cu_seqlens)
     h0 = None if initial_state is None else initial_state.float().contiguous()
     g = g.float().contiguous()
@@ -140,7 +141,7 @@ def run(cache: LinearKernelCache, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                                   output_final_state, w)
         return o, state.final
     o, ht = _ChunkedLinear.apply(cache, shape, fwd, bwd, folds, q, k, v, g, h0, w, cu_seqlens,
-                                 output_final_state)
+                                 output_final_state, save_states)
     return o, (ht if output_final_state else None)
 
 
@@ -159,18 +160,21 @@ def kernel_sources(cache: LinearKernelCache, q: torch.Tensor, k: torch.Tensor,
                    backward_config: LinearConfig | None = None,
                    modes: tuple[str, ...] = ("fwd",), *, initial_state: bool = False,
                    final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
-                   folds: Folds = NO_FOLDS, decay_grad: bool = True) -> list[str]:
+                   folds: Folds = NO_FOLDS, decay_grad: bool = True,
+                   save_states: bool = False) -> list[str]:
     """The TileLang sources run for tensors shaped as q, k, v (meta tensors will do): the
-    forward's, and with "bwd" in `modes` the backward's, of a call with an initial state or
-    not and returning the final state or not (the backward then takes that state's gradient
-    and gives the initial state's), packed by `cu_seqlens` or not, whose decays need a
-    gradient (`decay_grad`) or not."""
+    forward's, and with "bwd" in `modes` a training call's forward and backward, of a call
+    with an initial state or not and returning the final state or not (the backward then
+    takes that state's gradient and gives the initial state's), packed by `cu_seqlens` or
+    not, whose decays need a gradient (`decay_grad`) or not, keeping the forward's states
+    (`save_states`, training only) or not."""
     shape = linear_shape(q, k, v, cu_seqlens)
     fwd, bwd = configs(shape, config, backward_config)
     fk = cache.forward(shape, fwd, folds)
-    out = fk.sources(initial_state, final_state)
-    if "bwd" in modes:  # the backward reruns the state pass (no final state), then its own
-        out += [fk.states(initial_state, False).source,
+    training = "bwd" in modes
+    out = fk.sources(initial_state, final_state, save_states and training)
+    if training:  # the backward reruns the state pass (no final state) unless kept
+        out += [*([] if save_states else [fk.states(initial_state, False).source]),
                 *cache.backward(shape, bwd, folds).sources(final_state, initial_state,
                                                                      decay_grad)]
     return list(dict.fromkeys(out))

@@ -252,6 +252,10 @@ def _linear_sources(shape: tuple, cfg_fields, folds, states: bool) -> dict[str, 
         cache, *_linear_meta(shape), config=cfg, modes=("fwd", "bwd"), initial_state=states,
         final_state=states, cu_seqlens=cu, folds=folds)
     out = {str(i): src for i, src in enumerate(srcs)}
+    saved = linear_backend.kernel_sources(  # the single pass keeping its states, where run
+        cache, *_linear_meta(shape), config=cfg, modes=("fwd", "bwd"), initial_state=states,
+        final_state=states, cu_seqlens=cu, folds=folds, save_states=True)
+    out |= {f"saved-{i}": src for i, src in enumerate(saved) if src not in srcs}
     if not states and folds == NO_FOLDS:  # the dQ/dK kernel of a decay with no gradient
         out["dqk-no-dg"] = linear_backend.kernel_sources(
             cache, *_linear_meta(shape), config=cfg, modes=("fwd", "bwd"), cu_seqlens=cu,

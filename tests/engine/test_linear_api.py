@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import CustomIO, LinearAttentionEngine, TraceError, meta_tensor
-from engine.kernels.linear_fwd.plan import Folds
+from engine.kernels.linear_fwd.plan import Folds, LinearConfig
 from engine.reference.linear import naive_recurrence
 from engine.runtime import linear_backend
 from engine.variants import LINEAR_VARIANTS, get_linear_variant
@@ -192,7 +192,7 @@ def test_tilelang_path_calls_the_backend_contract(monkeypatch):
 
     def fake_run(cache, q, k, v, g, initial_state, cu_seqlens, output_final_state,
                  config=None, backward_config=None, step_config=None, q_scale=1.0,
-                 v_weight=None):
+                 v_weight=None, save_states=False):
         seen.update(cache=cache, contiguous=all(x.is_contiguous() for x in (q, k, v, g)),
                     g=g, final=output_final_state, config=config, bwd=backward_config)
         return v.new_zeros(v.shape), None
@@ -211,7 +211,8 @@ def test_tl_code_joins_the_kernel_sources(monkeypatch):
     seen = {}
 
     def fake_sources(cache, q, k, v, config=None, backward_config=None, modes=("fwd",),
-                     initial_state=False, final_state=False, folds=None, decay_grad=True):
+                     initial_state=False, final_state=False, folds=None, decay_grad=True,
+                     save_states=False):
         seen.update(cache=cache, shapes=[tuple(t.shape) for t in (q, k, v)], config=config)
         return ["fwd one", "fwd two"]
 
@@ -273,7 +274,7 @@ def _fake_kernels(monkeypatch, seen):
         return chunked(q.float().repeat_interleave(hq, 1), k.float().repeat_interleave(hk, 1),
                        v.float(), g, h0)
 
-    def fake_forward(fk, q, k, v, g, h0, cu_seqlens, final, w=None):
+    def fake_forward(fk, q, k, v, g, h0, cu_seqlens, final, w=None, save_states=False):
         seen.setdefault("folds", []).append(fk.folds)
         assert (w is not None) == fk.folds.v_weight
         o, ht = core(q, k, v if w is None else v.float() * w.unsqueeze(-1), g, h0)
@@ -416,6 +417,8 @@ CTOR_ERRORS = [
     (lambda: LinearAttentionEngine(META[:2]), r"qkv_meta: expected a tuple of 3 meta tensors"),
     (lambda: LinearAttentionEngine(META, deterministic=1),
      r"deterministic: expected a bool, got 1"),
+    (lambda: LinearAttentionEngine(META, save_states="yes"),
+     r"save_states: expected a bool, got 'yes'"),
     (lambda: LinearAttentionEngine((META[0], meta_tensor(2, 3, 20, 8, dtype=F32), META[2])),
      r"qkv_meta: k heads 3 must divide v's heads 4"),
     (lambda: LinearAttentionEngine((META[0], META[1], meta_tensor(2, 4, 21, 4, dtype=F32))),
@@ -606,7 +609,6 @@ def test_a_decay_scaled_by_a_custom_read_is_one_multiply(monkeypatch):
 
 
 def test_a_linear_config_is_read_back_from_its_key():
-    from engine.kernels.linear_fwd.plan import LinearConfig
     from engine.plan.config import ConfigError
 
     for cfg in (LinearConfig(), LinearConfig(128, 64, 32, 3, 256, True)):
@@ -628,3 +630,21 @@ def test_setting_deterministic_switches_the_backward_kernels():
     assert mod.deterministic and "atomic" not in dqk()[0]
     with pytest.raises(ValueError, match="deterministic: expected a bool"):
         mod.deterministic = 1
+
+
+def test_save_states_keeps_the_forward_states_for_the_backward():
+    # a training call's single pass writes the state entering every chunk (Hs) and the
+    # backward runs no state pass of its own; an inference call's forward is unchanged
+    metas = tuple(meta_tensor(2, 4, 200, 64, dtype=torch.bfloat16) for _ in range(3))
+    one = LinearConfig(block_K=64, single_pass=True, threads=256)
+
+    def sources(save, modes=("fwd", "bwd")):
+        return LinearAttentionEngine(metas, config=one, save_states=save).kernel_sources(modes)
+
+    kept, again = sources(True), sources(False)
+    assert not any(": state pass " in s for s in kept)
+    assert any(": state pass " in s for s in again)
+    (single,) = [s for s in kept if ": single pass " in s]
+    assert " hs=1" in single and "T.copy(S_s, Hs[slot0 + c, h, :," in single
+    assert not any(" hs=1" in s for s in again)
+    assert sources(True, ("fwd",)) == sources(False, ("fwd",))

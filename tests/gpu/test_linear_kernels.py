@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.kernels.linear_fwd.launch import single_pass
 from engine.kernels.linear_fwd.plan import NO_FOLDS, Folds, LinearConfig
 from engine.reference.executor import rel_err
 from engine.reference.linear import chunked, naive_recurrence
@@ -89,7 +90,8 @@ def _inputs(case: tuple, device: str = "cuda") -> dict:
     return out
 
 
-def _sources(case: tuple, folds: Folds = NO_FOLDS, deterministic: bool = False) -> list[str]:
+def _sources(case: tuple, folds: Folds = NO_FOLDS, deterministic: bool = False,
+             save: bool = False) -> list[str]:
     dt, (hq, hk, h), (d, dv), b, t, states, packed, cfg = case
     q = torch.empty(b, hq, t, d, dtype=dt, device="meta")
     k = torch.empty(b, hk, t, d, dtype=dt, device="meta")
@@ -98,8 +100,9 @@ def _sources(case: tuple, folds: Folds = NO_FOLDS, deterministic: bool = False) 
     shape = linear_backend.linear_shape(q, k, v, torch.empty(len(PACKED)) if packed else None)
     fwd, bwd = linear_backend.configs(shape, cfg, None)
     fk, bk = cache.forward(shape, fwd, folds), cache.backward(shape, bwd, folds)
-    # the forward's kernels, the backward's, and the state pass the backward reruns
-    return [*fk.sources(states, states), fk.states(states, False).source,
+    # the forward's kernels, the backward's, and the state pass the backward reruns (none
+    # where the forward keeps its states)
+    return [*fk.sources(states, states, save), *([] if save else [fk.states(states, False).source]),
             *bk.sources(states, states)]
 
 
@@ -122,6 +125,7 @@ def _precompiled(request):
              _step_sources(c)]
     srcs += [s for c in SHARED_CASES if c in selected_params(request, "case") for s in
              (*_sources(c), *_sources(c, deterministic=True))]
+    srcs += [s for c, folds in SAVED_CASES if c in chosen for s in _sources(c, folds, save=True)]
     for err in precompile(list(dict.fromkeys(srcs))).values():
         print("precompile failed:", err[:300])
 
@@ -139,7 +143,8 @@ def test_folded_kernels_match_reference(case):
     _compare(case, q_scale=FOLDS.q_scale, weighted=True)
 
 
-def _compare(case: tuple, q_scale: float = 1.0, weighted: bool = False) -> None:
+def _compare(case: tuple, q_scale: float = 1.0, weighted: bool = False,
+             cache: linear_backend.LinearKernelCache | None = None, save: bool = False) -> None:
     x = _inputs(case)
     states = x["h0"] is not None
     names = ["q", "k", "v", "g", *(["w"] if weighted else []), *(["h0"] if states else [])]
@@ -148,9 +153,10 @@ def _compare(case: tuple, q_scale: float = 1.0, weighted: bool = False) -> None:
     leaves = [x[n].requires_grad_(True) for n in names]
     ref = {n: t.detach().double().requires_grad_(True) for n, t in zip(names, leaves, strict=True)}
     got = dict(zip(names, leaves, strict=True))
-    o, ht = linear_backend.run(linear_backend.LinearKernelCache(), got["q"], got["k"], got["v"],
-                               got["g"], got.get("h0"), x["cu"], states, config=case[-1],
-                               q_scale=q_scale, v_weight=got.get("w"))
+    o, ht = linear_backend.run(cache or linear_backend.LinearKernelCache(), got["q"], got["k"],
+                               got["v"], got["g"], got.get("h0"), x["cu"], states,
+                               config=case[-1], q_scale=q_scale, v_weight=got.get("w"),
+                               save_states=save)
     rv = ref["v"] * ref["w"].unsqueeze(-1) if weighted else ref["v"]
     ro, rht = chunked(ref["q"] * q_scale, ref["k"], rv, ref["g"], ref.get("h0"), x["cu"])
     assert o.dtype == x["q"].dtype and o.shape == ro.shape
@@ -171,6 +177,29 @@ def _compare(case: tuple, q_scale: float = 1.0, weighted: bool = False) -> None:
     bad = {n: f"{e:.2e}" for n, e in errs.items() if not e < LIMITS.get(n, 2e-2)}
     assert not bad, f"relative errors over {LIMITS}: {bad} (all: " + \
         ", ".join(f"{n} {e:.1e}" for n, e in errs.items()) + ")"
+
+
+# The forward keeping its states for the backward (save_states): the single pass writing them,
+# and the two kernels' state pass (which always does), with states, packing, folds, sharing
+SAVED_CASES = [((BF16, (4, 4, 4), (128, 128), 2, 200, True, False, ONE), NO_FOLDS),
+               ((FP16, (1, 1, 4), (128, 64), 1, PACKED[-1], True, True, ONE), FOLDS),
+               ((BF16, (4, 4, 4), (256, 256), 2, 200, True, False, ONE), FOLDS),
+               ((BF16, (2, 1, 4), (64, 64), 2, 65, False, False, ONE), NO_FOLDS),
+               ((BF16, (4, 4, 4), (128, 128), 2, 300, True, False, C128), NO_FOLDS)]
+
+
+@pytest.mark.parametrize("case,folds", SAVED_CASES, ids=lambda c: case_id(c)
+                         if isinstance(c, tuple) else ("folded" if c.v_weight else "plain"))
+def test_kept_states_match_reference(case, folds):
+    """Outputs and gradients against the reference with the forward's states kept, and the
+    backward ran no state pass of its own (its rerun takes no final state: a state pass the
+    forward did not run itself)."""
+    cache = linear_backend.LinearKernelCache()
+    _compare(case, q_scale=folds.q_scale, weighted=folds != NO_FOLDS, cache=cache, save=True)
+    fk = next(k for key, k in cache.kernels.items() if key[0] == "fwd")
+    states = case[5]
+    ran = set(fk._states) - (set() if single_pass(fk) else {(states, states)})
+    assert (states, False) not in ran, "the backward ran the state pass again"
 
 
 # Shared q/k heads: float32 atomics into the shared head by default, per-head sums in the

@@ -1,7 +1,7 @@
 """Build and launch the chunked backward: the forward's state pass again (the per-chunk
-states are recomputed, not kept: they would hold chunks x D x Dv per head), the reverse state
-pass, the dV kernel and the dQ/dK kernel (which gives the decays' gradient too); then the
-sums over key tiles and over heads that share q or k."""
+states are recomputed unless the forward kept them: they hold chunks x D x Dv per head), the
+reverse state pass, the dV kernel and the dQ/dK kernel (which gives the decays' gradient
+too); then the sums over key tiles and over heads that share q or k."""
 
 from __future__ import annotations
 
@@ -18,7 +18,12 @@ from engine.kernels.linear_bwd.codegen import (
     generate_dv,
 )
 from engine.kernels.linear_bwd.plan import shared_heads_by_atomics
-from engine.kernels.linear_fwd.launch import ForwardKernels, ForwardState, run_states
+from engine.kernels.linear_fwd.launch import (
+    ForwardKernels,
+    ForwardState,
+    run_states,
+    seq_state_buffer,
+)
 from engine.kernels.linear_fwd.plan import NO_FOLDS, Folds, LinearConfig, LinearShape, check_config
 from engine.runtime.kernel import Kernel
 
@@ -93,7 +98,9 @@ def launch_backward(fk: ForwardKernels, bk: BackwardKernels, q: torch.Tensor, k:
     q_scale * q in place of q (`do` is the output's gradient as given)."""
     s = bk.shape
     tb, dev = fwd.tables, q.device
-    hs, _ = run_states(fk, k, v, tb, fwd.slot_data, initial_state, False)
+    hs = fwd.states
+    if hs is None:  # not kept by the forward (launch_forward's save_states): again
+        hs, _ = run_states(fk, k, v, tb, fwd.slot_data, initial_state, False)
     common = {"G": g, "Seqs": tb.seqs, "Chunks": tb.chunks}
     dw = (torch.empty(s.batch, s.heads, s.seqlen, dtype=torch.float32, device=dev)
           if bk.v_weight else None)
@@ -104,8 +111,7 @@ def launch_backward(fk: ForwardKernels, bk: BackwardKernels, q: torch.Tensor, k:
         args["dHt"] = dht
     dh0 = None
     if initial_grad:
-        dh0 = args["dH0"] = torch.empty(s.num_seqs, s.heads, s.head_dim, s.head_dim_v,
-                                        dtype=torch.float32, device=dev)
+        dh0 = args["dH0"] = seq_state_buffer(s, dev)
     bk.dstates(dht is not None, initial_grad)(**args)
     dv = torch.empty_like(v)
     bk.dv(Q=q, K=k, dO=do, **common, dHs=dhs, dV=dv, **weights,

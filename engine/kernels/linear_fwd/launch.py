@@ -28,7 +28,7 @@ class ForwardKernels:
     decays: Kernel  # each chunk slot's running decay sum, run before the others
     folds: Folds = NO_FOLDS  # the mods the kernels apply themselves
     _states: dict[tuple[bool, bool], Kernel] = field(default_factory=dict)
-    _single: dict[tuple[bool, bool], Kernel] = field(default_factory=dict)
+    _single: dict[tuple[bool, bool, bool], Kernel] = field(default_factory=dict)
     _tables: dict[torch.device, ChunkTables] = field(default_factory=dict)
 
     def states(self, initial: bool, final: bool) -> Kernel:
@@ -41,25 +41,26 @@ class ForwardKernels:
                                                        folds=folds))
         return self._states[key]
 
-    def single(self, initial: bool, final: bool) -> Kernel:
+    def single(self, initial: bool, final: bool, save: bool = False) -> Kernel:
         """The single-pass forward reading an initial state or not, writing the final one or
-        not."""
-        key = (initial, final)
+        not, and the per-chunk states with `save`."""
+        key = (initial, final, save)
         if key not in self._single:
-            self._single[key] = Kernel(generate_fused(self.shape, self.config, *key,
-                                                      folds=self.folds))
+            self._single[key] = Kernel(generate_fused(self.shape, self.config, initial, final,
+                                                      folds=self.folds, save=save))
         return self._single[key]
 
-    def forward_kernels(self, initial: bool, final: bool) -> list[Kernel]:
+    def forward_kernels(self, initial: bool, final: bool, save: bool = False) -> list[Kernel]:
         if single_pass(self):
-            return [self.decays, self.single(initial, final)]
+            return [self.decays, self.single(initial, final, save)]
         return [self.decays, self.states(initial, final), self.output]
 
-    def sources(self, initial: bool = False, final: bool = False) -> list[str]:
-        return [k.source for k in self.forward_kernels(initial, final)]
+    def sources(self, initial: bool = False, final: bool = False, save: bool = False
+                ) -> list[str]:
+        return [k.source for k in self.forward_kernels(initial, final, save)]
 
-    def compile(self, initial: bool = False, final: bool = False) -> None:
-        for k in self.forward_kernels(initial, final):
+    def compile(self, initial: bool = False, final: bool = False, save: bool = False) -> None:
+        for k in self.forward_kernels(initial, final, save):
             k.compiled()
 
     def tables(self, cu_seqlens: torch.Tensor | None, device: torch.device) -> ChunkTables:
@@ -88,6 +89,7 @@ class ForwardState:
     tables: ChunkTables
     final: torch.Tensor | None
     slot_data: dict[str, torch.Tensor]  # run_decays': the backward's state pass reads it too
+    states: torch.Tensor | None = None  # the per-chunk states kept for the backward (Hs)
 
 
 def run_decays(fk: ForwardKernels, g: torch.Tensor, tables: ChunkTables,
@@ -107,19 +109,29 @@ def run_states(fk: ForwardKernels, k: torch.Tensor, v: torch.Tensor, tables: Chu
                final: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(Hs: the state entering every chunk slot, the final state or None), from the chunk
     slots' decay sums (and value weights): run_decays' `slot_data`."""
-    s, C = fk.shape, fk.config.chunk
-    hs = torch.empty(s.slots(C), s.heads, s.head_dim, s.head_dim_v, dtype=k.dtype,
-                     device=k.device)
+    hs = state_buffer(fk, k)
     args = {"K": k, "V": v, **slot_data, "Seqs": tables.seqs, "Chunks": tables.chunks,
             "Hs": hs}
     if initial_state is not None:
         args["H0"] = initial_state
     ht = None
     if final:
-        ht = args["Ht"] = torch.empty(s.num_seqs, s.heads, s.head_dim, s.head_dim_v,
-                                      dtype=torch.float32, device=k.device)
+        ht = args["Ht"] = seq_state_buffer(fk.shape, k.device)
     fk.states(initial_state is not None, final)(**args)
     return hs, ht
+
+
+def seq_state_buffer(s: LinearShape, device: torch.device) -> torch.Tensor:
+    """Room for a state per sequence (final, or an initial one's gradient) [N, H, D, Dv] fp32."""
+    return torch.empty(s.num_seqs, s.heads, s.head_dim, s.head_dim_v, dtype=torch.float32,
+                       device=device)
+
+
+def state_buffer(fk: ForwardKernels, like: torch.Tensor) -> torch.Tensor:
+    """Room for the state entering every chunk slot, Hs [slots, H, D, Dv] in `like`'s dtype."""
+    s = fk.shape
+    return torch.empty(s.slots(fk.config.chunk), s.heads, s.head_dim, s.head_dim_v,
+                       dtype=like.dtype, device=like.device)
 
 
 def single_pass(fk: ForwardKernels) -> bool:
@@ -132,10 +144,11 @@ def single_pass(fk: ForwardKernels) -> bool:
 
 def launch_forward(fk: ForwardKernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    g: torch.Tensor, initial_state: torch.Tensor | None,
-                   cu_seqlens: torch.Tensor | None, final: bool, w: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, ForwardState]:
+                   cu_seqlens: torch.Tensor | None, final: bool, w: torch.Tensor | None = None,
+                   save_states: bool = False) -> tuple[torch.Tensor, ForwardState]:
     """o [B, H, T, Dv] and what the backward reuses (inputs checked and contiguous; w
-    [B, H, T] float32: the value weights where fk folds them)."""
+    [B, H, T] float32: the value weights where fk folds them); with `save_states`, the
+    per-chunk states too (the single pass then writes them; the state pass always does)."""
     s = fk.shape
     tables = fk.tables(cu_seqlens, q.device)
     o = torch.empty(s.batch, s.heads, s.seqlen, s.head_dim_v, dtype=q.dtype, device=q.device)
@@ -145,12 +158,14 @@ def launch_forward(fk: ForwardKernels, q: torch.Tensor, k: torch.Tensor, v: torc
     if not single_pass(fk):
         hs, ht = run_states(fk, k, v, tables, slot_data, initial_state, final)
         fk.output(**io, Hs=hs)
-        return o, ForwardState(tables, ht, slot_data)
+        return o, ForwardState(tables, ht, slot_data, hs if save_states else None)
     ht = None
     if initial_state is not None:
         io["H0"] = initial_state
     if final:
-        ht = io["Ht"] = torch.empty(s.num_seqs, s.heads, s.head_dim, s.head_dim_v,
-                                    dtype=torch.float32, device=q.device)
-    fk.single(initial_state is not None, final)(**io)
-    return o, ForwardState(tables, ht, slot_data)
+        ht = io["Ht"] = seq_state_buffer(s, q.device)
+    hs = None
+    if save_states:
+        hs = io["Hs"] = state_buffer(fk, k)
+    fk.single(initial_state is not None, final, save_states)(**io)
+    return o, ForwardState(tables, ht, slot_data, hs)
