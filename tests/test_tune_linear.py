@@ -170,7 +170,7 @@ def test_the_module_runs_the_tuned_configs(tmp_path, engine_gpu, monkeypatch, ca
     seen = []
 
     def fake_run(cache, q, k, v, g, h0, cu, final, config=None, backward_config=None,
-                 step_config=None, q_scale=1.0, v_weight=None):
+                 step_config=None, q_scale=1.0, v_weight=None, save_states=False):
         seen.append((config, backward_config))
         return v.new_zeros(v.shape) + 0 * (q.sum() + k.sum() + v.sum()), None
 
