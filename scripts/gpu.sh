@@ -123,12 +123,12 @@ for step in "${steps[@]}"; do
     suite=${step%%:*}; args=()
     [ "$suite" != "$step" ] && args+=(--impl "${step#*:}")
     read -ra pats <<< "${RUN_FILTER:-}"  # several patterns: space-separated (read: no globbing)
-    for p in "${pats[@]}"; do args+=(--filter "$p"); done
+    pre=(); for p in "${pats[@]}"; do pre+=(--filter "$p"); done
+    args+=("${pre[@]}")
     if [ -n "${RUN_RESUME:-}" ]; then
       mkdir -p "$OUT/runs" && cp results/runs/"$(date -u +%F)"-*-"$suite".csv "$OUT/runs/" 2>/dev/null
       args+=(--resume)
     fi
-    pre=(); for p in "${pats[@]}"; do pre+=(--filter "$p"); done
     python scripts/gpu_precompile.py "$suite" "${pre[@]}" 2>&1 | grep -v INFO | tail -5
     python -m attnbench run suite "$suite" "${args[@]}" --out "$OUT/runs" 2>&1 | grep -v INFO \
       > "$OUT/$suite.log"

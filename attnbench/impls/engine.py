@@ -56,9 +56,10 @@ class _EngineBase(Impl):
     def check_modes(self, case: Case, variant, device: DeviceInfo) -> dict[str, str | None]:
         if case.kind != "linear":
             return super().check_modes(case, variant, device)
-        # every mode: a linear kernel not built yet refuses its call (_linear_refusal)
+        # the modes this implementation times; a linear kernel not built yet refuses its
+        # call (_linear_refusal) rather than a rule here
         reason = self.check(case, variant, device)
-        return {m: reason for m in case.modes}
+        return {m: reason or self.caps.check_mode(m) for m in case.modes}
 
     def check(self, case: Case, variant, device: DeviceInfo) -> str | None:
         reason = super().check(case, variant, device)
@@ -243,11 +244,6 @@ class EngineSavedStatesImpl(EngineImpl):
         base = super().caps
         return dataclasses.replace(base, modes=base.modes - {"fwd"},
                                    kinds=frozenset({"linear"}))
-
-    def check_modes(self, case: Case, variant, device: DeviceInfo) -> dict[str, str | None]:
-        # the linear rule of _EngineBase runs every mode; this one has no forward mode
-        out = super().check_modes(case, variant, device)
-        return {m: reason or self.caps.check_mode(m) for m, reason in out.items()}
 
 
 class EngineFlexImpl(EngineImpl):
