@@ -4,7 +4,8 @@ the H100: outputs, final states and every gradient (q, k, v, the log decays, the
 state), over fp16/bf16 x head sharing (one q/k head per output head; Mamba2's single q and k
 head; q and k shared differently) x head dims 64-256 (Dv up to 512) x lengths that leave a
 partial chunk, with initial and final states, packed sequences (cu_seqlens), and the short
-lengths (1, one chunk, one chunk plus one position)."""
+lengths (1, one chunk, one chunk plus one position). A single-pass config runs the forward's
+single pass and the backward's reverse single pass (engine.kernels.linear_bwd.reverse)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ C128 = LinearConfig(chunk=128, block_K=128, block_V=64, threads=256)
 ONE = LinearConfig(block_K=64, single_pass=True, threads=256)  # the single-pass forward
 # a training call's backward beside the single pass at D <= 128 (backward_config_for_shape)
 NARROW = LinearConfig(chunk=64, block_K=64, block_V=64, threads=128)
+# the single pass on 128 threads: the reverse single pass beside the narrow dQ/dK kernel
+NARROW_ONE = LinearConfig(block_K=64, single_pass=True, threads=128)
 # (dtype, (HQ, HK, H), (D, Dv), B, T, states, packed, config or None: the default)
 CASES = ([(dt, h, d, 2, 200, True, False, None) for dt in (BF16, FP16) for h in HEADS
           for d in DIMS]
@@ -51,6 +54,8 @@ CASES = ([(dt, h, d, 2, 200, True, False, None) for dt in (BF16, FP16) for h in 
          + [(BF16, h, d, 2, 200, True, False, NARROW) for h in HEADS
             for d in ((64, 64), (128, 128), (128, 64))]
          + [(FP16, (1, 1, 4), (128, 64), 1, PACKED[-1], True, True, NARROW)]
+         + [(BF16, h, (128, 128), 2, 200, True, False, NARROW_ONE) for h in HEADS]
+         + [(FP16, (1, 1, 4), (128, 64), 1, PACKED[-1], True, True, NARROW_ONE)]
          # the single pass at D 256, the default where its blocks fill the SMs
          + [(BF16, (4, 4, 4), (256, 512), 2, 200, True, False, ONE),
             (FP16, (1, 1, 4), (256, 256), 2, 200, True, False, ONE),
@@ -63,7 +68,8 @@ FOLD_CASES = [(BF16, (1, 1, 4), (128, 64), 2, 200, True, False, None),
               (BF16, (1, 1, 4), (128, 128), 1, PACKED[-1], True, True, None),
               (BF16, (2, 1, 4), (128, 64), 2, 300, True, False, C128),
               (BF16, (4, 4, 4), (256, 256), 2, 200, False, False, None),
-              (BF16, (1, 1, 4), (256, 256), 2, 200, True, False, ONE)]
+              (BF16, (1, 1, 4), (256, 256), 2, 200, True, False, ONE),
+              (BF16, (1, 1, 4), (128, 128), 2, 200, True, False, NARROW_ONE)]
 FOLDS = Folds(q_scale=0.37, v_weight=True)
 
 def case_id(c: tuple) -> str:

@@ -174,10 +174,12 @@ def generate_dv(s: LinearShape, cfg: LinearConfig, folds: Folds = NO_FOLDS) -> G
     return GeneratedKernel(w.text(), tuple(params))
 
 
-def emit_weight_gradient(w: SourceWriter, C: int, BV: int, vcols: str) -> None:
+def emit_weight_gradient(w: SourceWriter, C: int, BV: int, vcols: str | None) -> None:
     """acc holds dV' (the gradient of W * v) for one value tile: dw += rowsum(dV' * v), then
-    acc <- W * dV' (the gradient of v)."""
-    w.line(f"T.copy(V[b, h, row0:row0 + {C}, {vcols}], V_s)")
+    acc <- W * dV' (the gradient of v). V_s is loaded from the tile's columns `vcols` (None:
+    it holds them already)."""
+    if vcols is not None:
+        w.line(f"T.copy(V[b, h, row0:row0 + {C}, {vcols}], V_s)")
     with w.block(f"for u, v in T.Parallel({C}, {BV}):"):
         w.line('prod[u, v] = acc[u, v] * T.Cast("float32", V_s[u, v])')
     w.line("T.reduce_sum(prod, dw_part, dim=1)")

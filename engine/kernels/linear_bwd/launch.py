@@ -1,7 +1,8 @@
 """Build and launch the chunked backward: the forward's state pass again (the per-chunk
 states are recomputed unless the forward kept them: they hold chunks x D x Dv per head), the
-reverse state pass, the dV kernel and the dQ/dK kernel (which gives the decays' gradient
-too); then the sums over key tiles and over heads that share q or k."""
+reverse state pass and the dV kernel (or, where the config has single_pass, the reverse single
+pass doing both: linear_bwd.reverse), and the dQ/dK kernel (which gives the decays' gradient
+too); then the sums over key tiles, value tiles and heads that share q or k."""
 
 from __future__ import annotations
 
@@ -18,13 +19,21 @@ from engine.kernels.linear_bwd.codegen import (
     generate_dv,
 )
 from engine.kernels.linear_bwd.plan import shared_heads_by_atomics
+from engine.kernels.linear_bwd.reverse import generate_reverse
 from engine.kernels.linear_fwd.launch import (
     ForwardKernels,
     ForwardState,
     run_states,
     seq_state_buffer,
 )
-from engine.kernels.linear_fwd.plan import NO_FOLDS, Folds, LinearConfig, LinearShape, check_config
+from engine.kernels.linear_fwd.plan import (
+    NO_FOLDS,
+    Folds,
+    LinearConfig,
+    LinearShape,
+    check_config,
+    runs_single_pass,
+)
 from engine.runtime.kernel import Kernel
 
 
@@ -32,18 +41,25 @@ from engine.runtime.kernel import Kernel
 class BackwardKernels:
     shape: LinearShape
     config: LinearConfig
-    dv: Kernel
-    # the forward's folds: value weights W (the kernels take them, dv writes dW) and the q
+    # the forward's folds: value weights W (the kernels take them, dV's writes dW) and the q
     # scale (folded where the kernels meet q or dO: the output gradient is read as given)
     folds: Folds = NO_FOLDS
     # shared q/k heads' gradients by float32 atomics into them (plan.shared_heads_by_atomics)
     atomic: bool = False
     _dstates: dict[tuple[bool, bool], Kernel] = field(default_factory=dict)
+    _reverse: dict[tuple[bool, bool], Kernel] = field(default_factory=dict)
+    _dv: list[Kernel] = field(default_factory=list)
     _dqk: dict[bool, Kernel] = field(default_factory=dict)
 
     @property
     def v_weight(self) -> bool:
         return self.folds.v_weight
+
+    @property
+    def single_pass(self) -> bool:
+        """Whether dS and dV come from the reverse single pass (else the reverse state pass
+        and the dV kernel)."""
+        return runs_single_pass(self.shape, self.config)
 
     def dstates(self, final_grad: bool, initial_grad: bool) -> Kernel:
         key = (final_grad, initial_grad)
@@ -52,6 +68,19 @@ class BackwardKernels:
                                                          self.folds.q_scale))
         return self._dstates[key]
 
+    def reverse(self, final_grad: bool, initial_grad: bool) -> Kernel:
+        key = (final_grad, initial_grad)
+        if key not in self._reverse:
+            self._reverse[key] = Kernel(generate_reverse(self.shape, self.config, *key,
+                                                         self.folds))
+        return self._reverse[key]
+
+    @property
+    def dv(self) -> Kernel:
+        if not self._dv:
+            self._dv.append(Kernel(generate_dv(self.shape, self.config, self.folds)))
+        return self._dv[0]
+
     def dqk(self, decay_grad: bool = True) -> Kernel:
         """The dQ/dK kernel, giving the decays' gradient too with `decay_grad`."""
         if decay_grad not in self._dqk:
@@ -59,16 +88,21 @@ class BackwardKernels:
                                                         decay_grad, self.atomic))
         return self._dqk[decay_grad]
 
+    def kernels(self, final_grad: bool = False, initial_grad: bool = False,
+                decay_grad: bool = True) -> list[Kernel]:
+        """The kernels a backward runs, in order."""
+        first = ([self.reverse(final_grad, initial_grad)] if self.single_pass
+                 else [self.dstates(final_grad, initial_grad), self.dv])
+        return [*first, self.dqk(decay_grad)]
+
     def sources(self, final_grad: bool = False, initial_grad: bool = False,
                 decay_grad: bool = True) -> list[str]:
-        return [self.dstates(final_grad, initial_grad).source, self.dv.source,
-                self.dqk(decay_grad).source]
+        return [k.source for k in self.kernels(final_grad, initial_grad, decay_grad)]
 
     def compile(self, final_grad: bool = False, initial_grad: bool = False,
                 decay_grad: bool = True) -> None:
-        self.dstates(final_grad, initial_grad).compiled()
-        self.dv.compiled()
-        self.dqk(decay_grad).compiled()
+        for k in self.kernels(final_grad, initial_grad, decay_grad):
+            k.compiled()
 
 
 def build_backward(shape: LinearShape, cfg: LinearConfig, folds: Folds = NO_FOLDS,
@@ -77,8 +111,7 @@ def build_backward(shape: LinearShape, cfg: LinearConfig, folds: Folds = NO_FOLD
     of a forward with `folds` (value weights: they read v and the weights; a q scale);
     `deterministic`: no atomics (plan.shared_heads_by_atomics)."""
     check_config(cfg, shape.head_dim, shape.head_dim_v, elem_bytes(shape.dtype))
-    return BackwardKernels(shape, cfg, Kernel(generate_dv(shape, cfg, folds)), folds,
-                           shared_heads_by_atomics(shape, deterministic))
+    return BackwardKernels(shape, cfg, folds, shared_heads_by_atomics(shape, deterministic))
 
 
 def _group_sum(x: torch.Tensor, heads: int, dtype: torch.dtype) -> torch.Tensor:
@@ -102,25 +135,13 @@ def launch_backward(fk: ForwardKernels, bk: BackwardKernels, q: torch.Tensor, k:
     if hs is None:  # not kept by the forward (launch_forward's save_states): again
         hs, _ = run_states(fk, k, v, tb, fwd.slot_data, initial_state, False)
     common = {"G": g, "Seqs": tb.seqs, "Chunks": tb.chunks}
-    dw = (torch.empty(s.batch, s.heads, s.seqlen, dtype=torch.float32, device=dev)
-          if bk.v_weight else None)
-    weights = {"W": w} if bk.v_weight else {}  # both kernels read them; dV also v, writes dW
-    dhs = torch.empty_like(hs)
-    args = {"Q": q, "dO": do, **common, "dHs": dhs}
-    if dht is not None:
-        args["dHt"] = dht
-    dh0 = None
-    if initial_grad:
-        dh0 = args["dH0"] = seq_state_buffer(s, dev)
-    bk.dstates(dht is not None, initial_grad)(**args)
-    dv = torch.empty_like(v)
-    bk.dv(Q=q, K=k, dO=do, **common, dHs=dhs, dV=dv, **weights,
-          **({"V": v, "dW": dw} if bk.v_weight else {}))
+    dhs, dv, dh0, dw = _run_state_gradients(bk, q, k, v, fwd, common, do, dht, initial_grad, w)
     outs = dqk_outputs(s, bk.atomic)
     dq, dk = (_output(o, s, dev) for o in outs)
     nk = s.head_dim // bk.config.block_K
     dgp = (torch.empty(nk, s.batch, s.heads, s.seqlen, dtype=torch.float32, device=dev)
            if decay_grad else None)
+    weights = {"W": w} if bk.v_weight else {}
     bk.dqk(decay_grad)(Q=q, K=k, V=v, dO=do, **common, Hs=hs, dHs=dhs, **weights,
                        **({"dG": dgp} if decay_grad else {}),
                        **{outs[0].name: dq, outs[1].name: dk})
@@ -130,6 +151,38 @@ def launch_backward(fk: ForwardKernels, bk: BackwardKernels, q: torch.Tensor, k:
         dk = dk.to(k.dtype) if bk.atomic else _group_sum(dk, s.heads_k, k.dtype)
     dg = None if dgp is None else dgp.sum(0) if nk > 1 else dgp[0]  # whole per key tile
     return dq, dk, dv, dg, dh0, dw
+
+
+def _run_state_gradients(bk: BackwardKernels, q: torch.Tensor, k: torch.Tensor,
+                         v: torch.Tensor, fwd: ForwardState, common: dict, do: torch.Tensor,
+                         dht: torch.Tensor | None, initial_grad: bool, w: torch.Tensor | None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                    torch.Tensor | None]:
+    """(dHs, dv, dh0 or None, dw or None): the reverse single pass, or the reverse state pass
+    then the dV kernel."""
+    s, dev = bk.shape, q.device
+    dhs = torch.empty(s.slots(bk.config.chunk), s.heads, s.head_dim, s.head_dim_v,
+                      dtype=q.dtype, device=dev)
+    dv = torch.empty_like(v)
+    args = {"dHt": dht} if dht is not None else {}
+    dh0 = None
+    if initial_grad:
+        dh0 = args["dH0"] = seq_state_buffer(s, dev)
+    if bk.single_pass:
+        nv = s.head_dim_v // bk.config.block_V
+        dwp = (torch.empty(nv, s.batch, s.heads, s.seqlen, dtype=torch.float32, device=dev)
+               if bk.v_weight else None)
+        bk.reverse(dht is not None, initial_grad)(
+            Q=q, K=k, dO=do, **fwd.slot_data, Seqs=common["Seqs"], Chunks=common["Chunks"],
+            dHs=dhs, dV=dv, **args, **({"V": v, "dW": dwp} if bk.v_weight else {}))
+        dw = None if dwp is None else dwp.sum(0) if nv > 1 else dwp[0]
+        return dhs, dv, dh0, dw
+    dw = (torch.empty(s.batch, s.heads, s.seqlen, dtype=torch.float32, device=dev)
+          if bk.v_weight else None)
+    bk.dstates(dht is not None, initial_grad)(Q=q, dO=do, **common, dHs=dhs, **args)
+    bk.dv(Q=q, K=k, dO=do, **common, dHs=dhs, dV=dv,
+          **({"V": v, "W": w, "dW": dw} if bk.v_weight else {}))
+    return dhs, dv, dh0, dw
 
 
 def _output(out: GradOutput, s: LinearShape, device: torch.device) -> torch.Tensor:

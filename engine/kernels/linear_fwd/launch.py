@@ -14,7 +14,14 @@ from engine.kernels.linear_fwd.codegen import (
     generate_output,
     generate_states,
 )
-from engine.kernels.linear_fwd.plan import NO_FOLDS, Folds, LinearConfig, LinearShape, check_config
+from engine.kernels.linear_fwd.plan import (
+    NO_FOLDS,
+    Folds,
+    LinearConfig,
+    LinearShape,
+    check_config,
+    runs_single_pass,
+)
 from engine.kernels.linear_fwd.tables import ChunkTables, chunk_tables
 from engine.runtime.kernel import Kernel
 from engine.runtime.persistent import kept
@@ -135,11 +142,8 @@ def state_buffer(fk: ForwardKernels, like: torch.Tensor) -> torch.Tensor:
 
 
 def single_pass(fk: ForwardKernels) -> bool:
-    """Whether the forward runs the single pass: its config says so and its rows are longer
-    than one chunk, or packed (their lengths are known on the device only). A single pass
-    whose chunk loop ran once gave wrong outputs at T = 1 on the H200 (results/NOTES.md); the
-    two kernels have no such loop to pipeline."""
-    return fk.config.single_pass and (fk.shape.sequences > 0 or fk.shape.seqlen > fk.config.chunk)
+    """Whether the forward runs the single pass (plan.runs_single_pass)."""
+    return runs_single_pass(fk.shape, fk.config)
 
 
 def launch_forward(fk: ForwardKernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -31,7 +31,9 @@ class LinearConfig:
     over Dv in block_V steps); num_stages: the state pass's load pipeline depth; threads: threads
     per block. single_pass: the forward is one kernel that keeps each block's [D, block_V]
     state slice in registers (else the state pass stores every chunk's state for the output
-    kernel); the backward always recomputes the states with the state pass."""
+    kernel), and the backward's reverse state pass and dV kernel are one kernel in the same
+    way (linear_bwd.reverse); the backward still recomputes the states with the state pass
+    for its dQ/dK kernel unless the forward kept them."""
 
     chunk: int = 64
     block_K: int = 64
@@ -116,7 +118,10 @@ def _smem_bytes(cfg: LinearConfig, head_dim: int, elem: int) -> int:
     output = (2 * C * D + 2 * C * V + D * V + C * C) * elem + 4 * C
     grads = (2 * C * D + 2 * C * V + 2 * D * V + C * C) * elem + 4 * C
     single = ((2 * C * D + C * V) * cfg.num_stages + 3 * C * V + D * V + C * C) * elem + 12 * C
-    return max(states, output, grads, single if cfg.single_pass else 0)
+    # the reverse single pass pipelines dO and (with value weights) v beside q and k
+    reverse = ((2 * C * D + 2 * C * V) * cfg.num_stages + 2 * C * V + D * V + C * C) * elem \
+        + 8 * C
+    return max(states, output, grads, max(single, reverse) if cfg.single_pass else 0)
 
 
 # The single pass's state slice: at most this many fp32 registers per thread.
@@ -166,6 +171,15 @@ def default_linear_config(head_dim: int, head_dim_v: int, elem_bytes: int = 2, s
     cfg = LinearConfig(block_K=bk, block_V=bv)
     check_config(cfg, head_dim, head_dim_v, elem_bytes)
     return cfg
+
+
+def runs_single_pass(shape: LinearShape, cfg: LinearConfig) -> bool:
+    """Whether a pass with `cfg` runs as one kernel walking the chunks (the forward's single
+    pass, the backward's reverse one): its config says so and its rows are longer than one
+    chunk, or packed (their lengths are known on the device only). A single pass whose chunk
+    loop ran once gave wrong outputs at T = 1 on the H200 (results/NOTES.md); the two
+    kernels have no such loop to pipeline."""
+    return cfg.single_pass and (shape.sequences > 0 or shape.seqlen > cfg.chunk)
 
 
 def one_wave_block_k(shape: LinearShape, cfg: LinearConfig, sm_count: int) -> int:
