@@ -544,9 +544,10 @@ def test_single_pass_default_with_a_block_per_sm(batch, heads, head_dim, head_di
 
 def test_d256_training_keeps_the_backward_on_128_threads():
     """Beside the single-pass forward at D 256 a training call's backward takes
-    default_linear_config's tiles (128 threads; NOTES 132); at D 128 64-row key tiles on 128
-    threads (the dQ/dK kernel's blocks per SM; NOTES 149); beside the two kernels the
-    forward's config with its whole key tile."""
+    default_linear_config's tiles (128 threads; NOTES 132); at D 128 the reverse single pass
+    with the dQ/dK kernel at 64-row key tiles on 128 threads (its blocks per SM; NOTES 149,
+    158), or at the forward's own config where q or k heads are shared (Mamba2: NOTES 158);
+    beside the two kernels the forward's config with its whole key tile."""
     from engine.kernels.linear_fwd.plan import (
         LinearShape,
         backward_config_for_shape,
@@ -563,7 +564,10 @@ def test_d256_training_keeps_the_backward_on_128_threads():
                               head_dim_v=128)
     fwd = config_for_shape(fla)
     assert fwd.single_pass and backward_config_for_shape(fla) == dataclasses.replace(
-        fwd, block_K=64, threads=128, single_pass=False)
+        fwd, block_K=64, threads=128)
+    mamba2 = dataclasses.replace(fla, heads_q=1, heads_k=1, heads=80, head_dim_v=64)
+    assert config_for_shape(mamba2).single_pass
+    assert backward_config_for_shape(mamba2) == config_for_shape(mamba2)
     low = dataclasses.replace(fla, batch=2, seqlen=16384)  # two kernels at 64 key rows
     assert not config_for_shape(low).single_pass and config_for_shape(low).block_K == 64
     assert backward_config_for_shape(low) == dataclasses.replace(config_for_shape(low),

@@ -27,8 +27,9 @@ def _sizes(name: str, d: int, heads: int = 4) -> dict:
 
 
 # 4 heads: the two-kernel forward beside a backward at its config; 80: enough blocks for the
-# single-pass forward, beside the narrower backward of backward_config_for_shape (a training
-# call's default pair at the suite's shapes)
+# single-pass forward, beside the reverse single pass of backward_config_for_shape (with the
+# narrow dQ/dK kernel, or Mamba2's at the forward's config: a training call's default pair at
+# the suite's shapes)
 CASES = ([(name, dt, d, 4) for name in sorted(LINEAR_VARIANTS) for dt in (BF16, FP16)
           for d in (64, 128)]
          + [(name, BF16, 128, 80) for name in sorted(LINEAR_VARIANTS)])

@@ -12,7 +12,7 @@ def shared_heads_by_atomics(shape: LinearShape, deterministic: bool) -> bool:
     sum moved 2 x 335 MB per tensor at Mamba2-2.7B B 1 x T 8k (238 of the backward's 2010 us,
     results/NOTES.md 142), while the atomics' target is the shared head's (4 MB, in L2). Not
     in the deterministic mode: the atomics' order, and so the sum's rounding, varies."""
-    return shares_heads(shape) and not deterministic
+    return shape.shares_heads and not deterministic
 
 
 def heads_first(shape: LinearShape) -> bool:
@@ -24,9 +24,11 @@ def heads_first(shape: LinearShape) -> bool:
     float32 target (2 x 34 MB each at Mamba2-2.7B B 8 x T 8k) through the 50 MB L2. The
     atomics gained 12% of forward+backward at B 8 x T 2k and nothing at T 4k and 8k
     (results/NOTES.md 147, 149)."""
-    return shares_heads(shape)
+    return shape.shares_heads
 
 
-def shares_heads(shape: LinearShape) -> bool:
-    """Whether several output heads read one q or k head."""
-    return shape.heads_q != shape.heads or shape.heads_k != shape.heads
+# The reverse single pass runs two consumer warpgroups whatever its config's threads (the
+# config's threads are the dQ/dK kernel's): its serial chunk loop is the bound, as in the
+# forward's single pass; on one warpgroup (240 registers) it took 564 against 436 us at simple
+# GLA B 8 x T 4k (results/NOTES.md 158).
+REVERSE_THREADS = 256

@@ -2,16 +2,16 @@
 (where the backward's config has single_pass: plan.runs_single_pass), the mirror image of the
 forward's single pass (engine.kernels.linear_fwd.codegen.generate_fused).
 
-Grid Dv/block_V x sequences*heads: each block walks its sequence's chunks from the last, its
-[D, block_V] slice of dS (the gradient of the state leaving the chunk) in registers. Per chunk
-it stores dS (dHs, which the dQ/dK kernel reads), writes the chunk's dV tile,
-dV_c = exp(G_end - G) * (K_c dS) + ((K_c Q_c^T) * D_c^T) dO_c, from the same bf16 copy of dS
-the dV kernel would read, then steps dS <- exp(G_end) dS + Q_c^T (exp(G) * dO_c): the decays
-go on dO's rows, so no scaled copy of Q is made. The chunk's decay sums (and value weights)
-come from the forward's Gc (Wc), as the forward's single pass reads them: a scan of G inside
-the pipelined chunk loop made TileLang give the block a 256-thread producer. With value
-weights each block sees one value tile of a row, so it writes that tile's share of dW
-([Dv/block_V, B, H, T]) for the launcher to sum.
+Grid Dv/block_V x sequences*heads, on plan.REVERSE_THREADS threads: each block walks its
+sequence's chunks from the last, its [D, block_V] slice of dS (the gradient of the state
+leaving the chunk) in registers. Per chunk it stores dS (dHs, which the dQ/dK kernel reads),
+writes the chunk's dV tile, dV_c = exp(G_end - G) * (K_c dS) + ((K_c Q_c^T) * D_c^T) dO_c,
+from the same bf16 copy of dS the dV kernel would read, then steps
+dS <- exp(G_end) dS + Q_c^T (exp(G) * dO_c): the decays go on dO's rows, so no scaled copy of
+Q is made. The chunk's decay sums (and value weights) come from the forward's Gc (Wc), as the
+forward's single pass reads them: a scan of G inside the pipelined chunk loop made TileLang
+give the block a 256-thread producer. With value weights each block sees one value tile of a
+row, so it writes that tile's share of dW ([Dv/block_V, B, H, T]) for the launcher to sum.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 from engine.codegen.params import GeneratedKernel, param
 from engine.codegen.source import SourceWriter, write_header
 from engine.kernels.linear_bwd.codegen import emit_weight_gradient, grad_params
+from engine.kernels.linear_bwd.plan import REVERSE_THREADS
 from engine.kernels.linear_fwd.codegen import (
     cast,
     emit_decay_load,
@@ -58,7 +59,7 @@ def generate_reverse(s: LinearShape, cfg: LinearConfig, final_grad: bool, initia
                     + folds.note(), params)
     cols = f"iv * {BV}:(iv + 1) * {BV}"
     grid = f"{s.head_dim_v // BV}, {s.num_seqs * s.heads}"
-    with w.indented(), w.block(f"with T.Kernel({grid}, threads={cfg.threads}) as (iv, nh):"):
+    with w.indented(), w.block(f"with T.Kernel({grid}, threads={REVERSE_THREADS}) as (iv, nh):"):
         emit_sequence(w, s)
         w.lines(_buffers(C, D, BV, dt, folds))
         w.line(f"T.copy(dHt[n, h, :, {cols}], state)" if final_grad else "T.clear(state)")

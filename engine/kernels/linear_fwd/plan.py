@@ -99,6 +99,11 @@ class LinearShape(LinearProblem):
     def num_seqs(self) -> int:
         return self.sequences or self.batch
 
+    @property
+    def shares_heads(self) -> bool:
+        """Whether several output heads read one q or k head (Mamba2's one B and C)."""
+        return self.heads_q != self.heads or self.heads_k != self.heads
+
     def slots(self, chunk: int) -> int:
         """Chunk slots: every chunk of every sequence fits (a packed sequence adds at most one
         partial chunk)."""
@@ -221,18 +226,22 @@ def backward_config_for_shape(shape: LinearShape, sm_count: int = 132) -> Linear
     tile of one_wave_block_k, which made the forward 1.12x faster at B 2 x T 16k but its
     forward+backward 0.97x (the backward's kernels at 64 key rows; results/NOTES.md 130).
     Beside a single-pass forward: at D > 128, default_linear_config's 128 threads (on the
-    single pass's 256 the D 256 backward ran 1.17-1.19x slower; NOTES 132); at D <= 128,
-    64-row key tiles on 128 threads, where the dQ/dK kernel (most of the backward) holds two
-    or three blocks per SM (160-224 registers) against one at the single pass's 128 rows and
-    256 threads (148-199): 641 against 850 us at RetNet B 8 x T 4k (NOTES 142, 148-149). The
-    backward's rerun of the state pass still takes the forward's config."""
+    single pass's 256 the D 256 backward ran 1.17-1.19x slower; NOTES 132); at D <= 128 the
+    reverse single pass (linear_bwd.reverse: 436 against the two kernels' 549 us at simple GLA
+    B 8 x T 4k, 593 against 664 at Mamba2-2.7B B 8 x T 2k; NOTES 158) beside the dQ/dK kernel
+    at 64-row key tiles on 128 threads where no q or k head is shared (two or three blocks
+    per SM against one: 681 against 939 us at simple GLA B 8 x T 4k), and at the forward's
+    128 rows on 256 threads where they are (Mamba2: 1507 against 1664 us at B 8 x T 2k, 3023
+    against 3335 at T 4k). The backward's rerun of the state pass takes the forward's
+    config."""
     cfg = config_for_shape(shape, sm_count, whole_key_tile=True)
     if not cfg.single_pass:
         return cfg
     if shape.head_dim > 128:
         return default_linear_config(shape.head_dim, shape.head_dim_v, elem_bytes(shape.dtype))
-    narrow = dataclasses.replace(cfg, block_K=min(64, cfg.block_K), threads=128,
-                                 single_pass=False)
+    if shape.shares_heads:
+        return cfg
+    narrow = dataclasses.replace(cfg, block_K=min(64, cfg.block_K), threads=128)
     if config_problems(narrow, shape.head_dim, shape.head_dim_v, elem_bytes(shape.dtype)):
         return cfg
     return narrow
