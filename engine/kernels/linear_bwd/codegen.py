@@ -149,21 +149,12 @@ def generate_dv(s: LinearShape, cfg: LinearConfig, folds: Folds = NO_FOLDS) -> G
         if v_weight:
             emit_weights_load(w, C)
             w.line("T.clear(dw)")
-        w.line("T.clear(At)")
-        w.line("T.gemm(K_s, Q_s, At, transpose_B=True)")
-        with w.block(f"for u, t in T.Parallel({C}, {C}):"):
-            w.line("At_s[u, t] = T.if_then_else(T.And(t >= u, t < nrows), "
-                   + cast(dt, "At[u, t] * " + scaled("T.exp(G_s[t] - G_s[u])", folds))
-                   + f", {cast(dt, 0)})")
+        emit_key_scores(w, C, dt, folds)
         with w.block(f"for iv in T.serial({s.head_dim_v // BV}):"):
             vcols = f"iv * {BV}:(iv + 1) * {BV}"
             w.line(f"T.copy(dHs[j, h, :, {vcols}], dS_s)")
             w.line(f"T.copy(dO[b, h, row0:row0 + {C}, {vcols}], dO_s)")
-            w.line("T.clear(acc)")
-            w.line("T.gemm(K_s, dS_s, acc)")
-            with w.block(f"for u, v in T.Parallel({C}, {BV}):"):
-                w.line(f"acc[u, v] = acc[u, v] * T.exp(G_s[{C - 1}] - G_s[u])")
-            w.line("T.gemm(At_s, dO_s, acc)")
+            emit_dv_products(w, C, BV, "dS_s")
             if v_weight:
                 emit_weight_gradient(w, C, BV, vcols)
             w.line("T.copy(acc, dV_s)")
@@ -172,6 +163,27 @@ def generate_dv(s: LinearShape, cfg: LinearConfig, folds: Folds = NO_FOLDS) -> G
             with w.block(f"for t in T.Parallel({C}):"), w.block("if t < nrows:"):
                 w.line("dW[b, h, row0 + t] = dw[t]")
     return GeneratedKernel(w.text(), tuple(params))
+
+
+def emit_key_scores(w: SourceWriter, C: int, dt: str, folds: Folds) -> None:
+    """At_s = (K_s Q_s^T) * exp(G_t - G_u) (* q_scale) for t >= u within the chunk's rows: the
+    chunk's decayed scores, transposed (keys by rows), for dV."""
+    w.line("T.clear(At)")
+    w.line("T.gemm(K_s, Q_s, At, transpose_B=True)")
+    with w.block(f"for u, t in T.Parallel({C}, {C}):"):
+        w.line("At_s[u, t] = T.if_then_else(T.And(t >= u, t < nrows), "
+               + cast(dt, "At[u, t] * " + scaled("T.exp(G_s[t] - G_s[u])", folds))
+               + f", {cast(dt, 0)})")
+
+
+def emit_dv_products(w: SourceWriter, C: int, BV: int, state: str) -> None:
+    """acc = exp(G_end - G) * (K_s `state`) + At_s dO_s: one value tile of dV (dV' with value
+    weights), `state` the [D, block_V] tile of dS leaving the chunk."""
+    w.line("T.clear(acc)")
+    w.line(f"T.gemm(K_s, {state}, acc)")
+    with w.block(f"for u, v in T.Parallel({C}, {BV}):"):
+        w.line(f"acc[u, v] = acc[u, v] * T.exp(G_s[{C - 1}] - G_s[u])")
+    w.line("T.gemm(At_s, dO_s, acc)")
 
 
 def emit_weight_gradient(w: SourceWriter, C: int, BV: int, vcols: str | None) -> None:

@@ -18,7 +18,12 @@ from __future__ import annotations
 
 from engine.codegen.params import GeneratedKernel, param
 from engine.codegen.source import SourceWriter, write_header
-from engine.kernels.linear_bwd.codegen import emit_weight_gradient, grad_params
+from engine.kernels.linear_bwd.codegen import (
+    emit_dv_products,
+    emit_key_scores,
+    emit_weight_gradient,
+    grad_params,
+)
 from engine.kernels.linear_bwd.plan import REVERSE_THREADS
 from engine.kernels.linear_fwd.codegen import (
     cast,
@@ -115,17 +120,8 @@ def _emit_chunk_loads(w: SourceWriter, s: LinearShape, C: int, cols: str, folds:
 def _emit_dv_tile(w: SourceWriter, C: int, BV: int, dt: str, folds: Folds) -> None:
     """The chunk's dV tile (the dV kernel's arithmetic on one value tile) and, with value
     weights, this tile's share of dW."""
-    w.line("T.clear(At)")
-    w.line("T.gemm(K_s, Q_s, At, transpose_B=True)")
-    with w.block(f"for u, t in T.Parallel({C}, {C}):"):
-        w.line("At_s[u, t] = T.if_then_else(T.And(t >= u, t < nrows), "
-               + cast(dt, "At[u, t] * " + scaled("T.exp(G_s[t] - G_s[u])", folds))
-               + f", {cast(dt, 0)})")
-    w.line("T.clear(acc)")
-    w.line("T.gemm(K_s, S_s, acc)")
-    with w.block(f"for u, v in T.Parallel({C}, {BV}):"):
-        w.line(f"acc[u, v] = acc[u, v] * T.exp(G_s[{C - 1}] - G_s[u])")
-    w.line("T.gemm(At_s, dO_s, acc)")
+    emit_key_scores(w, C, dt, folds)
+    emit_dv_products(w, C, BV, "S_s")
     if folds.v_weight:
         w.line("T.clear(dw)")
         emit_weight_gradient(w, C, BV, None)
