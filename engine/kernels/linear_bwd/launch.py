@@ -6,6 +6,7 @@ too); then the sums over key tiles, value tiles and heads that share q or k."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -48,7 +49,6 @@ class BackwardKernels:
     atomic: bool = False
     _dstates: dict[tuple[bool, bool], Kernel] = field(default_factory=dict)
     _reverse: dict[tuple[bool, bool], Kernel] = field(default_factory=dict)
-    _dv: list[Kernel] = field(default_factory=list)
     _dqk: dict[bool, Kernel] = field(default_factory=dict)
 
     @property
@@ -75,11 +75,9 @@ class BackwardKernels:
                                                          self.folds))
         return self._reverse[key]
 
-    @property
+    @functools.cached_property
     def dv(self) -> Kernel:
-        if not self._dv:
-            self._dv.append(Kernel(generate_dv(self.shape, self.config, self.folds)))
-        return self._dv[0]
+        return Kernel(generate_dv(self.shape, self.config, self.folds))
 
     def dqk(self, decay_grad: bool = True) -> Kernel:
         """The dQ/dK kernel, giving the decays' gradient too with `decay_grad`."""
@@ -135,7 +133,8 @@ def launch_backward(fk: ForwardKernels, bk: BackwardKernels, q: torch.Tensor, k:
     if hs is None:  # not kept by the forward (launch_forward's save_states): again
         hs, _ = run_states(fk, k, v, tb, fwd.slot_data, initial_state, False)
     common = {"G": g, "Seqs": tb.seqs, "Chunks": tb.chunks}
-    dhs, dv, dh0, dw = _run_state_gradients(bk, q, k, v, fwd, common, do, dht, initial_grad, w)
+    dhs = torch.empty_like(hs)
+    dv, dh0, dw = _run_state_gradients(bk, q, k, v, fwd, common, do, dhs, dht, initial_grad, w)
     outs = dqk_outputs(s, bk.atomic)
     dq, dk = (_output(o, s, dev) for o in outs)
     nk = s.head_dim // bk.config.block_K
@@ -149,20 +148,18 @@ def launch_backward(fk: ForwardKernels, bk: BackwardKernels, q: torch.Tensor, k:
         dq = dq.to(q.dtype) if bk.atomic else _group_sum(dq, s.heads_q, q.dtype)
     if s.heads_k != s.heads:
         dk = dk.to(k.dtype) if bk.atomic else _group_sum(dk, s.heads_k, k.dtype)
-    dg = None if dgp is None else dgp.sum(0) if nk > 1 else dgp[0]  # whole per key tile
+    dg = None if dgp is None else _tile_sum(dgp)  # whole per key tile
     return dq, dk, dv, dg, dh0, dw
 
 
 def _run_state_gradients(bk: BackwardKernels, q: torch.Tensor, k: torch.Tensor,
                          v: torch.Tensor, fwd: ForwardState, common: dict, do: torch.Tensor,
-                         dht: torch.Tensor | None, initial_grad: bool, w: torch.Tensor | None
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
-                                    torch.Tensor | None]:
-    """(dHs, dv, dh0 or None, dw or None): the reverse single pass, or the reverse state pass
-    then the dV kernel."""
+                         dhs: torch.Tensor, dht: torch.Tensor | None, initial_grad: bool,
+                         w: torch.Tensor | None
+                         ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(dv, dh0 or None, dw or None), writing dS leaving every chunk into `dhs`: the reverse
+    single pass, or the reverse state pass then the dV kernel."""
     s, dev = bk.shape, q.device
-    dhs = torch.empty(s.slots(bk.config.chunk), s.heads, s.head_dim, s.head_dim_v,
-                      dtype=q.dtype, device=dev)
     dv = torch.empty_like(v)
     args = {"dHt": dht} if dht is not None else {}
     dh0 = None
@@ -175,14 +172,18 @@ def _run_state_gradients(bk: BackwardKernels, q: torch.Tensor, k: torch.Tensor,
         bk.reverse(dht is not None, initial_grad)(
             Q=q, K=k, dO=do, **fwd.slot_data, Seqs=common["Seqs"], Chunks=common["Chunks"],
             dHs=dhs, dV=dv, **args, **({"V": v, "dW": dwp} if bk.v_weight else {}))
-        dw = None if dwp is None else dwp.sum(0) if nv > 1 else dwp[0]
-        return dhs, dv, dh0, dw
+        return dv, dh0, None if dwp is None else _tile_sum(dwp)
     dw = (torch.empty(s.batch, s.heads, s.seqlen, dtype=torch.float32, device=dev)
           if bk.v_weight else None)
     bk.dstates(dht is not None, initial_grad)(Q=q, dO=do, **common, dHs=dhs, **args)
     bk.dv(Q=q, K=k, dO=do, **common, dHs=dhs, dV=dv,
           **({"V": v, "W": w, "dW": dw} if bk.v_weight else {}))
-    return dhs, dv, dh0, dw
+    return dv, dh0, dw
+
+
+def _tile_sum(parts: torch.Tensor) -> torch.Tensor:
+    """Per-tile shares [tiles, ...] (of dG by key tile, of dW by value tile) summed."""
+    return parts.sum(0) if parts.shape[0] > 1 else parts[0]
 
 
 def _output(out: GradOutput, s: LinearShape, device: torch.device) -> torch.Tensor:
