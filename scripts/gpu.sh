@@ -35,8 +35,9 @@
 #     $OUT/decode-sweep.json; SWEEP_FILTER, SWEEP_CONFIGS)
 #   linear-breakdown: each linear case's kernels' GPU time, engine and fla, forward and
 #     forward+backward, as its rows run them (scripts/linear_breakdown.py;
-#     $OUT/linear-breakdown.json; BREAKDOWN_FILTER, default all cases; BREAKDOWN_IMPLS, default
-#     engine,fla, e.g. engine,engine@bwd=C64_K128_V64_s2_t256,fla: the engine at a named config too)
+#     $OUT/linear-breakdown.json; BREAKDOWN_FILTER, space-separated patterns, default all
+#     cases; BREAKDOWN_IMPLS, default engine,fla, e.g. engine,engine@bwd=C64_K128_V64_s2_t256,fla:
+#     the engine at a named config too)
 #   clock-trace: a long kernel's repetition times beside the SM clock and power (NVML)
 #     (scripts/clock_trace.py; $OUT/clock-trace.json)
 set -uo pipefail
@@ -105,8 +106,10 @@ for step in "${steps[@]}"; do
     python scripts/decode_sweep.py "$OUT/decode-sweep.json" "${SWEEP_FILTER:-*}" \
       ${SWEEP_CONFIGS:-} 2>&1 | grep -v INFO | tail -60
   elif [ "$step" = linear-breakdown ]; then
-    python scripts/gpu_precompile.py linear --filter "${BREAKDOWN_FILTER:-*}" 2>&1 | grep -v INFO \
-      | tail -3
+    read -ra pats <<< "${BREAKDOWN_FILTER:-*}"  # read: no glob expansion of a pattern
+    filters=()
+    for p in "${pats[@]}"; do filters+=(--filter "$p"); done
+    python scripts/gpu_precompile.py linear "${filters[@]}" 2>&1 | grep -v INFO | tail -3
     python scripts/linear_breakdown.py "$OUT/linear-breakdown.json" "${BREAKDOWN_FILTER:-*}" \
       ${BREAKDOWN_IMPLS:+"$BREAKDOWN_IMPLS"} 2>&1 | grep -v "INFO\|Warning" | tail -40
   elif [ "$step" = clock-trace ]; then

@@ -3,9 +3,9 @@ implementation as its rows run it: the harness's own inputs, mappings and contex
 (attnbench.linear, the impls' `prepare`; fla's gated backward through its adapter), the
 forward and the forward+backward under torch.profiler.
 
-Usage: python scripts/linear_breakdown.py OUT.json [PATTERN] [IMPL,IMPL]
-  PATTERN: the linear suite's cases whose name contains or glob-matches it (as attnbench run
-  --filter; default all); impls default engine,fla. An impl `engine@fwd=KEY` or
+Usage: python scripts/linear_breakdown.py OUT.json [PATTERNS] [IMPL,IMPL]
+  PATTERNS: the linear suite's cases whose name contains or glob-matches one of these
+  space-separated patterns (as attnbench run --filter; default all); impls default engine,fla. An impl `engine@fwd=KEY` or
   `engine@bwd=KEY` (or both, `engine@fwd=KEY@bwd=KEY`) runs the engine's module with that
   LinearConfig (its key, as kernel headers name it: C64_K64_V64_s2_t128) for the forward or a
   training call's backward, beside its defaults: a config's kernels against the default's in
@@ -83,7 +83,7 @@ def main(argv: list[str]) -> int:
     if not argv:
         print(__doc__)
         return 2
-    out, patterns = Path(argv[0]), argv[1:2]
+    out, patterns = Path(argv[0]), argv[1].split() if len(argv) > 1 else []
     impls = argv[2].split(",") if len(argv) > 2 else ["engine", "fla"]
     record: dict = {}
     for case in load_suite("linear").filtered(patterns).cases:

@@ -28,8 +28,9 @@ TILES = (32, 64, 128, 256)
 class LinearConfig:
     """chunk: positions per chunk; block_K, block_V: the state tile a state-pass block owns
     ([block_K, block_V] of [D, Dv]); block_V is also the output kernels' value tile (they loop
-    over Dv in block_V steps); num_stages: the state pass's load pipeline depth; threads: threads
-    per block. single_pass: the forward is one kernel that keeps each block's [D, block_V]
+    over Dv in block_V steps); num_stages: the load pipeline depth of the state passes' chunk
+    loops and of the output and gradient kernels' value-tile loops (value_stages); threads:
+    threads per block. single_pass: the forward is one kernel that keeps each block's [D, block_V]
     state slice in registers (else the state pass stores every chunk's state for the output
     kernel), and the backward's reverse state pass and dV kernel are one kernel in the same
     way (linear_bwd.reverse); the backward still recomputes the states with the state pass
@@ -127,6 +128,23 @@ def _smem_bytes(cfg: LinearConfig, head_dim: int, elem: int) -> int:
     reverse = ((2 * C * D + 2 * C * V) * cfg.num_stages + 2 * C * V + D * V + C * C) * elem \
         + 8 * C
     return max(states, output, grads, max(single, reverse) if cfg.single_pass else 0)
+
+
+def value_stages(cfg: LinearConfig, head_dim_v: int, fixed: int, per_stage: int) -> int:
+    """The load pipeline depth of a per-chunk kernel's loop over value tiles (output, dV,
+    dQ/dK), whose shared tiles are `fixed` bytes plus `per_stage` bytes loaded per value
+    tile: the config's num_stages, at most the number of tiles, and 1 (a plain loop) where
+    the stages would not fit in shared memory."""
+    stages = min(cfg.num_stages, head_dim_v // cfg.block_V)
+    return stages if stages > 1 and fixed + stages * per_stage <= SMEM_LIMIT_BYTES else 1
+
+
+def output_value_stages(shape: LinearShape, cfg: LinearConfig) -> int:
+    """The output kernel's: q and k of the chunk, its scores and output tile; v and the
+    state's tile per value tile."""
+    C, D, V, e = cfg.chunk, shape.head_dim, cfg.block_V, elem_bytes(shape.dtype)
+    return value_stages(cfg, shape.head_dim_v, (2 * C * D + C * C + C * V) * e + 16 * C,
+                        (C * V + D * V) * e)
 
 
 # The single pass's state slice: at most this many fp32 registers per thread.
