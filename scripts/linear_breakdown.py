@@ -5,8 +5,9 @@ forward and the forward+backward under torch.profiler.
 
 Usage: python scripts/linear_breakdown.py OUT.json [PATTERNS] [IMPL,IMPL]
   PATTERNS: the linear suite's cases whose name contains or glob-matches one of these
-  space-separated patterns (as attnbench run --filter; default all); impls default engine,fla. An impl `engine@fwd=KEY` or
-  `engine@bwd=KEY` (or both, `engine@fwd=KEY@bwd=KEY`) runs the engine's module with that
+  space-separated patterns (as attnbench run --filter; default all); impls default
+  engine,fla. An impl `engine@fwd=KEY` or `engine@bwd=KEY` (or both,
+  `engine@fwd=KEY@bwd=KEY`) runs the engine's module with that
   LinearConfig (its key, as kernel headers name it: C64_K64_V64_s2_t128) for the forward or a
   training call's backward, beside its defaults: a config's kernels against the default's in
   one run.

@@ -265,9 +265,8 @@ def test_linear_kernels_compile_for_sm90a(tmp_path, monkeypatch):
     kernel) and backward (reverse state pass with and without dht / dh0, dV, dQ/dK) at the
     default config; a packed batch; one q and k head shared by four (Mamba2's); D 256 with
     Dv 512 (RetNet); 128-position chunks on 256 threads; the single-pass forward; a folded q
-    scale and value weights, single pass and two kernels (the latter with dQ/dK blocks
-    walking groups of heads); the single pass keeping its states for the backward; the
-    recurrent step. Distinct sources compile once, in parallel."""
+    scale and value weights, single pass and two kernels; the single pass keeping its states
+    for the backward; the recurrent step. Distinct sources compile once, in parallel."""
     from engine.kernels.linear_fwd.plan import Folds, LinearConfig
     from engine.runtime.precompile import precompile
 
@@ -286,8 +285,7 @@ def test_linear_kernels_compile_for_sm90a(tmp_path, monkeypatch):
                          config=LinearConfig(block_K=128, single_pass=True, threads=256)),
         *_linear_sources(2, 2, 2, 2, 200, 128, 128, flags=every, save=True,
                          config=LinearConfig(block_K=128, single_pass=True, threads=256)),
-        # long enough that the dQ/dK blocks walk two heads each (plan.dqk_head_group)
-        *_linear_sources(2, 1, 1, 4, 8200, 128, 64, folds=Folds(v_weight=True)),
+        *_linear_sources(2, 1, 1, 4, 200, 128, 64, folds=Folds(v_weight=True)),
         *_step_sources(),
     ]
     errors = precompile(sources)

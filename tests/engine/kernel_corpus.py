@@ -227,8 +227,6 @@ LINEAR_SHAPES = {
     "lin-shared": (1, 1, 4, 200, 128, 64, None),  # Mamba2's one q/k head
     "lin-d256": (4, 4, 4, 300, 256, 512, None),
     "lin-packed": (4, 4, 4, 300, 64, 64, (0, 37, 150, 300)),
-    # long enough that the dQ/dK blocks walk groups of heads (linear_bwd.plan.dqk_head_group)
-    "lin-shared-long": (1, 1, 16, 8200, 128, 64, None),
 }
 LINEAR_CONFIGS = [None, (128, 64, 64, 2, 256, False), (64, 64, 64, 2, 256, True),
                   (64, 64, 32, 3, 128, False)]

@@ -36,12 +36,6 @@ ONE = LinearConfig(block_K=64, single_pass=True, threads=256)  # the single-pass
 NARROW = LinearConfig(chunk=64, block_K=64, block_V=64, threads=128)
 # the single pass on 128 threads: the reverse single pass beside the narrow dQ/dK kernel
 NARROW_ONE = LinearConfig(block_K=64, single_pass=True, threads=128)
-# Mamba2-2.7B's default at B 8: its dQ/dK blocks walk groups of heads (plan.dqk_head_group)
-MAMBA2 = LinearConfig(block_K=128, single_pass=True, threads=256)
-# shapes whose dQ/dK kernel walks groups of heads sharing q and k (4 and 2 heads a block:
-# tests/engine/test_linear_launch.py checks that they do)
-GROUPED = [(BF16, (1, 1, 16), (128, 64), 2, 2100, True, False, MAMBA2),
-           (FP16, (2, 1, 16), (64, 64), 2, 2100, True, False, None)]
 # (dtype, (HQ, HK, H), (D, Dv), B, T, states, packed, config or None: the default)
 CASES = ([(dt, h, d, 2, 200, True, False, None) for dt in (BF16, FP16) for h in HEADS
           for d in DIMS]
@@ -65,8 +59,7 @@ CASES = ([(dt, h, d, 2, 200, True, False, None) for dt in (BF16, FP16) for h in 
          # the single pass at D 256, the default where its blocks fill the SMs
          + [(BF16, (4, 4, 4), (256, 512), 2, 200, True, False, ONE),
             (FP16, (1, 1, 4), (256, 256), 2, 200, True, False, ONE),
-            (BF16, (4, 4, 4), (256, 256), 1, PACKED[-1], True, True, ONE)]
-         + GROUPED)
+            (BF16, (4, 4, 4), (256, 256), 1, PACKED[-1], True, True, ONE)])
 
 # Folds (a q scale and value weights) over both forward designs, packing, sharing, fp16, D 256
 FOLD_CASES = [(BF16, (1, 1, 4), (128, 64), 2, 200, True, False, None),
@@ -76,8 +69,7 @@ FOLD_CASES = [(BF16, (1, 1, 4), (128, 64), 2, 200, True, False, None),
               (BF16, (2, 1, 4), (128, 64), 2, 300, True, False, C128),
               (BF16, (4, 4, 4), (256, 256), 2, 200, False, False, None),
               (BF16, (1, 1, 4), (256, 256), 2, 200, True, False, ONE),
-              (BF16, (1, 1, 4), (128, 128), 2, 200, True, False, NARROW_ONE),
-              GROUPED[0]]
+              (BF16, (1, 1, 4), (128, 128), 2, 200, True, False, NARROW_ONE)]
 FOLDS = Folds(q_scale=0.37, v_weight=True)
 
 def case_id(c: tuple) -> str:
@@ -219,8 +211,7 @@ def test_kept_states_match_reference(case, folds):
 # Shared q/k heads: float32 atomics into the shared head by default, per-head sums in the
 # deterministic mode (engine.kernels.linear_bwd.plan.shared_heads_by_atomics)
 SHARED_CASES = [(BF16, (1, 1, 4), (128, 64), 2, 300, False, False, None),
-                (BF16, (2, 1, 4), (64, 64), 2, 200, False, False, None),
-                (BF16, (1, 1, 16), (128, 64), 2, 2100, False, False, MAMBA2)]
+                (BF16, (2, 1, 4), (64, 64), 2, 200, False, False, None)]
 
 
 @pytest.mark.parametrize("case", SHARED_CASES, ids=case_id)

@@ -1,16 +1,14 @@
 """The chunked backward's TileLang sources (the forward's layout: engine.kernels.linear_fwd).
 
 With dS_c the gradient of the state leaving chunk c and D_c[t, s] = exp(G_t - G_s) (s <= t):
-- reverse state pass (grid as the forward's; G from the forward's Gc):
-  dS <- exp(G_end) dS + (exp(G) * Q_c)^T dO_c,
+- reverse state pass (grid as the forward's): dS <- exp(G_end) dS + (exp(G) * Q_c)^T dO_c,
   storing dS leaving every chunk (dHs) and the initial state's gradient (fp32);
 - dV kernel (grid slots x heads): dV_c = exp(G_end - G) * (K_c dS_c) + ((K_c Q_c^T) * D_c^T) dO_c;
 - dQ/dK kernel (grid D/block_K x slots x heads): with dA = (dO_c V_c^T) * D_c,
   dQ_c = exp(G) * (dO_c S_c^T) + dA K_c, dK_c = exp(G_end - G) * (V_c dS_c^T) + dA^T Q_c,
   and the decays' gradient, whole (`emit_decay_gradient`).
 Where output heads share q or k heads, dQ and dK are float32: added by atomics into the shared
-head, or (deterministic) per output head for the launcher to sum; a dQ/dK block may walk several
-output heads sharing both, summing theirs in shared memory first (plan.dqk_head_group).
+head, or (deterministic) per output head for the launcher to sum.
 `v_weight` (a value weight folded, Folds.v_weight): the kernels read v and the weights W
 [B, H, T] and work with W * v: the dQ/dK kernel weights dA's columns and V dS^T's rows, and
 the dV kernel writes W * dV' and dW = rowsum(dV' * v), dV' being the gradient of W * v.
@@ -31,16 +29,13 @@ from engine.kernels.linear_fwd.codegen import (
     cast,
     decay_buffers,
     emit_chunk,
-    emit_decay_load,
     emit_decays,
     emit_rows,
     emit_sequence,
-    forward_table_params,
     head_text,
     input_params,
     optional_states,
     scaled,
-    slot_buffers,
     state_param,
     state_pass_tiles,
     table_params,
@@ -66,12 +61,10 @@ def emit_weights_load(w: SourceWriter, C: int) -> None:
         w.line("W_s[t] = T.if_then_else(t < nrows, W[b, h, row0 + t], T.float32(0))")
 
 
-def kernel_grid(s: LinearShape, threads: int, *axes: tuple[str, int],
-                heads: tuple[str, int] | None = None) -> str:
+def kernel_grid(s: LinearShape, threads: int, *axes: tuple[str, int]) -> str:
     """The `with T.Kernel(...)` line of a per-chunk kernel: `axes` (name, extent) fastest
-    first, then the heads (`heads`: name and extent, default each head `h`); the heads
-    first where plan.heads_first says so."""
-    order = [*axes, heads or ("h", s.heads)]
+    first, then the heads `h`; the heads first where plan.heads_first says so."""
+    order = [*axes, ("h", s.heads)]
     if heads_first(s):
         order = [order[-1], *order[:-1]]
     extents = ", ".join(str(n) for _, n in order)
@@ -81,11 +74,9 @@ def kernel_grid(s: LinearShape, threads: int, *axes: tuple[str, int],
 def generate_dstates(s: LinearShape, cfg: LinearConfig, final_grad: bool, initial_grad: bool,
                      q_scale: float = 1.0) -> GeneratedKernel:
     """The reverse state pass: dHs, and dH0 if `initial_grad` (dHt seeds it if `final_grad`);
-    with the forward's q_scale folded in (module docstring). It reads each chunk's running
-    decay sums from the forward's Gc, as the forward's state pass does, rather than summing
-    them in its serial loop."""
+    with the forward's q_scale folded in (module docstring)."""
     C, BK, BV, dt = cfg.chunk, cfg.block_K, cfg.block_V, s.dtype
-    params = [input_params(s)[0], *grad_params(s), *forward_table_params(s, cfg),
+    params = [input_params(s)[0], *grad_params(s), *table_params(s, cfg),
               state_param("dHs", s, cfg),
               *optional_states(s, ("dHt", final_grad), ("dH0", initial_grad))]
     w = SourceWriter()
@@ -100,7 +91,7 @@ def generate_dstates(s: LinearShape, cfg: LinearConfig, final_grad: bool, initia
                  f'dO_s = T.alloc_shared(({C}, {BV}), "{dt}")',
                  f'Qd_s = T.alloc_shared(({C}, {BK}), "{dt}")',
                  f'S_s = T.alloc_shared(({BK}, {BV}), "{dt}")',
-                 *slot_buffers(C),
+                 *decay_buffers(C),
                  f'acc = T.alloc_fragment(({BK}, {BV}), "float32")'])
         w.line(f"T.copy(dHt[n, h, {tile}], acc)" if final_grad else "T.clear(acc)")
         w.line(f"nc: T.int32 = T.ceildiv(seqlen, {C})")
@@ -111,7 +102,7 @@ def generate_dstates(s: LinearShape, cfg: LinearConfig, final_grad: bool, initia
             w.line(f"T.copy(S_s, dHs[slot0 + c, h, {tile}])")
             w.line(f"T.copy(Q[b, {hq}, {rows}, ik * {BK}:(ik + 1) * {BK}], Q_s)")
             w.line(f"T.copy(dO[b, h, {rows}, iv * {BV}:(iv + 1) * {BV}], dO_s)")
-            emit_decay_load(w, "slot0 + c")
+            emit_decays(w, f"bos + c * {C}", f"seqlen - c * {C}", C)
             with w.block(f"for r, d in T.Parallel({C}, {BK}):"):
                 w.line(f"Qd_s[r, d] = T.if_then_else(c * {C} + r < seqlen, "
                        + cast(dt, 'T.Cast("float32", Q_s[r, d]) * ' + scaled("T.exp(G_s[r])", Folds(q_scale)))
@@ -224,28 +215,26 @@ class GradOutput(NamedTuple):
     atomic: bool = False
 
 
-def dqk_outputs(s: LinearShape, atomic: bool, group: int = 1
-                ) -> tuple[GradOutput, GradOutput]:
+def dqk_outputs(s: LinearShape, atomic: bool) -> tuple[GradOutput, GradOutput]:
     """dQ's and dK's: where output heads share a q or k head, float32 added by atomics into
-    that head (`atomic`) or per output head, or per group of `group` heads where a block
-    walks such a group (summed by the launcher); else the input's."""
+    that head (`atomic`) or per output head (summed by the launcher); else the input's."""
     def one(grad: str, shared_heads: int, index: str) -> GradOutput:
         if shared_heads == s.heads:
             return GradOutput(grad, s.dtype, shared_heads, index)
         if atomic:
             return GradOutput(f"{grad}a", "float32", shared_heads, index, True)
-        return GradOutput(f"{grad}h", "float32", s.heads // group, "hg" if group > 1 else "h")
+        return GradOutput(f"{grad}h", "float32", s.heads, "h")
     return one("dQ", s.heads_q, "hq"), one("dK", s.heads_k, "hk")
 
 
 def _dqk_params(s: LinearShape, cfg: LinearConfig, v_weight: bool, decay_grad: bool,
-                atomic: bool, group: int) -> list:
+                atomic: bool) -> list:
     NK = s.head_dim // cfg.block_K
     return [*input_params(s), *grad_params(s), *table_params(s, cfg),
             state_param("Hs", s, cfg), state_param("dHs", s, cfg),
             *([position_param("W", s)] if v_weight else []),
             *(param(name, (s.batch, heads, s.seqlen, s.head_dim), t)
-              for name, t, heads, _, _ in dqk_outputs(s, atomic, group)),
+              for name, t, heads, _, _ in dqk_outputs(s, atomic)),
             *([param("dG", (NK, s.batch, s.heads, s.seqlen), "float32")] if decay_grad
               else [])]
 
@@ -265,48 +254,41 @@ def _dqk_buffers(C: int, BK: int, BV: int, dt: str) -> list[str]:
 
 
 def generate_dqk(s: LinearShape, cfg: LinearConfig, folds: Folds = NO_FOLDS,
-                 decay_grad: bool = True, atomic: bool = False, group: int = 1
-                 ) -> GeneratedKernel:
+                 decay_grad: bool = True, atomic: bool = False) -> GeneratedKernel:
     """dQ and dK, and with `decay_grad` the decays' gradient dG (a decay that needs none,
     RetNet's fixed one, skips its reductions); `folds` as the forward's, `atomic` as
-    dqk_outputs'; each block walks `group` output heads sharing their q and k heads
-    (plan.dqk_head_group), adding their dQ and dK in shared memory (module docstring)."""
+    dqk_outputs' (module docstring)."""
     C, BK, BV, dt = cfg.chunk, cfg.block_K, cfg.block_V, s.dtype
-    params = _dqk_params(s, cfg, folds.v_weight, decay_grad, atomic, group)
-    stages = dqk_value_stages(s, cfg, group)
+    v_weight = folds.v_weight
+    params = _dqk_params(s, cfg, v_weight, decay_grad, atomic)
+    stages = dqk_value_stages(s, cfg)
     w = SourceWriter()
     write_header(w, "# Generated by engine.kernels.linear_bwd: dq dk" + " dg" * decay_grad
-                 + f" {s.key()} {cfg.key()}" + folds.note() + " atomic" * atomic
-                 + f" heads={group}" * (group > 1), params, preamble=value_loop_preamble(stages))
-    heads = ("hg", s.heads // group) if group > 1 else None
-    first = f"(hg * {group})" if group > 1 else "h"
+                 + f" {s.key()} {cfg.key()}" + folds.note() + " atomic" * atomic, params,
+                 preamble=value_loop_preamble(stages))
     with w.indented(), w.block(kernel_grid(s, cfg.threads, ("ik", s.head_dim // BK),
-                                           ("j", s.slots(C)), heads=heads)):
+                                           ("j", s.slots(C)))):
         emit_chunk(w)
-        w.lines([f"hq: T.int32 = {head_text(s.heads_q, s.heads, first)}",
-                 f"hk: T.int32 = {head_text(s.heads_k, s.heads, first)}"])
+        w.lines([f"hq: T.int32 = {head_text(s.heads_q, s.heads)}",
+                 f"hk: T.int32 = {head_text(s.heads_k, s.heads)}"])
         w.lines([*_dqk_buffers(C, BK, BV, dt),
                  *(decay_gradient_buffers(C, BK, cfg.threads) if decay_grad else [])])
-        if folds.v_weight:
+        if v_weight:
             w.line(f'W_s = T.alloc_shared(({C},), "float32")')
-        if group > 1:  # the group's sums
-            w.lines([f'{a} = T.alloc_shared(({C}, {BK}), "float32")' for a in ("dq_g", "dk_g")])
         cols = f"ik * {BK}:(ik + 1) * {BK}"
         w.line(f"T.copy(Q[b, hq, row0:row0 + {C}, {cols}], Q_s)")
         w.line(f"T.copy(K[b, hk, row0:row0 + {C}, {cols}], K_s)")
-        sums = ("dq", "dk")
-        if group > 1:
-            sums = ("dq_g", "dk_g")
-            w.lines([f"T.clear({a})" for a in sums])
-            with w.block(f"for hi in T.serial({group}):"):
-                w.line(f"h: T.int32 = hg * {group} + hi")
-                _emit_dqk_head(w, s, cfg, folds, decay_grad, stages)
-                with w.block(f"for t, d in T.Parallel({C}, {BK}):"):
-                    w.lines([f"{a}[t, d] = {a}[t, d] + {x}[t, d]"
-                             for a, x in zip(sums, ("dq", "dk"), strict=True)])
-        else:
-            _emit_dqk_head(w, s, cfg, folds, decay_grad, stages)
-        for out, acc in zip(dqk_outputs(s, atomic, group), sums, strict=True):
+        emit_decays(w, "row0", "nrows", C)
+        if v_weight:
+            emit_weights_load(w, C)
+        w.lines(["T.clear(dA)", "T.clear(dq)", "T.clear(dk)",
+                 *(["tx = T.get_thread_binding()", "xl[0] = T.float32(0)"] if decay_grad
+                   else [])])
+        _emit_dqk_state_products(w, s, cfg, decay_grad, stages)
+        _emit_dqk_chunk_products(w, C, BK, dt, folds, decay_grad)
+        if decay_grad:
+            emit_decay_gradient(w, C, cfg.threads)
+        for out, acc in zip(dqk_outputs(s, atomic), ("dq", "dk"), strict=True):
             value = f"{acc}[t, d]" if out.dtype == "float32" else cast(out.dtype, f"{acc}[t, d]")
             target = f"{out.name}[b, {out.index}, row0 + t, ik * {BK} + d]"
             with w.block(f"for t, d in T.Parallel({C}, {BK}):"), w.block("if t < nrows:"):
@@ -315,26 +297,10 @@ def generate_dqk(s: LinearShape, cfg: LinearConfig, folds: Folds = NO_FOLDS,
     return GeneratedKernel(w.text(), tuple(params))
 
 
-def _emit_dqk_head(w: SourceWriter, s: LinearShape, cfg: LinearConfig, folds: Folds,
-                   decay_grad: bool, stages: int) -> None:
-    """One output head h's dq and dk (and its decays' gradient, written), Q_s and K_s
-    loaded; the value tiles pipelined `stages` deep."""
-    emit_decays(w, "row0", "nrows", cfg.chunk)
-    if folds.v_weight:
-        emit_weights_load(w, cfg.chunk)
-    w.lines(["T.clear(dA)", "T.clear(dq)", "T.clear(dk)",
-             *(["tx = T.get_thread_binding()", "xl[0] = T.float32(0)"] if decay_grad
-               else [])])
-    _emit_dqk_state_products(w, s, cfg, decay_grad, stages)
-    _emit_dqk_chunk_products(w, cfg.chunk, cfg.block_K, s.dtype, folds, decay_grad)
-    if decay_grad:
-        emit_decay_gradient(w, cfg.chunk, cfg.threads)
-
-
 def _emit_dqk_state_products(w: SourceWriter, s: LinearShape, cfg: LinearConfig,
                              decay_grad: bool, stages: int) -> None:
-    """Over the value tiles (pipelined `stages` deep): dA = dO V^T, dq = dO S^T,
-    dk = V dS^T (and <dS, S>'s shares)."""
+    """Over the value tiles (their loads pipelined `stages` deep): dA = dO V^T,
+    dq = dO S^T, dk = V dS^T (and <dS, S>'s shares)."""
     C, BK, BV = cfg.chunk, cfg.block_K, cfg.block_V
     cols = f"ik * {BK}:(ik + 1) * {BK}"
     with w.block(value_loop(s, cfg, stages)):

@@ -19,7 +19,7 @@ from engine.kernels.linear_bwd.codegen import (
     generate_dstates,
     generate_dv,
 )
-from engine.kernels.linear_bwd.plan import dqk_head_group, shared_heads_by_atomics
+from engine.kernels.linear_bwd.plan import shared_heads_by_atomics
 from engine.kernels.linear_bwd.reverse import generate_reverse
 from engine.kernels.linear_fwd.launch import (
     ForwardKernels,
@@ -47,8 +47,6 @@ class BackwardKernels:
     folds: Folds = NO_FOLDS
     # shared q/k heads' gradients by float32 atomics into them (plan.shared_heads_by_atomics)
     atomic: bool = False
-    # output heads per dQ/dK block (plan.dqk_head_group)
-    head_group: int = 1
     _dstates: dict[tuple[bool, bool], Kernel] = field(default_factory=dict)
     _reverse: dict[tuple[bool, bool], Kernel] = field(default_factory=dict)
     _dqk: dict[bool, Kernel] = field(default_factory=dict)
@@ -85,8 +83,7 @@ class BackwardKernels:
         """The dQ/dK kernel, giving the decays' gradient too with `decay_grad`."""
         if decay_grad not in self._dqk:
             self._dqk[decay_grad] = Kernel(generate_dqk(self.shape, self.config, self.folds,
-                                                        decay_grad, self.atomic,
-                                                        self.head_group))
+                                                        decay_grad, self.atomic))
         return self._dqk[decay_grad]
 
     def kernels(self, final_grad: bool = False, initial_grad: bool = False,
@@ -112,8 +109,7 @@ def build_backward(shape: LinearShape, cfg: LinearConfig, folds: Folds = NO_FOLD
     of a forward with `folds` (value weights: they read v and the weights; a q scale);
     `deterministic`: no atomics (plan.shared_heads_by_atomics)."""
     check_config(cfg, shape.head_dim, shape.head_dim_v, elem_bytes(shape.dtype))
-    return BackwardKernels(shape, cfg, folds, shared_heads_by_atomics(shape, deterministic),
-                           dqk_head_group(shape, cfg))
+    return BackwardKernels(shape, cfg, folds, shared_heads_by_atomics(shape, deterministic))
 
 
 def _group_sum(x: torch.Tensor, heads: int, dtype: torch.dtype) -> torch.Tensor:
@@ -139,7 +135,7 @@ def launch_backward(fk: ForwardKernels, bk: BackwardKernels, q: torch.Tensor, k:
     common = {"G": g, "Seqs": tb.seqs, "Chunks": tb.chunks}
     dhs = torch.empty_like(hs)
     dv, dh0, dw = _run_state_gradients(bk, q, k, v, fwd, common, do, dhs, dht, initial_grad, w)
-    outs = dqk_outputs(s, bk.atomic, bk.head_group)
+    outs = dqk_outputs(s, bk.atomic)
     dq, dk = (_output(o, s, dev) for o in outs)
     nk = s.head_dim // bk.config.block_K
     dgp = (torch.empty(nk, s.batch, s.heads, s.seqlen, dtype=torch.float32, device=dev)
@@ -179,9 +175,7 @@ def _run_state_gradients(bk: BackwardKernels, q: torch.Tensor, k: torch.Tensor,
         return dv, dh0, None if dwp is None else _tile_sum(dwp)
     dw = (torch.empty(s.batch, s.heads, s.seqlen, dtype=torch.float32, device=dev)
           if bk.v_weight else None)
-    bk.dstates(dht is not None, initial_grad)(Q=q, dO=do, Gc=fwd.slot_data["Gc"],
-                                              Seqs=common["Seqs"], Chunks=common["Chunks"],
-                                              dHs=dhs, **args)
+    bk.dstates(dht is not None, initial_grad)(Q=q, dO=do, **common, dHs=dhs, **args)
     bk.dv(Q=q, K=k, dO=do, **common, dHs=dhs, dV=dv,
           **({"V": v, "W": w, "dW": dw} if bk.v_weight else {}))
     return dv, dh0, dw

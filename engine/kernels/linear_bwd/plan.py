@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-from math import gcd
-
 from engine.dtypes import elem_bytes
 from engine.kernels.linear_fwd.plan import LinearConfig, LinearShape, value_stages
-from engine.plan.config import SMEM_LIMIT_BYTES
 
 
 def shared_heads_by_atomics(shape: LinearShape, deterministic: bool) -> bool:
@@ -38,50 +35,17 @@ def heads_first(shape: LinearShape) -> bool:
 REVERSE_THREADS = 256
 
 
-# The most output heads one dQ/dK block walks (dqk_head_group).
-HEAD_GROUP_MAX = 8
-
-
 def dv_value_stages(shape: LinearShape, cfg: LinearConfig) -> int:
-    """The dV kernel's (plan.value_stages): q and k of the chunk, its scores, the dV tile;
-    dO, v and dS's tile per value tile."""
+    """The dV kernel's value-tile pipeline depth (linear_fwd.plan.value_stages): q and k of
+    the chunk, its scores and the dV tile fixed; dO, v and dS's tile per value tile."""
     C, D, V, e = cfg.chunk, shape.head_dim, cfg.block_V, elem_bytes(shape.dtype)
     return value_stages(cfg, shape.head_dim_v, (2 * C * D + C * C + C * V) * e + 16 * C,
                         (2 * C * V + D * V) * e)
 
 
-def _dqk_fixed_bytes(cfg: LinearConfig, elem: int, group: int) -> int:
-    """The dQ/dK kernel's shared memory outside its value tiles: q and k's key tiles, dA, the
-    decay gradient's vectors and, walking a group of heads, their float32 dQ and dK sums."""
-    C, BK = cfg.chunk, cfg.block_K
-    sums = 2 * C * BK * 4 if group > 1 else 0
-    return (2 * C * BK + C * C) * elem + 4 * (6 * C + cfg.threads) + sums
-
-
-def _dqk_stage_bytes(cfg: LinearConfig, elem: int) -> int:
-    """Its tiles per value tile: v, dO, and the states' and their gradients' [block_K,
-    block_V]."""
-    return (2 * cfg.chunk + 2 * cfg.block_K) * cfg.block_V * elem
-
-
-def dqk_value_stages(shape: LinearShape, cfg: LinearConfig, group: int) -> int:
-    """The dQ/dK kernel's (plan.value_stages), its blocks walking `group` heads."""
-    e = elem_bytes(shape.dtype)
-    return value_stages(cfg, shape.head_dim_v, _dqk_fixed_bytes(cfg, e, group),
-                        _dqk_stage_bytes(cfg, e))
-
-
-def dqk_head_group(shape: LinearShape, cfg: LinearConfig, sm_count: int = 132) -> int:
-    """How many consecutive output heads each dQ/dK block walks, adding their dQ and dK in
-    shared memory before one write (or atomic add) into the q and k heads they share: 1
-    where none are shared, else the largest divisor of the heads sharing both (at most
-    HEAD_GROUP_MAX) whose sums fit in shared memory beside one stage of value tiles and
-    whose grid still fills two waves. Mamba2's 80 heads sharing one B and C otherwise add
-    80 float32 dQ and dK tiles into each chunk's by atomics."""
-    share = gcd(shape.heads // shape.heads_q, shape.heads // shape.heads_k)
-    e = elem_bytes(shape.dtype)
-    if share == 1 or _dqk_fixed_bytes(cfg, e, 2) + _dqk_stage_bytes(cfg, e) > SMEM_LIMIT_BYTES:
-        return 1
-    blocks = shape.head_dim // cfg.block_K * shape.slots(cfg.chunk) * shape.heads
-    return max((g for g in range(1, HEAD_GROUP_MAX + 1)
-                if share % g == 0 and blocks // g >= 2 * sm_count), default=1)
+def dqk_value_stages(shape: LinearShape, cfg: LinearConfig) -> int:
+    """The dQ/dK kernel's: q and k's key tiles, dA and the decay gradient's vectors fixed;
+    v, dO, and the states' and their gradients' [block_K, block_V] tiles per value tile."""
+    C, BK, V, e = cfg.chunk, cfg.block_K, cfg.block_V, elem_bytes(shape.dtype)
+    return value_stages(cfg, shape.head_dim_v, (2 * C * BK + C * C) * e + 4 * (6 * C + cfg.threads),
+                        (2 * C + 2 * BK) * V * e)

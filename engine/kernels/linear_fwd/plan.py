@@ -131,20 +131,18 @@ def _smem_bytes(cfg: LinearConfig, head_dim: int, elem: int) -> int:
 
 
 def value_stages(cfg: LinearConfig, head_dim_v: int, fixed: int, per_stage: int) -> int:
-    """The load pipeline depth of a per-chunk kernel's loop over value tiles (output, dV,
-    dQ/dK), whose shared tiles are `fixed` bytes plus `per_stage` bytes loaded per value
-    tile: the config's num_stages, at most the number of tiles, and 1 (a plain loop) where
-    the stages would not fit in shared memory."""
+    """The load pipeline depth of a gradient kernel's loop over value tiles (dV, dQ/dK),
+    whose shared tiles are `fixed` bytes plus `per_stage` bytes loaded per value tile: the
+    config's num_stages, at most the number of tiles, where the stages fit in shared memory,
+    at 64-position chunks only; else 1 (a plain loop). Measured in one run (H200,
+    results/NOTES.md 160): at 64-position chunks the dQ/dK kernel took 603 against 656 us
+    (simple GLA B 8 x T 4k) and 1172 against 1463 (D 256, Dv 512), the dV kernel 544 against
+    588; at 128 (256 threads, B 2 x T 16k) the dV kernel 380 against 309 and the output
+    kernel 396 against 318, so neither they nor the output kernel pipeline."""
     stages = min(cfg.num_stages, head_dim_v // cfg.block_V)
-    return stages if stages > 1 and fixed + stages * per_stage <= SMEM_LIMIT_BYTES else 1
-
-
-def output_value_stages(shape: LinearShape, cfg: LinearConfig) -> int:
-    """The output kernel's: q and k of the chunk, its scores and output tile; v and the
-    state's tile per value tile."""
-    C, D, V, e = cfg.chunk, shape.head_dim, cfg.block_V, elem_bytes(shape.dtype)
-    return value_stages(cfg, shape.head_dim_v, (2 * C * D + C * C + C * V) * e + 16 * C,
-                        (C * V + D * V) * e)
+    if cfg.chunk != 64 or stages < 2 or fixed + stages * per_stage > SMEM_LIMIT_BYTES:
+        return 1
+    return stages
 
 
 # The single pass's state slice: at most this many fp32 registers per thread.
