@@ -35,14 +35,6 @@ def heads_first(shape: LinearShape) -> bool:
 REVERSE_THREADS = 256
 
 
-def dv_value_stages(shape: LinearShape, cfg: LinearConfig) -> int:
-    """The dV kernel's value-tile pipeline depth (linear_fwd.plan.value_stages): q and k of
-    the chunk, its scores and the dV tile fixed; dO, v and dS's tile per value tile."""
-    C, D, V, e = cfg.chunk, shape.head_dim, cfg.block_V, elem_bytes(shape.dtype)
-    return value_stages(cfg, shape.head_dim_v, (2 * C * D + C * C + C * V) * e + 16 * C,
-                        (2 * C * V + D * V) * e)
-
-
 def dqk_value_stages(shape: LinearShape, cfg: LinearConfig) -> int:
     """The dQ/dK kernel's: q and k's key tiles, dA and the decay gradient's vectors fixed;
     v, dO, and the states' and their gradients' [block_K, block_V] tiles per value tile."""
