@@ -97,3 +97,30 @@ def test_kept_states_skip_the_state_pass(launches):
     by = dict(launches)
     assert by["single pass"]["Hs"] is by["dq dk dg"]["Hs"]
     assert "dH0" not in by["reverse single pass"] and "dHt" not in by["reverse single pass"]
+
+
+def test_only_the_dqk_kernel_pipelines_its_value_tiles_at_64_position_chunks():
+    """linear_fwd.plan.value_stages (NOTES 160): the dQ/dK kernel's loop over value tiles is
+    pipelined (warp specialisation off) at 64-position chunks with two or more tiles; not at
+    128-position chunks, not with one tile, and never in the dV or output kernels."""
+    from engine.kernels.linear_bwd.codegen import generate_dqk, generate_dv
+    from engine.kernels.linear_bwd.plan import dqk_value_stages
+    from engine.kernels.linear_fwd.codegen import generate_output
+
+    def shape(d: int, dv: int, heads=(16, 16, 16)) -> LinearShape:
+        hq, hk, h = heads
+        return LinearShape(batch=8, heads_q=hq, heads_k=hk, heads=h, seqlen=4096, head_dim=d,
+                           head_dim_v=dv, dtype="bfloat16")
+
+    narrow = LinearConfig(block_K=64, single_pass=True, threads=128)
+    assert dqk_value_stages(shape(128, 128), narrow) == 2
+    assert dqk_value_stages(shape(256, 512), LinearConfig(block_K=128)) == 2
+    assert dqk_value_stages(shape(128, 128), LinearConfig(chunk=128, block_K=128,
+                                                          threads=256)) == 1
+    assert dqk_value_stages(shape(128, 64, (1, 1, 80)), narrow) == 1  # one value tile
+    s = shape(128, 128)
+    dqk = generate_dqk(s, narrow).source
+    assert "for iv in T.Pipelined(2, num_stages=2):" in dqk
+    assert "'tl.disable_warp_specialized': True" in dqk
+    for other in (generate_dv(s, narrow).source, generate_output(s, narrow).source):
+        assert "for iv in T.serial(2):" in other and "PASS_CONFIGS" not in other
