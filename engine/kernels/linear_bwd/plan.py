@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from engine.dtypes import elem_bytes
-from engine.kernels.linear_fwd.plan import LinearConfig, LinearShape, value_stages
+from engine.kernels.linear_fwd.plan import LinearConfig, LinearShape
+from engine.plan.config import SMEM_LIMIT_BYTES
 
 
 def shared_heads_by_atomics(shape: LinearShape, deterministic: bool) -> bool:
@@ -36,8 +37,18 @@ REVERSE_THREADS = 256
 
 
 def dqk_value_stages(shape: LinearShape, cfg: LinearConfig) -> int:
-    """The dQ/dK kernel's: q and k's key tiles, dA and the decay gradient's vectors fixed;
-    v, dO, and the states' and their gradients' [block_K, block_V] tiles per value tile."""
+    """The load pipeline depth of the dQ/dK kernel's loop over value tiles (the next tile's
+    v, dO and state tiles load while this one's multiply): the config's num_stages, at most
+    the number of tiles, at 64-position chunks where the stages fit in shared memory; else
+    1, a plain loop. Measured in one run each (H200, results/NOTES.md 160): 603 against 656
+    us at simple GLA B 8 x T 4k, 1169 against 1461 at RetNet-6.7B (Dv 512); no change at
+    128-position chunks (B 2 x T 16k). The dV and output kernels' loops stay plain: pipelined,
+    the dV kernel took 1957 against 1658 us at YOCO-13B, and at 128-position chunks dV 380
+    against 309 and the output 396 against 318."""
     C, BK, V, e = cfg.chunk, cfg.block_K, cfg.block_V, elem_bytes(shape.dtype)
-    return value_stages(cfg, shape.head_dim_v, (2 * C * BK + C * C) * e + 4 * (6 * C + cfg.threads),
-                        (2 * C + 2 * BK) * V * e)
+    stages = min(cfg.num_stages, shape.head_dim_v // V)
+    fixed = (2 * C * BK + C * C) * e + 4 * (6 * C + cfg.threads)  # q, k, dA, decay vectors
+    per_stage = (2 * C + 2 * BK) * V * e  # v, dO and the state tiles S and dS
+    if C != 64 or stages < 2 or fixed + stages * per_stage > SMEM_LIMIT_BYTES:
+        return 1
+    return stages

@@ -229,23 +229,6 @@ def generate_output(s: LinearShape, cfg: LinearConfig, folds: Folds = NO_FOLDS
     return GeneratedKernel(w.text(), tuple(params))
 
 
-def value_loop(s: LinearShape, cfg: LinearConfig, stages: int) -> str:
-    """The `for iv` line of a per-chunk kernel's loop over value tiles, pipelined `stages`
-    deep (plan.value_stages) or a plain loop."""
-    n = s.head_dim_v // cfg.block_V
-    if stages > 1:
-        return f"for iv in T.Pipelined({n}, num_stages={stages}):"
-    return f"for iv in T.serial({n}):"
-
-
-def value_loop_preamble(stages: int) -> str:
-    """The pass configs of a kernel whose value-tile loop is pipelined: its loads issued
-    ahead by the kernel's own threads. TileLang would otherwise add a producer warpgroup for
-    the loop, and a gemm outside it (the chunk's scores) then found no warp partition for
-    the extra warps (128-position chunks on 256 threads)."""
-    return "PASS_CONFIGS = {'tl.disable_warp_specialized': True}" if stages > 1 else ""
-
-
 def emit_state_update(w: SourceWriter, C: int, rows: int, BV: int, dt: str, state: str,
                       folds: Folds = NO_FOLDS) -> None:
     """state <- exp(G_end) state + K_s^T (exp(G_end - G) * W * V_s) (W: the value weights,

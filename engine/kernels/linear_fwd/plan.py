@@ -29,8 +29,8 @@ class LinearConfig:
     """chunk: positions per chunk; block_K, block_V: the state tile a state-pass block owns
     ([block_K, block_V] of [D, Dv]); block_V is also the output kernels' value tile (they loop
     over Dv in block_V steps); num_stages: the load pipeline depth of the state passes' chunk
-    loops and of the output and gradient kernels' value-tile loops (value_stages); threads:
-    threads per block. single_pass: the forward is one kernel that keeps each block's [D, block_V]
+    loops and of the dQ/dK kernel's value-tile loop (linear_bwd.plan.dqk_value_stages);
+    threads: threads per block. single_pass: the forward is one kernel that keeps each block's [D, block_V]
     state slice in registers (else the state pass stores every chunk's state for the output
     kernel), and the backward's reverse state pass and dV kernel are one kernel in the same
     way (linear_bwd.reverse); the backward still recomputes the states with the state pass
@@ -128,21 +128,6 @@ def _smem_bytes(cfg: LinearConfig, head_dim: int, elem: int) -> int:
     reverse = ((2 * C * D + 2 * C * V) * cfg.num_stages + 2 * C * V + D * V + C * C) * elem \
         + 8 * C
     return max(states, output, grads, max(single, reverse) if cfg.single_pass else 0)
-
-
-def value_stages(cfg: LinearConfig, head_dim_v: int, fixed: int, per_stage: int) -> int:
-    """The load pipeline depth of a gradient kernel's loop over value tiles (dV, dQ/dK),
-    whose shared tiles are `fixed` bytes plus `per_stage` bytes loaded per value tile: the
-    config's num_stages, at most the number of tiles, where the stages fit in shared memory,
-    at 64-position chunks only; else 1 (a plain loop). Measured in one run (H200,
-    results/NOTES.md 160): at 64-position chunks the dQ/dK kernel took 603 against 656 us
-    (simple GLA B 8 x T 4k) and 1172 against 1463 (D 256, Dv 512), the dV kernel 544 against
-    588; at 128 (256 threads, B 2 x T 16k) the dV kernel 380 against 309 and the output
-    kernel 396 against 318, so neither they nor the output kernel pipeline."""
-    stages = min(cfg.num_stages, head_dim_v // cfg.block_V)
-    if cfg.chunk != 64 or stages < 2 or fixed + stages * per_stage > SMEM_LIMIT_BYTES:
-        return 1
-    return stages
 
 
 # The single pass's state slice: at most this many fp32 registers per thread.
