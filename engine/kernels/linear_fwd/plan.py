@@ -30,11 +30,11 @@ class LinearConfig:
     ([block_K, block_V] of [D, Dv]); block_V is also the output kernels' value tile (they loop
     over Dv in block_V steps); num_stages: the load pipeline depth of the state passes' chunk
     loops and of the dQ/dK kernel's value-tile loop (linear_bwd.plan.dqk_value_stages);
-    threads: threads per block. single_pass: the forward is one kernel that keeps each block's [D, block_V]
-    state slice in registers (else the state pass stores every chunk's state for the output
-    kernel), and the backward's reverse state pass and dV kernel are one kernel in the same
-    way (linear_bwd.reverse); the backward still recomputes the states with the state pass
-    for its dQ/dK kernel unless the forward kept them."""
+    threads: threads per block. single_pass: the forward is one kernel that keeps each
+    block's [D, block_V] state slice in registers (else the state pass stores every chunk's
+    state for the output kernel), and the backward's reverse state pass and dV kernel are one
+    kernel in the same way (linear_bwd.reverse); the backward still recomputes the states
+    with the state pass for its dQ/dK kernel unless the forward kept them."""
 
     chunk: int = 64
     block_K: int = 64
