@@ -52,3 +52,22 @@ def dqk_value_stages(shape: LinearShape, cfg: LinearConfig) -> int:
     if C != 64 or stages < 2 or fixed + stages * per_stage > SMEM_LIMIT_BYTES:
         return 1
     return stages
+
+
+# Output heads one dQ/dK block walks where they share q and k (dqk_heads_per_block): at
+# Mamba2-2.7B B 8 the kernel took 1374 / 1393 us at 4 / 8 heads against 1515 at one (T 2k),
+# 5374 / 5365 against 6023 (T 8k; H200, results/NOTES.md 162).
+DQK_HEAD_GROUP = 4
+
+
+def dqk_heads_per_block(shape: LinearShape, cfg: LinearConfig) -> int:
+    """How many output heads one dQ/dK block walks, the next head's v, dO, states and decays
+    loading (cp.async) while this one's multiply: where every output head reads one q and one
+    k head (Mamba2's one B and C, loaded once per block), at one value tile (a loop over value
+    tiles inside the heads' loop keeps TileLang from pipelining it) and 64-position chunks (at
+    128 the stages pass the shared memory limit and the kernel spills). The largest divisor
+    of the heads up to DQK_HEAD_GROUP; else 1, a block per head."""
+    if not (shape.heads_q == shape.heads_k == 1 and cfg.block_V == shape.head_dim_v
+            and cfg.chunk == 64):
+        return 1
+    return max(g for g in range(1, DQK_HEAD_GROUP + 1) if shape.heads % g == 0)
