@@ -124,3 +124,34 @@ def test_only_the_dqk_kernel_pipelines_its_value_tiles_at_64_position_chunks():
     assert "'tl.disable_warp_specialized': True" in dqk
     for other in (generate_dv(s, narrow).source, generate_output(s, narrow).source):
         assert "for iv in T.serial(2):" in other and "PASS_CONFIGS" not in other
+
+
+def test_dqk_blocks_walk_heads_that_share_q_and_k():
+    """Where every output head reads one q and one k head (Mamba2), at one value tile and
+    64-position chunks, a dQ/dK block walks up to 4 heads (a divisor of the heads) in a
+    pipelined loop, its Q and K tiles loaded once, the grid over groups; otherwise a block
+    per head."""
+    from engine.kernels.linear_bwd.codegen import generate_dqk
+    from engine.kernels.linear_bwd.plan import dqk_heads_per_block
+
+    def shape(heads=(1, 1, 80), dv: int = 64) -> LinearShape:
+        hq, hk, h = heads
+        return LinearShape(batch=8, heads_q=hq, heads_k=hk, heads=h, seqlen=2048,
+                           head_dim=128, head_dim_v=dv, dtype="bfloat16")
+
+    suite = LinearConfig(block_K=128, single_pass=True, threads=256)  # Mamba2 B 8's pair
+    assert dqk_heads_per_block(shape(), suite) == 4
+    assert dqk_heads_per_block(shape((1, 1, 6)), suite) == 3
+    assert dqk_heads_per_block(shape((1, 1, 7)), suite) == 1
+    assert dqk_heads_per_block(shape(dv=128), suite) == 1  # two value tiles
+    assert dqk_heads_per_block(shape((2, 1, 80)), suite) == 1
+    assert dqk_heads_per_block(shape((16, 16, 16)), suite) == 1
+    assert dqk_heads_per_block(shape(), LinearConfig(chunk=128, block_K=128, threads=256)) == 1
+    src = generate_dqk(shape(), suite, atomic=True).source
+    assert "with T.Kernel(20, 1, 256, threads=256) as (hg, ik, j):" in src
+    assert "for hh in T.Pipelined(4, num_stages=2):" in src and "h: T.int32 = hg * 4 + hh" in src
+    assert "'tl.disable_warp_specialized': True" in src and "for iv in" not in src
+    # Q and K load once per block, before the heads' loop
+    assert src.index("T.copy(K[b, hk,") < src.index("for hh in")
+    one = generate_dqk(shape((1, 1, 7)), suite, atomic=True).source
+    assert "as (h, ik, j):" in one and "for hh in" not in one

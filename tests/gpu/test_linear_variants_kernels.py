@@ -108,7 +108,8 @@ def test_variant_on_the_kernels_matches_the_reference_backend(case):
 # Mamba2 at a model's length: A's gradient sums the decays' gradient over the whole sequence,
 # where the states' rounding once reached every earlier position (9-32% off at T 2k-8k with
 # 80 heads, results/NOTES.md 137). Configs: every ratio of threads to chunk (1, 2, 4) the
-# kernel's <dS, S> gather meets.
+# kernel's <dS, S> gather meets; the 64-position ones run the dQ/dK kernel's walk over heads
+# (linear_bwd.plan.dqk_heads_per_block: 4 of the 8 heads a block).
 LONG_CONFIGS = [None, LinearConfig(64, 128, 64, 2, 128), LinearConfig(64, 64, 64, 2, 256),
                 LinearConfig(128, 128, 64, 2, 128)]
 LONG_SIZES = dict(batch=1, heads_q=1, heads_k=1, heads=8, seqlen=4000, head_dim=128,
