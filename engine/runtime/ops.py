@@ -5,7 +5,9 @@ Under torch.compile, `AttentionEngine.forward` calls `engine::attention_forward`
 autograd Function: the op is opaque to dynamo, its fake implementation gives the output shapes,
 and its registered backward calls `engine::attention_backward`. Both run exactly what the eager
 module runs (the generated kernels on a Hopper GPU, else the reference executor). A module is
-named in the ops by an integer handle (a constant for the compiler), given at construction.
+named in the ops by an integer handle (a constant for the compiler), given at construction;
+`torch.export` keeps the ops and their handles in its graph, so an exported program runs in the
+process that holds its modules.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ def register(mod: nn.Module) -> int:
 def _module(handle: int) -> nn.Module:
     mod = _MODULES.get(handle)
     if mod is None or mod() is None:
-        raise RuntimeError(f"engine op: no AttentionEngine with handle {handle} (it was freed)")
+        raise RuntimeError(f"engine op: no AttentionEngine with handle {handle} in this process "
+                           "(it was freed, or the program was exported by another process: an "
+                           "exported program runs beside the modules it was exported from)")
     return mod()
 
 

@@ -164,3 +164,34 @@ def test_a_copied_module_outlives_its_original_under_compile():
     torch._dynamo.reset()
     got = torch.compile(lambda *a: mod(*a), fullgraph=True, backend="aot_eager")(q, k, v, slopes)
     torch.testing.assert_close(got, mod(q, k, v, slopes))
+
+
+def test_export_keeps_the_ops_and_runs_beside_its_modules(tmp_path):
+    """torch.export: the attention layers stay the engine's ops in the exported graph, which
+    computes what the eager model does (custom inputs included) and survives a save and a
+    load; once its modules are gone its ops say so, naming the handle."""
+    import gc
+
+    model, x = _model(True), torch.randint(0, 50, (4, 16))
+    ep = torch.export.export(model, (x,))
+    ops = [n for n in ep.graph.nodes if str(n.target) == "engine.attention_forward.default"]
+    assert len(ops) == 2
+    torch.export.save(ep, tmp_path / "model.pt2")
+    loaded = torch.export.load(tmp_path / "model.pt2").module()
+    torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+
+    class Alibi(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn, self.slopes = _alibi_module(), nn.Parameter(torch.rand(4) * 0.5)
+
+        def forward(self, q, k, v):
+            return self.attn(q, k, v, self.slopes)
+
+    alibi, (q, k, v, _) = Alibi(), _inputs(grad=False)
+    exported = torch.export.export(alibi, (q, k, v)).module()
+    torch.testing.assert_close(exported(q, k, v), alibi(q, k, v), rtol=0, atol=0)
+    del model, alibi
+    gc.collect()
+    with pytest.raises(RuntimeError, match=r"no AttentionEngine with handle \d+ in this process"):
+        loaded(x)
