@@ -270,9 +270,8 @@ def generate_dqk(s: LinearShape, cfg: LinearConfig, folds: Folds = NO_FOLDS,
                        heads=("hg", s.heads // group) if group > 1 else None)
     with w.indented(), w.block(grid):
         emit_chunk(w)
-        first = "h" if group == 1 else f"hg * {group}"
-        w.lines([f"hq: T.int32 = {head_text(s.heads_q, s.heads, first)}",
-                 f"hk: T.int32 = {head_text(s.heads_k, s.heads, first)}"])
+        w.lines([f"hq: T.int32 = {head_text(s.heads_q, s.heads)}",  # 0 where heads group
+                 f"hk: T.int32 = {head_text(s.heads_k, s.heads)}"])
         w.lines([*_dqk_buffers(C, BK, BV, dt),
                  *(decay_gradient_buffers(C, BK, cfg.threads) if decay_grad else [])])
         if v_weight:
@@ -316,9 +315,10 @@ def _emit_dqk_head(w: SourceWriter, s: LinearShape, cfg: LinearConfig, folds: Fo
 
 def _value_loop_preamble(pipelined: bool) -> str:
     """The pass configs of a dQ/dK kernel whose loop over value tiles or heads is pipelined:
-    its loads issued ahead by the kernel's own threads. TileLang would otherwise add a producer warpgroup for
-    the loop (a kernel with a gemm outside the loop, the output kernel's 128 x 128 scores on
-    256 threads, then found no warp partition over 12 warps; NOTES 160)."""
+    its loads issued ahead by the kernel's own threads. TileLang would otherwise add a
+    producer warpgroup for the loop (a kernel with a gemm outside the loop, the output
+    kernel's 128 x 128 scores on 256 threads, then found no warp partition over 12 warps,
+    NOTES 160; the heads' loop spilled with it, NOTES 162)."""
     return "PASS_CONFIGS = {'tl.disable_warp_specialized': True}" if pipelined else ""
 
 
@@ -330,10 +330,9 @@ def _emit_dqk_state_products(w: SourceWriter, s: LinearShape, cfg: LinearConfig,
     cols = f"ik * {BK}:(ik + 1) * {BK}"
     n = s.head_dim_v // BV
     vcols = f"iv * {BV}:(iv + 1) * {BV}" if loop else f"0:{BV}"
-    with contextlib.ExitStack() as body:
-        if loop:
-            body.enter_context(w.block(f"for iv in T.Pipelined({n}, num_stages={stages}):"
-                                       if stages > 1 else f"for iv in T.serial({n}):"))
+    header = (f"for iv in T.Pipelined({n}, num_stages={stages}):" if stages > 1
+              else f"for iv in T.serial({n}):")
+    with w.block(header) if loop else contextlib.nullcontext():
         w.line(f"T.copy(V[b, h, row0:row0 + {C}, {vcols}], V_s)")
         w.line(f"T.copy(dO[b, h, row0:row0 + {C}, {vcols}], dO_s)")
         w.line(f"T.copy(Hs[j, h, {cols}, {vcols}], S_s)")
