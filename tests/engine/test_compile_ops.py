@@ -11,13 +11,13 @@ import math
 import pytest
 import torch
 import torch._dynamo
-import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from engine import AttentionEngine, CustomIO, OnlineSoftmax, meta_tensor
 from engine.runtime.ops import attention_forward
 from engine.variants import VARIANTS
+from tests import small_transformer
 
 SIZES = dict(batch=2, heads_q=4, heads_kv=2, seqlen_q=24, seqlen_kv=24, head_dim=16,
              head_dim_v=16)
@@ -86,66 +86,16 @@ def test_fullgraph_compile_matches_eager_without_graph_breaks():
         torch.testing.assert_close(a, b)
 
 
-class _Block(nn.Module):
-    """Pre-norm attention + MLP; causal attention by the engine or by SDPA."""
-
-    def __init__(self, dim: int, heads: int, seqlen: int, batch: int, use_engine: bool):
-        super().__init__()
-        self.heads, self.dh = heads, dim // heads
-        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-        self.attn = None
-        if use_engine:
-            meta = tuple(meta_tensor(batch, heads, seqlen, self.dh, dtype=torch.float32)
-                         for _ in range(3))
-            self.attn = AttentionEngine(
-                meta, score_mod=lambda s, b, h, q, kv: s * self.dh**-0.5,
-                mask_mod=lambda b, h, q, kv: q >= kv, online_func=OnlineSoftmax())
-
-    def forward(self, x):
-        B, S, _ = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(B, S, 3, self.heads, self.dh).unbind(2)
-        if self.attn is not None:
-            a = self.attn(q, k, v)
-        else:
-            a = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)),
-                                               is_causal=True).transpose(1, 2)
-        x = x + self.proj(a.reshape(B, S, -1))
-        return x + self.mlp(self.norm2(x))
-
-
-def _model(use_engine: bool, dim=32, heads=4, seqlen=16, batch=4, vocab=50):
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Embedding(vocab, dim),
-                         *(_Block(dim, heads, seqlen, batch, use_engine) for _ in range(2)),
-                         nn.LayerNorm(dim), nn.Linear(dim, vocab))
-
-
-def _train(model, steps: int, compiled: bool) -> list[float]:
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    fn = torch.compile(model, fullgraph=True, backend="aot_eager") if compiled else model
-    g = torch.Generator().manual_seed(1)
-    losses = []
-    for _ in range(steps):
-        tokens = torch.randint(0, 50, (4, 17), generator=g)
-        logits = fn(tokens[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, 50), tokens[:, 1:].reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
-
-
 def test_a_small_transformer_trains_compiled_like_sdpa():
     torch._dynamo.reset()
-    engine_model, sdpa_model = _model(True), _model(False)
+    engine_model, sdpa_model = small_transformer.model(True), small_transformer.model(False)
     sdpa_model.load_state_dict(engine_model.state_dict())
     explained = torch._dynamo.explain(engine_model)(torch.zeros(4, 16, dtype=torch.long))
     assert explained.graph_break_count == 0
     torch._dynamo.reset()
-    got, want = _train(engine_model, 20, compiled=True), _train(sdpa_model, 20, compiled=False)
+    data = small_transformer.batches(20, batch=4, seqlen=16, vocab=50)
+    got = small_transformer.train(engine_model, data, 50, compiled=True, backend="aot_eager")
+    want = small_transformer.train(sdpa_model, data, 50, compiled=False)
     assert want[-1] < want[0] - 0.1, "the reference model must learn something"
     assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4
     assert all(math.isfinite(x) for x in got)
@@ -172,7 +122,7 @@ def test_export_keeps_the_ops_and_runs_beside_its_modules(tmp_path):
     load; once its modules are gone its ops say so, naming the handle."""
     import gc
 
-    model, x = _model(True), torch.randint(0, 50, (4, 16))
+    model, x = small_transformer.model(True), torch.randint(0, 50, (4, 16))
     ep = torch.export.export(model, (x,))
     ops = [n for n in ep.graph.nodes if str(n.target) == "engine.attention_forward.default"]
     assert len(ops) == 2
