@@ -54,18 +54,20 @@ def model(use_engine: bool, dim: int = 32, heads: int = 4, seqlen: int = 16, bat
         nn.LayerNorm(dim), nn.Linear(dim, vocab)).to(device)
 
 
-def batches(steps: int, batch: int, seqlen: int, vocab: int, period: int | None = None,
+def batches(steps: int, batch: int, seqlen: int, vocab: int, counting: bool = False,
             device: str = "cpu") -> list[torch.Tensor]:
-    """`steps` token batches of seqlen + 1 tokens: uniform random, or (`period`) a random
-    pattern of that length repeated, which only attention to earlier positions predicts."""
+    """`steps` token batches of seqlen + 1 tokens: uniform random, or (`counting`) each row
+    counting from a random start by a random stride of 1 to 3 (mod vocab), which the previous
+    two tokens predict: a task attention learns in a few dozen steps."""
     g = torch.Generator().manual_seed(1)
     out = []
     for _ in range(steps):
-        if period is None:
-            t = torch.randint(0, vocab, (batch, seqlen + 1), generator=g)
+        if counting:
+            start = torch.randint(0, vocab, (batch, 1), generator=g)
+            stride = torch.randint(1, 4, (batch, 1), generator=g)
+            t = (start + stride * torch.arange(seqlen + 1)) % vocab
         else:
-            pattern = torch.randint(0, vocab, (batch, period), generator=g)
-            t = pattern.repeat(1, -(-(seqlen + 1) // period))[:, :seqlen + 1]
+            t = torch.randint(0, vocab, (batch, seqlen + 1), generator=g)
         out.append(t.to(device))
     return out
 
