@@ -121,7 +121,9 @@ LM = dict(dim=256, heads=4, seqlen=256, batch=8, vocab=128, layers=2)
 def test_a_small_transformer_trains_in_bf16_compiled_like_sdpa():
     """50 Adam steps under bf16 autocast, both models compiled by inductor with fullgraph=True
     (so the rest of the model's numerics are the same): the engine's loss curve within bf16
-    tolerance of SDPA's (5% of the loss plus 0.02 a step), and no graph break."""
+    tolerance of SDPA's (0.5% of the loss plus 0.005 a step; on the H200 the curves, 5.02 ->
+    0.38, differed by 0.0004 at most, and SDPA compiled from SDPA eager by 0.0003), and no
+    graph break."""
     data = small_transformer.batches(50, LM["batch"], LM["seqlen"], LM["vocab"], counting=True,
                                      device="cuda")
     engine_model = small_transformer.model(True, **LM, attn_dtype=torch.bfloat16, device="cuda")
@@ -145,7 +147,7 @@ def test_a_small_transformer_trains_in_bf16_compiled_like_sdpa():
           f"largest gap {max(gaps):.4f} (SDPA compiled against eager: "
           f"{max(abs(a - b) for a, b in zip(want, eager, strict=True)):.4f})")
     assert want[-1] < want[0] - 0.5, "the reference model must learn something"
-    assert all(g <= 0.05 * w + 0.02 for g, w in zip(gaps, want, strict=True)), (got, want)
+    assert all(g <= 0.005 * w + 0.005 for g, w in zip(gaps, want, strict=True)), (got, want)
 
 
 def test_export_runs_the_kernels_like_the_eager_model():
