@@ -282,9 +282,10 @@ class EngineFlexImpl(EngineImpl):
 class EngineCompiledImpl(EngineImpl):
     """The module inside torch.compile(fullgraph=True, mode="reduce-overhead"): its custom ops
     in one compiled graph, replayed as a CUDA graph (q, k, v and the custom tensors at static
-    addresses, so no input copies), timed beside `engine`. Not for masks that read tensors:
-    their block tables are rebuilt per call from the data, which a replayed graph does not do.
-    The `bwd` mode (a backward replayed on a kept graph) does not apply to a CUDA graph."""
+    addresses, so no input copies), timed beside `engine`. A mask that reads tensors runs
+    captured with every block evaluated (engine.runtime.mask_tables: a replay cannot rebuild
+    the tables from new data), so its rows show what a CUDA graph costs it. The `bwd` mode (a
+    backward replayed on a kept graph) does not apply to a CUDA graph."""
 
     name = "engine-compiled"
     description = "the engine module under torch.compile(fullgraph=True, mode='reduce-overhead')"
@@ -301,12 +302,7 @@ class EngineCompiledImpl(EngineImpl):
 
         import torch
 
-        from engine.mask.analysis import reads_data
-
         mod = self.checked_build(case, variant, needs_grad)
-        if reads_data(mod.spec.mask):
-            raise Unsupported("its mask reads tensors: the block tables are rebuilt per call "
-                              "from the data, which a replayed CUDA graph would not do")
         p = self.prepare_module(mod, variant, inputs, needs_grad)
         for t in p.leaves:
             torch._dynamo.mark_static_address(t)

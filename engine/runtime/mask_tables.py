@@ -1,6 +1,13 @@
 """Block tables of a mask on the device, cached: computed once for index-only masks, and per
 tensor identity and version for masks that read tensors (an in-place change of the data bumps
-`_version` and recomputes them)."""
+`_version` and recomputes them).
+
+A CUDA graph replays its kernels without the Python that looks the tables up, so a mask that
+reads tensors, captured (torch.cuda.graph, torch.compile's mode="reduce-overhead"), would keep
+the tables of the data it was recorded with and skip or trust the wrong blocks when the data
+changes. Captured, such a mask gets tables that hold for any data instead: every block
+partial, the mask evaluated per element from the data the replay reads (correct, nothing
+skipped)."""
 
 from __future__ import annotations
 
@@ -12,7 +19,8 @@ from typing import Any
 import torch
 
 from engine.dsl.expr import Expr
-from engine.mask.analysis import BlockClasses, classify, reads_data
+from engine.logs import log_once
+from engine.mask.analysis import PARTIAL, BlockClasses, classify, reads_data
 from engine.plan.shape import KernelShape
 from engine.runtime.persistent import kept
 
@@ -37,6 +45,8 @@ class MaskTables:
     # built from the layout's tables by name
     extra: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None = None
     _cache: dict[Any, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    # per device: the tables for any data (every block partial), what a capture binds
+    _any_data: dict[torch.device, tuple[torch.Tensor, ...]] = field(default_factory=dict)
 
     @cached_property
     def data_dependent(self) -> bool:
@@ -46,6 +56,17 @@ class MaskTables:
     def get(self, customs: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, ...]:
         key: Any = device  # hashable; its text per call cost host time
         if self.data_dependent:
+            if device not in self._any_data:
+                # built before any capture (a capture may not copy from the host): on the first
+                # call, which a capture's warm-up makes
+                self._any_data[device] = kept(lambda: self._build({}, device, any_data=True),
+                                              device)
+            if capturing(device):
+                log_once("engine: a mask that reads tensors, captured in a CUDA graph: every "
+                         "block is evaluated per element (the block tables cannot follow the "
+                         "data a replay reads), so no block is skipped; outside CUDA graphs "
+                         "the tables skip empty blocks")
+                return self._any_data[device]
             key = (device, *((n, t.data_ptr(), t._version, tuple(t.shape))
                              for n, t in sorted(customs.items())))
         if key in self._cache:
@@ -56,11 +77,16 @@ class MaskTables:
         self._cache[key] = out
         return out
 
-    def _build(self, customs: dict[str, torch.Tensor], device: torch.device
-               ) -> tuple[torch.Tensor, ...]:
+    def _build(self, customs: dict[str, torch.Tensor], device: torch.device,
+               any_data: bool = False) -> tuple[torch.Tensor, ...]:
         s = self.shape
-        bc = classify(self.mask, s.batch, s.heads_q, s.seqlen_q, s.seqlen_kv, self.block_M,
-                      self.block_N, customs if self.data_dependent else None, self.stride)
+        if any_data:
+            bc = classify(None, s.batch, s.heads_q, s.seqlen_q, s.seqlen_kv, self.block_M,
+                          self.block_N)
+            bc.classes.fill_(PARTIAL)
+        else:
+            bc = classify(self.mask, s.batch, s.heads_q, s.seqlen_q, s.seqlen_kv, self.block_M,
+                          self.block_N, customs if self.data_dependent else None, self.stride)
         layout = self.layout(bc)
         tables = [t.expand(s.mask_batch, s.mask_heads, *t.shape[2:]) for t in layout]
         if self.extra is not None:
@@ -72,6 +98,11 @@ class MaskTables:
               ) -> dict[str, torch.Tensor]:
         """The tables by the names of the kernel parameters they bind to."""
         return dict(zip(self.names, self.get(customs, device), strict=True))
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether the current stream of `device` is capturing a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 FORWARD_TABLES = ("Lo", "Hi", "Cls")

@@ -20,12 +20,48 @@ SIZES = dict(batch=2, heads_q=8, heads_kv=2, seqlen_q=1024, seqlen_kv=1024, head
 @pytest.mark.parametrize("name", ["softmax_causal", "alibi", "rel_bias"])
 def test_forward_and_backward_replay_in_a_cuda_graph(name):
     v = VARIANTS[name]
+    _replays_like_eager(v, lambda seed: v.make_inputs(**SIZES, dtype=torch.bfloat16,
+                                                      device="cuda", seed=seed))
+
+
+def _documents(seed: int, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Document ids (and prefix ends, where the variant has them) at random boundaries, in the
+    layout and dtype of `like`'s: other blocks empty, partial and full than the library's."""
+    g = torch.Generator().manual_seed(seed)
+    B, S = like["doc_ids"].shape
+    ids, ends = torch.zeros(B, S), torch.zeros(B, S)
+    for b in range(B):
+        cuts = sorted(torch.randperm(S - 2, generator=g)[:4].add(1).tolist())
+        for a, z in zip([0, *cuts], [*cuts, S], strict=True):
+            ids[b, a:] += 1
+            ends[b, a:z] = a + max(1, (z - a) // 4)
+    out = {"doc_ids": ids, "prefix_end": ends}
+    return {n: out[n].to(like[n]) for n in like if n in out}
+
+
+@pytest.mark.parametrize("name", ["document", "document_prefix"])
+def test_a_mask_that_reads_tensors_replays_on_new_documents(name):
+    """Captured, a mask that reads tensors binds block tables that hold for any data
+    (engine.runtime.mask_tables): replayed on other documents, it matches eager calls, which
+    build the new documents' tables."""
+    v = VARIANTS[name]
+
+    def inputs(seed):
+        inp = v.make_inputs(**SIZES, dtype=torch.bfloat16, device="cuda", seed=seed)
+        return inp if seed == 1 else {**inp, **_documents(seed, inp)}
+
+    _replays_like_eager(v, inputs)
+
+
+def _replays_like_eager(v, make) -> None:
+    """Capture `v`'s forward and backward on make(1), replay on make(2) and make(3) copied into
+    the same tensors, and check each against eager calls."""
     mod = v.build(**SIZES, dtype=torch.bfloat16, backend="tilelang")
     names = ["q", "k", "v", *mod.custom_io.names()]
     wrt = ["q", "k", "v", *v.learnable]
 
     def inputs(seed):
-        inp = v.make_inputs(**SIZES, dtype=torch.bfloat16, device="cuda", seed=seed)
+        inp = make(seed)
         return [inp[n] for n in names]
 
     static = [t.clone().requires_grad_(n in wrt) for n, t in zip(names, inputs(1), strict=True)]
