@@ -283,8 +283,8 @@ class EngineCompiledImpl(EngineImpl):
     """The module inside torch.compile(fullgraph=True, mode="reduce-overhead"): its custom ops
     in one compiled graph, replayed as a CUDA graph (q, k, v and the custom tensors at static
     addresses, so no input copies), timed beside `engine`. A mask that reads tensors runs
-    captured with every block evaluated (engine.runtime.mask_tables: a replay cannot rebuild
-    the tables from new data), so its rows show what a CUDA graph costs it. The `bwd` mode (a
+    captured with tables for any data (engine.runtime.mask_tables: a replay cannot rebuild
+    them from new data), so its rows show what a CUDA graph costs it. The `bwd` mode (a
     backward replayed on a kept graph) does not apply to a CUDA graph."""
 
     name = "engine-compiled"

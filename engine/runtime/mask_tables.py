@@ -5,9 +5,10 @@ tensor identity and version for masks that read tensors (an in-place change of t
 A CUDA graph replays its kernels without the Python that looks the tables up, so a mask that
 reads tensors, captured (torch.cuda.graph, torch.compile's mode="reduce-overhead"), would keep
 the tables of the data it was recorded with and skip or trust the wrong blocks when the data
-changes. Captured, such a mask gets tables that hold for any data instead: every block
-partial, the mask evaluated per element from the data the replay reads (correct, nothing
-skipped)."""
+changes. Captured, such a mask gets tables that hold for any data instead: classified with
+its tensors unknown, so only the blocks its index arithmetic alone rules out are skipped (a
+causal document mask's blocks past the diagonal) and the others are partial, the mask
+evaluated per element from the data the replay reads."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch
 
 from engine.dsl.expr import Expr
 from engine.logs import log_once
-from engine.mask.analysis import PARTIAL, BlockClasses, classify, reads_data
+from engine.mask.analysis import BlockClasses, classify, reads_data
 from engine.plan.shape import KernelShape
 from engine.runtime.persistent import kept
 
@@ -45,7 +46,7 @@ class MaskTables:
     # built from the layout's tables by name
     extra: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None = None
     _cache: dict[Any, tuple[torch.Tensor, ...]] = field(default_factory=dict)
-    # per device: the tables for any data (every block partial), what a capture binds
+    # per device: the tables for any data (its tensors unknown), what a capture binds
     _any_data: dict[torch.device, tuple[torch.Tensor, ...]] = field(default_factory=dict)
 
     @cached_property
@@ -62,10 +63,10 @@ class MaskTables:
                 self._any_data[device] = kept(lambda: self._build({}, device, any_data=True),
                                               device)
             if capturing(device):
-                log_once("engine: a mask that reads tensors, captured in a CUDA graph: every "
-                         "block is evaluated per element (the block tables cannot follow the "
-                         "data a replay reads), so no block is skipped; outside CUDA graphs "
-                         "the tables skip empty blocks")
+                log_once("engine: a mask that reads tensors, captured in a CUDA graph: its "
+                         "block tables cannot follow the data a replay reads, so they skip only "
+                         "the blocks its positions alone rule out and evaluate the rest per "
+                         "element; outside CUDA graphs they skip the data's empty blocks too")
                 return self._any_data[device]
             key = (device, *((n, t.data_ptr(), t._version, tuple(t.shape))
                              for n, t in sorted(customs.items())))
@@ -80,13 +81,10 @@ class MaskTables:
     def _build(self, customs: dict[str, torch.Tensor], device: torch.device,
                any_data: bool = False) -> tuple[torch.Tensor, ...]:
         s = self.shape
-        if any_data:
-            bc = classify(None, s.batch, s.heads_q, s.seqlen_q, s.seqlen_kv, self.block_M,
-                          self.block_N)
-            bc.classes.fill_(PARTIAL)
-        else:
-            bc = classify(self.mask, s.batch, s.heads_q, s.seqlen_q, s.seqlen_kv, self.block_M,
-                          self.block_N, customs if self.data_dependent else None, self.stride)
+        # any_data: every tensor the mask reads unknown (classify bounds it by +-inf)
+        data = {} if any_data else customs if self.data_dependent else None
+        bc = classify(self.mask, s.batch, s.heads_q, s.seqlen_q, s.seqlen_kv, self.block_M,
+                      self.block_N, data, self.stride)
         layout = self.layout(bc)
         tables = [t.expand(s.mask_batch, s.mask_heads, *t.shape[2:]) for t in layout]
         if self.extra is not None:
