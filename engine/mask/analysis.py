@@ -47,7 +47,7 @@ class BlockClasses:
         """Per (b', h', q block): first and one-past-last non-empty kv block (lo == hi: none)."""
         nonempty = self.classes != EMPTY
         nkb = nonempty.shape[-1]
-        ar = torch.arange(nkb, dtype=torch.int32)
+        ar = torch.arange(nkb, dtype=torch.int32, device=nonempty.device)
         big = torch.full_like(ar, nkb)
         lo = torch.where(nonempty, ar, big).amin(-1)
         hi = torch.where(nonempty, ar + 1, torch.zeros_like(ar)).amax(-1)
@@ -61,7 +61,7 @@ class BlockClasses:
         block."""
         full = self.classes == FULL
         nkb = full.shape[-1]
-        ar = torch.arange(nkb, dtype=torch.int32)
+        ar = torch.arange(nkb, dtype=torch.int32, device=full.device)
         # length of the run of full blocks ending at each block
         last_gap = torch.where(full, torch.full_like(ar, -1), ar).cummax(-1).values
         run = torch.where(full, ar - last_gap, torch.zeros_like(ar))
@@ -94,8 +94,9 @@ def table_dims(mask: Expr | None, batch: int, heads: int) -> tuple[int, int]:
     return (batch if mask_reads(mask, "b") else 1), (heads if mask_reads(mask, "h") else 1)
 
 
-def _block_interval(n: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    starts = torch.arange(0, n, block, dtype=torch.float64)
+def _block_interval(n: int, block: int, device: torch.device | str = "cpu"
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    starts = torch.arange(0, n, block, dtype=torch.float64, device=device)
     return starts, torch.clamp(starts + block - 1, max=n - 1)
 
 
@@ -103,7 +104,8 @@ def _block_pool(y: torch.Tensor, d: int, blk: int, pad: int, fn, fill: float) ->
     """Reduce dim `d` of `y` in blocks of `blk` (padding the tail with `fill`)."""
     y = y.movedim(d, -1)
     if pad:
-        y = torch.cat([y, torch.full((*y.shape[:-1], pad), fill, dtype=y.dtype)], -1)
+        y = torch.cat([y, torch.full((*y.shape[:-1], pad), fill, dtype=y.dtype,
+                                     device=y.device)], -1)
     y = y.reshape(*y.shape[:-1], -1, blk)
     return fn(y).movedim(-1, d)
 
@@ -117,8 +119,9 @@ def _custom_interval(
     block_N: int,
     b_used: bool,
     h_used: bool,
+    device: torch.device | str = "cpu",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    x = t.detach().to("cpu", torch.float64)
+    x = t.detach().to(device, torch.float64)
     lo, hi = x, x
     out_dims = {"b": 0, "h": 1, "q": 2, "kv": 3}
     for d, sym in enumerate(index):
@@ -159,21 +162,23 @@ def classify(
     block_N: int,
     customs: dict[str, torch.Tensor] | None = None,
     stride: int = 1,
+    device: torch.device | str = "cpu",
 ) -> BlockClasses:
     """Classify every (q block, kv block) pair as EMPTY, PARTIAL or FULL. With `stride`, the
     rows and keys are those of a folded kernel (engine.plan.fold): row i of
     residue r is position i * stride + r, and a block is FULL (EMPTY) only where it is for
-    every residue. Such a mask reads neither b, h nor data."""
-    q_lo, q_hi = _block_interval(seqlen_q, block_M)
-    k_lo, k_hi = _block_interval(seqlen_kv, block_N)
+    every residue. Such a mask reads neither b, h nor data. On `device` with no copy from the
+    host and no read back, so a CUDA graph can capture it (engine.runtime.mask_tables)."""
+    q_lo, q_hi = _block_interval(seqlen_q, block_M, device)
+    k_lo, k_hi = _block_interval(seqlen_kv, block_N, device)
     nqb, nkb = len(q_lo), len(k_lo)
     # A kv block that runs past Skv needs bounds masking, so it is at most partial.
-    tail = torch.zeros(1, 1, 1, nkb, dtype=torch.bool)
+    tail = torch.zeros(1, 1, 1, nkb, dtype=torch.bool, device=device)
     if seqlen_kv % block_N:
         tail[..., -1] = True
     if mask is None:
-        classes = torch.full((1, 1, nqb, nkb), FULL, dtype=torch.int8)
-        classes[tail.expand_as(classes)] = PARTIAL
+        classes = torch.where(tail, PARTIAL, FULL).to(torch.int8).expand(1, 1, nqb, nkb)
+        classes = classes.contiguous()
         return BlockClasses(classes, block_M, block_N, seqlen_q, seqlen_kv)
     nodes = topo([mask])
     b_used = any(n.op == "idx" and n.attr == "b" for n in nodes) or any(
@@ -185,8 +190,8 @@ def classify(
     if stride > 1 and (b_used or h_used or customs):
         raise ValueError("a folded mask's tables read no b, h or data")
     idx = {
-        "b": (torch.arange(batch, dtype=torch.float64).view(-1, 1, 1, 1),) * 2,
-        "h": (torch.arange(heads, dtype=torch.float64).view(1, -1, 1, 1),) * 2,
+        "b": (torch.arange(batch, dtype=torch.float64, device=device).view(-1, 1, 1, 1),) * 2,
+        "h": (torch.arange(heads, dtype=torch.float64, device=device).view(1, -1, 1, 1),) * 2,
     }
     shape = (batch if b_used else 1, heads if h_used else 1, nqb, nkb)
     lowest, highest = None, None
@@ -196,32 +201,39 @@ def classify(
         iv: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         for n in nodes:
             iv[n.key] = _interval(n, [iv[a.key] for a in n.args], idx, customs or {}, batch,
-                                  heads, block_M, block_N, b_used, h_used)
+                                  heads, block_M, block_N, b_used, h_used, device)
         lo, hi = (x.expand(shape) for x in iv[mask.key])
         lowest = lo if lowest is None else torch.minimum(lowest, lo)
         highest = hi if highest is None else torch.maximum(highest, hi)
     classes = torch.where(lowest > 0.5, FULL,
                           torch.where(highest < 0.5, EMPTY, PARTIAL)).to(torch.int8)
-    classes = torch.where(
-        (classes == FULL) & tail, torch.tensor(PARTIAL, dtype=torch.int8), classes
-    )
+    classes = torch.where((classes == FULL) & tail, PARTIAL, classes)
     return BlockClasses(classes.contiguous(), block_M, block_N, seqlen_q, seqlen_kv)
 
 
-def _interval(n: Expr, a: list, idx, customs, B, H, bM, bN, b_used, h_used):
+def _const(v: float, device) -> torch.Tensor:
+    # a fill, not torch.tensor: no copy from the host, which a CUDA graph capture refuses
+    return torch.full((), v, dtype=torch.float64, device=device)
+
+
+def _unknown(device) -> tuple[torch.Tensor, torch.Tensor]:
+    return _const(-_INF, device), _const(_INF, device)
+
+
+def _interval(n: Expr, a: list, idx, customs, B, H, bM, bN, b_used, h_used, device="cpu"):
     op = n.op
     if op == "const":
-        v = torch.tensor(float(n.attr), dtype=torch.float64)
+        v = _const(float(n.attr), device)
         return v, v
     if op == "idx":
         return idx[n.attr]
     if op == "custom":
         name, _, index = n.attr
         if name not in customs:
-            return torch.tensor(-_INF, dtype=torch.float64), torch.tensor(_INF, dtype=torch.float64)
-        return _custom_interval(customs[name], index, B, H, bM, bN, b_used, h_used)
+            return _unknown(device)
+        return _custom_interval(customs[name], index, B, H, bM, bN, b_used, h_used, device)
     if op == "gather":
-        return _table_interval(customs.get(n.attr[0]))
+        return _table_interval(customs.get(n.attr[0]), device)
     if op == "add":
         return a[0][0] + a[1][0], a[0][1] + a[1][1]
     if op == "sub":
@@ -252,7 +264,7 @@ def _interval(n: Expr, a: list, idx, customs, B, H, bM, bN, b_used, h_used):
     if op == "rsqrt":
         return torch.rsqrt(a[0][1]), torch.rsqrt(a[0][0])
     if op in ("sin", "cos"):
-        return torch.tensor(-1.0, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64)
+        return _const(-1.0, device), _const(1.0, device)
     if op in ("floordiv", "mod"):
         return _floor_division(op, a[0], float(n.args[1].attr), n.dtype == "int")
     if op in ("ge", "gt", "le", "lt", "eq", "ne"):
@@ -282,14 +294,14 @@ def _interval(n: Expr, a: list, idx, customs, B, H, bM, bN, b_used, h_used):
         hi = torch.where(clo > 0.5, x[1], torch.where(chi < 0.5, y[1], torch.maximum(x[1], y[1])))
         return lo, hi
     # pow and anything else: unknown
-    return torch.tensor(-_INF, dtype=torch.float64), torch.tensor(_INF, dtype=torch.float64)
+    return _unknown(device)
 
 
-def _table_interval(t: torch.Tensor | None):
+def _table_interval(t: torch.Tensor | None, device="cpu"):
     """A table lookup is bounded by the whole table's range (unknown without the data)."""
     if t is None or t.numel() == 0:
-        return torch.tensor(-_INF, dtype=torch.float64), torch.tensor(_INF, dtype=torch.float64)
-    t = t.detach().to("cpu", torch.float64)  # the tables are built on the host
+        return _unknown(device)
+    t = t.detach().to(device, torch.float64)  # where the tables are built
     return t.min(), t.max()
 
 

@@ -3,12 +3,13 @@ tensor identity and version for masks that read tensors (an in-place change of t
 `_version` and recomputes them).
 
 A CUDA graph replays its kernels without the Python that looks the tables up, so a mask that
-reads tensors, captured (torch.cuda.graph, torch.compile's mode="reduce-overhead"), would keep
-the tables of the data it was recorded with and skip or trust the wrong blocks when the data
-changes. Captured, such a mask gets tables that hold for any data instead: classified with
-its tensors unknown, so only the blocks its index arithmetic alone rules out are skipped (a
-causal document mask's blocks past the diagonal) and the others are partial, the mask
-evaluated per element from the data the replay reads."""
+reads tensors, captured (torch.cuda.graph, torch.compile's mode="reduce-overhead") with the
+tables of the data it was recorded with, would skip or trust the wrong blocks once the data
+changes. Captured, such a mask is classified inside the graph instead (engine.mask.analysis
+runs on the device with no host copy or read back): each replay builds the tables from the
+data it reads. The persistent walk's deal of tiles to blocks is made on the host; in a graph
+it is the deal for any data (the mask's tensors unknown), made before the capture: any deal
+covers every tile, so only the balance differs."""
 
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ from typing import Any
 import torch
 
 from engine.dsl.expr import Expr
-from engine.logs import log_once
 from engine.mask.analysis import BlockClasses, classify, reads_data
 from engine.plan.shape import KernelShape
 from engine.runtime.persistent import kept
@@ -46,8 +46,8 @@ class MaskTables:
     # built from the layout's tables by name
     extra: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None = None
     _cache: dict[Any, tuple[torch.Tensor, ...]] = field(default_factory=dict)
-    # per device: the tables for any data (its tensors unknown), what a capture binds
-    _any_data: dict[torch.device, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    # per device: the persistent walk's deal for any data, what a capture binds
+    _any_data_walk: dict[torch.device, torch.Tensor] = field(default_factory=dict)
 
     @cached_property
     def data_dependent(self) -> bool:
@@ -57,17 +57,13 @@ class MaskTables:
     def get(self, customs: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, ...]:
         key: Any = device  # hashable; its text per call cost host time
         if self.data_dependent:
-            if device not in self._any_data:
-                # built before any capture (a capture may not copy from the host): on the first
+            if self.extra is not None and device not in self._any_data_walk:
+                # before any capture (a capture may not copy from the host): on the first
                 # call, which a capture's warm-up makes
-                self._any_data[device] = kept(lambda: self._build({}, device, any_data=True),
-                                              device)
+                self._any_data_walk[device] = kept(lambda: self._walk_for_any_data(device),
+                                                   device)
             if capturing(device):
-                log_once("engine: a mask that reads tensors, captured in a CUDA graph: its "
-                         "block tables cannot follow the data a replay reads, so they skip only "
-                         "the blocks its positions alone rule out and evaluate the rest per "
-                         "element; outside CUDA graphs they skip the data's empty blocks too")
-                return self._any_data[device]
+                return self._build(customs, device, in_graph=True)  # not kept: per replay
             key = (device, *((n, t.data_ptr(), t._version, tuple(t.shape))
                              for n, t in sorted(customs.items())))
         if key in self._cache:
@@ -79,18 +75,25 @@ class MaskTables:
         return out
 
     def _build(self, customs: dict[str, torch.Tensor], device: torch.device,
-               any_data: bool = False) -> tuple[torch.Tensor, ...]:
+               in_graph: bool = False) -> tuple[torch.Tensor, ...]:
+        """The tables, classified on the host, or (`in_graph`) on `device` inside a capture."""
         s = self.shape
-        # any_data: every tensor the mask reads unknown (classify bounds it by +-inf)
-        data = {} if any_data else customs if self.data_dependent else None
         bc = classify(self.mask, s.batch, s.heads_q, s.seqlen_q, s.seqlen_kv, self.block_M,
-                      self.block_N, data, self.stride)
+                      self.block_N, customs if self.data_dependent else None, self.stride,
+                      device=device if in_graph else "cpu")
         layout = self.layout(bc)
         tables = [t.expand(s.mask_batch, s.mask_heads, *t.shape[2:]) for t in layout]
         if self.extra is not None:
-            tables.append(self.extra(dict(zip(self.names, layout, strict=False))))
+            tables.append(self._any_data_walk[device] if in_graph
+                          else self.extra(dict(zip(self.names, layout, strict=False))))
         # a blocking copy: the tables are on the device before the caller's kernels read them
         return tuple(t.contiguous().to(device) for t in tables)
+
+    def _walk_for_any_data(self, device: torch.device) -> torch.Tensor:
+        s = self.shape
+        bc = classify(self.mask, s.batch, s.heads_q, s.seqlen_q, s.seqlen_kv, self.block_M,
+                      self.block_N, {}, self.stride)  # {}: the mask's tensors unknown
+        return self.extra(dict(zip(self.names, self.layout(bc), strict=False))).to(device)
 
     def named(self, customs: dict[str, torch.Tensor], device: torch.device
               ) -> dict[str, torch.Tensor]:

@@ -1,58 +1,75 @@
 """Block tables under CUDA-graph capture (engine.runtime.mask_tables): a mask that reads tensors
-binds tables that hold for any data (classified with its tensors unknown), since a replay does
-not look the tables up again; index-only masks keep their tables. CPU: capture is simulated by patching
-`capturing`; tests/gpu/test_cuda_graphs_kernels.py replays on new data on the GPU."""
+is classified inside the graph from the data it is given, never from a cached entry, and that
+classification stays on the device (checked on the meta device: a host tensor mixed in, or a
+read back, would fail there); index-only masks keep their cached tables. CPU: capture is
+simulated by patching `capturing`; tests/gpu/test_cuda_graphs_kernels.py replays on new data on
+the GPU."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from engine.mask.analysis import EMPTY, PARTIAL
 from engine.runtime import mask_tables
 from engine.variants import get_variant
 
-SIZES = dict(batch=2, heads_q=4, heads_kv=4, seqlen_q=1024, seqlen_kv=1024, head_dim=64,
+SIZES = dict(batch=2, heads_q=4, heads_kv=4, seqlen_q=1000, seqlen_kv=1000, head_dim=64,
              head_dim_v=64)
+CPU, META = torch.device("cpu"), torch.device("meta")
 
 
-def _tables(name: str):
+def _module(name: str):
     v = get_variant(name)
     mod = v.build(**SIZES, dtype=torch.bfloat16, backend="tilelang")
     data = v.make_inputs(**SIZES, dtype=torch.bfloat16, seed=0)
-    customs = {n: data[n] for n in mod.custom_io.names()}
-    return mod.forward_kernel().tables, customs
+    return mod, {n: data[n] for n in mod.custom_io.names()}
 
 
-def test_a_captured_data_mask_binds_tables_for_any_data(monkeypatch):
-    tables, customs = _tables("document")
-    cpu = torch.device("cpu")
-    eager = tables.named(customs, cpu)
-    assert (eager["Cls"] == EMPTY).any(), "the documents leave empty blocks to skip"
-    monkeypatch.setattr(mask_tables, "capturing", lambda device: True)
-    captured = tables.named(customs, cpu)
-    # causal documents, the ids unknown: the blocks past the diagonal empty, the rest partial
-    cls = captured["Cls"]
-    qb = torch.arange(cls.shape[-2]).view(-1, 1)
-    kb = torch.arange(cls.shape[-1]).view(1, -1)
-    past = kb * tables.block_N > (qb + 1) * tables.block_M - 1
-    assert past.any() and torch.equal(cls, torch.where(past, EMPTY, PARTIAL).to(cls).expand_as(cls))
-    other = {n: t.flip(-1) for n, t in customs.items()}  # other data: the same tables
-    assert all(torch.equal(a, b) for a, b in zip(tables.get(other, cpu), tables.get(customs, cpu),
-                                                 strict=True))
-    monkeypatch.setattr(mask_tables, "capturing", lambda device: False)
-    assert all(torch.equal(a, eager[n]) for n, a in tables.named(customs, cpu).items())
+def _all_tables(mod) -> list:
+    bk = mod.backward_kernels()
+    return [t for t in (mod.forward_kernel().tables, bk.tables, bk.dq_tables) if t is not None]
 
 
-def test_a_captured_data_mask_without_index_bounds_is_partial_everywhere(monkeypatch):
-    tables, customs = _tables("document_prefix")  # a prefix end per query: any key may be seen
-    monkeypatch.setattr(mask_tables, "capturing", lambda device: True)
-    assert (tables.named(customs, torch.device("cpu"))["Cls"] == PARTIAL).all()
+def _other_documents(customs: dict) -> dict:
+    """The documents cut elsewhere: ids shifted by a third of the sequence."""
+    return {n: t.roll(SIZES["seqlen_q"] // 3, dims=-1) for n, t in customs.items()}
+
+
+@pytest.mark.parametrize("name", ["document", "document_prefix"])
+def test_a_captured_data_mask_is_classified_from_the_data_it_is_given(name, monkeypatch):
+    mod, customs = _module(name)
+    other = _other_documents(customs)
+    for tables in _all_tables(mod):
+        want = [tables.named(d, CPU) for d in (customs, other)]
+        assert any(not torch.equal(want[0][n], want[1][n]) for n in want[0])
+        cached = len(tables._cache)
+        monkeypatch.setattr(mask_tables, "capturing", lambda device: True)
+        for d, w in zip((customs, other), want, strict=True):
+            got = tables.named(d, CPU)
+            assert all(torch.equal(got[n], w[n]) for n in w if n != "Walk")
+        assert len(tables._cache) == cached, "a capture's tables are not kept"
+        if "Walk" in want[0]:  # the deal made before the capture, for any data
+            assert torch.equal(tables.named(customs, CPU)["Walk"], tables._any_data_walk[CPU])
+        monkeypatch.setattr(mask_tables, "capturing", lambda device: False)
+
+
+@pytest.mark.parametrize("name", ["document", "document_prefix"])
+def test_a_captured_classification_stays_on_the_device(name, monkeypatch):
+    mod, customs = _module(name)
+    on_meta = {n: t.to(META) for n, t in customs.items()}
+    for tables in _all_tables(mod):
+        monkeypatch.setattr(mask_tables, "capturing", lambda device: False)
+        want = tables.named(customs, CPU)
+        monkeypatch.setattr(mask_tables, "capturing", lambda device: True)
+        got = tables.named(on_meta, META)
+        assert all(t.device == META for t in got.values())
+        assert [(n, t.shape, t.dtype) for n, t in got.items()] == \
+            [(n, t.shape, t.dtype) for n, t in want.items()]
 
 
 def test_an_index_only_mask_keeps_its_tables_when_captured(monkeypatch):
-    tables, customs = _tables("softmax_causal")
-    cpu = torch.device("cpu")
-    eager = tables.named(customs, cpu)
+    mod, customs = _module("softmax_causal")
+    tables = mod.forward_kernel().tables
+    eager = tables.get(customs, CPU)
     monkeypatch.setattr(mask_tables, "capturing", lambda device: True)
-    assert all(torch.equal(a, eager[n]) for n, a in tables.named(customs, cpu).items())
-    assert (eager["Cls"] == EMPTY).any()
+    assert tables.get(customs, CPU) is eager

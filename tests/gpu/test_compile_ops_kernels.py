@@ -13,6 +13,7 @@ from engine.reference.executor import rel_err
 from engine.runtime.ops import attention_backward, attention_forward
 from engine.variants import VARIANTS
 from tests import small_transformer
+from tests.gpu.test_cuda_graphs_kernels import _documents
 
 pytestmark = pytest.mark.gpu
 
@@ -46,7 +47,7 @@ def test_compiled_module_matches_eager(name):
 
 
 
-@pytest.mark.parametrize("name", ["softmax_causal", "gemma2", "alibi"])
+@pytest.mark.parametrize("name", ["softmax_causal", "gemma2", "alibi", "document_prefix"])
 def test_reduce_overhead_replays_forward_and_backward(name):
     """mode="reduce-overhead" records the compiled forward and its backward as CUDA graphs.
     Its warm-up routes allocations into the graphs' pool, where the module's cached block
@@ -75,6 +76,8 @@ def test_reduce_overhead_replays_forward_and_backward(name):
         step(compiled)
     for seed in (6, 7):
         fresh = v.make_inputs(**SIZES, dtype=torch.bfloat16, device="cuda", seed=seed)
+        if "doc_ids" in fresh:  # other documents: the graph classifies their blocks
+            fresh.update(_documents(seed, fresh))
         with torch.no_grad():
             for n in names:
                 inp[n].copy_(fresh[n])

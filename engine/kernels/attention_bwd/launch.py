@@ -129,8 +129,8 @@ def transposed_tables(
     (a document mask's longest blocks start its documents, not the sequence)."""
     cls = bc.classes.clone()
     if seqlen_q % block_M:
-        last = cls[:, :, -1, :]
-        last[last == FULL] = PARTIAL
+        last = cls[:, :, -1, :]  # where, not a masked store: no read back inside a capture
+        last.copy_(torch.where(last == FULL, PARTIAL, last))
     clsT = cls.transpose(-1, -2).contiguous()
     lo, hi = BlockClasses(clsT, bc.block_N, block_M, bc.seqlen_kv, seqlen_q).loop_bounds()
     return lo, hi, clsT, torch.sort(lo - hi, dim=-1, stable=True).indices.to(torch.int32)
