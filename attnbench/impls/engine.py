@@ -282,9 +282,8 @@ class EngineFlexImpl(EngineImpl):
 class EngineCompiledImpl(EngineImpl):
     """The module inside torch.compile(fullgraph=True, mode="reduce-overhead"): its custom ops
     in one compiled graph, replayed as a CUDA graph (q, k, v and the custom tensors at static
-    addresses, so no input copies), timed beside `engine`. A mask that reads tensors runs
-    captured with tables for any data (engine.runtime.mask_tables: a replay cannot rebuild
-    them from new data), so its rows show what a CUDA graph costs it. The `bwd` mode (a
+    addresses, so no input copies), timed beside `engine`. A mask that reads tensors is
+    classified inside the graph (engine.runtime.mask_tables), which its rows include. The `bwd` mode (a
     backward replayed on a kept graph) does not apply to a CUDA graph."""
 
     name = "engine-compiled"

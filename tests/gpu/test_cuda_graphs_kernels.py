@@ -41,9 +41,10 @@ def _documents(seed: int, like: dict[str, torch.Tensor]) -> dict[str, torch.Tens
 
 @pytest.mark.parametrize("name", ["document", "document_prefix"])
 def test_a_mask_that_reads_tensors_replays_on_new_documents(name):
-    """Captured, a mask that reads tensors binds block tables that hold for any data
+    """Captured, a mask that reads tensors is classified inside the graph
     (engine.runtime.mask_tables): replayed on other documents, it matches eager calls, which
-    build the new documents' tables."""
+    build the new documents' tables on the host. (With the recorded documents' tables the
+    replays were 0.39-0.49 off in relative error, H200.)"""
     v = VARIANTS[name]
 
     def inputs(seed):
