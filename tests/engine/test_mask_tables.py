@@ -12,6 +12,7 @@ import torch
 
 from engine.runtime import mask_tables
 from engine.variants import get_variant
+from tests import table_spec
 
 SIZES = dict(batch=2, heads_q=4, heads_kv=4, seqlen_q=1000, seqlen_kv=1000, head_dim=64,
              head_dim_v=64)
@@ -19,6 +20,10 @@ CPU, META = torch.device("cpu"), torch.device("meta")
 
 
 def _module(name: str):
+    if name == "segments":  # tests/table_spec.py: a segment id per pair of positions
+        mod = table_spec.module(torch.bfloat16, 2, 4, 2, SIZES["seqlen_q"], 64)
+        data = table_spec.inputs(2, 4, SIZES["seqlen_q"], "cpu", torch.Generator().manual_seed(0))
+        return mod, {n: data[n] for n in mod.custom_io.names()}
     v = get_variant(name)
     mod = v.build(**SIZES, dtype=torch.bfloat16, backend="tilelang")
     data = v.make_inputs(**SIZES, dtype=torch.bfloat16, seed=0)
@@ -53,7 +58,7 @@ def test_a_captured_data_mask_is_classified_from_the_data_it_is_given(name, monk
         monkeypatch.setattr(mask_tables, "capturing", lambda device: False)
 
 
-@pytest.mark.parametrize("name", ["document", "document_prefix"])
+@pytest.mark.parametrize("name", ["document", "document_prefix", "segments"])
 def test_a_captured_classification_stays_on_the_device(name, monkeypatch):
     mod, customs = _module(name)
     on_meta = {n: t.to(META) for n, t in customs.items()}
