@@ -283,8 +283,8 @@ class EngineCompiledImpl(EngineImpl):
     """The module inside torch.compile(fullgraph=True, mode="reduce-overhead"): its custom ops
     in one compiled graph, replayed as a CUDA graph (q, k, v and the custom tensors at static
     addresses, so no input copies), timed beside `engine`. A mask that reads tensors is
-    classified inside the graph (engine.runtime.mask_tables), which its rows include. The `bwd` mode (a
-    backward replayed on a kept graph) does not apply to a CUDA graph."""
+    classified inside the graph (engine.runtime.mask_tables), which its rows include. The
+    `bwd` mode (a backward replayed on a kept graph) does not apply to a CUDA graph."""
 
     name = "engine-compiled"
     description = "the engine module under torch.compile(fullgraph=True, mode='reduce-overhead')"

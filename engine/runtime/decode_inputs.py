@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from engine.problem import Problem
+from engine.runtime.persistent import capturing
 
 
 def _tensor(name: str, t: object) -> torch.Tensor:
@@ -71,7 +72,7 @@ def check_decode_values(cache_seqlens: torch.Tensor, block_table: torch.Tensor |
                         seqlen_q: int, capacity: int, page_size: int, num_pages: int) -> None:
     """ValueError for a length outside [Sq, capacity] or a page index outside the cache
     (skipped while a CUDA graph is captured; the kernels clamp instead)."""
-    if cache_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+    if capturing(cache_seqlens.device):
         return
     lo, hi = int(cache_seqlens.min()), int(cache_seqlens.max())
     if lo < seqlen_q or hi > capacity:

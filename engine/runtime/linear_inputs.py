@@ -10,6 +10,7 @@ import torch
 
 from engine.problem import LinearProblem
 from engine.runtime.arg_checks import check_meta_tensors, check_placement, expect_tensor
+from engine.runtime.persistent import capturing
 
 LAYOUT = "runtime layout [B, H, T, D]"
 
@@ -82,7 +83,7 @@ def _check_offsets(cu_seqlens: Any, B: int, device: torch.device) -> int:
 def check_offset_values(cu_seqlens: torch.Tensor, T: int) -> None:
     """cu_seqlens starts at 0, ends at T and never decreases (reads the values back: a host
     synchronisation, skipped while a CUDA graph is captured)."""
-    if cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+    if capturing(cu_seqlens.device):
         return
     first, last = int(cu_seqlens[0]), int(cu_seqlens[-1])
     if first != 0 or last != T:

@@ -23,7 +23,7 @@ import torch
 from engine.dsl.expr import Expr
 from engine.mask.analysis import BlockClasses, classify, reads_data
 from engine.plan.shape import KernelShape
-from engine.runtime.persistent import kept
+from engine.runtime.persistent import capturing, kept
 
 # Bounded: a stream of fresh id tensors must not grow memory.
 MAX_DATA_ENTRIES = 8
@@ -60,8 +60,8 @@ class MaskTables:
             if self.extra is not None and device not in self._any_data_walk:
                 # before any capture (a capture may not copy from the host): on the first
                 # call, which a capture's warm-up makes
-                self._any_data_walk[device] = kept(lambda: self._walk_for_any_data(device),
-                                                   device)
+                # ({}: the mask's tensors unknown; the walk is the last table)
+                self._any_data_walk[device] = kept(lambda: self._build({}, device)[-1], device)
             if capturing(device):
                 return self._build(customs, device, in_graph=True)  # not kept: per replay
             key = (device, *((n, t.data_ptr(), t._version, tuple(t.shape))
@@ -89,21 +89,10 @@ class MaskTables:
         # a blocking copy: the tables are on the device before the caller's kernels read them
         return tuple(t.contiguous().to(device) for t in tables)
 
-    def _walk_for_any_data(self, device: torch.device) -> torch.Tensor:
-        s = self.shape
-        bc = classify(self.mask, s.batch, s.heads_q, s.seqlen_q, s.seqlen_kv, self.block_M,
-                      self.block_N, {}, self.stride)  # {}: the mask's tensors unknown
-        return self.extra(dict(zip(self.names, self.layout(bc), strict=False))).to(device)
-
     def named(self, customs: dict[str, torch.Tensor], device: torch.device
               ) -> dict[str, torch.Tensor]:
         """The tables by the names of the kernel parameters they bind to."""
         return dict(zip(self.names, self.get(customs, device), strict=True))
-
-
-def capturing(device: torch.device) -> bool:
-    """Whether the current stream of `device` is capturing a CUDA graph."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 FORWARD_TABLES = ("Lo", "Hi", "Cls")

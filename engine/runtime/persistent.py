@@ -20,12 +20,17 @@ T = TypeVar("T")
 _BUILDER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-persistent")
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether the current stream of `device` is capturing a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def kept(build: Callable[[], T], device: torch.device | str) -> T:
     """build() for state the module keeps on `device`: off the calling thread on a CUDA device
     (inline elsewhere, and inside a stream capture, whose own allocations belong to its
     graph)."""
     device = torch.device(device)
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    if device.type != "cuda" or capturing(device):
         return build()
     stream = torch.cuda.current_stream(device)
 

@@ -126,3 +126,18 @@ def check_gradients(monkeypatch, mod, ref_mod, leaves: list, n_wrt: int,
     for what, a, w in zip(names, got, want, strict=True):
         assert not torch.isnan(a).any(), f"{what} has NaN"
         assert rel_err(a, w) < 2e-2, f"{what}: relative error {rel_err(a, w):.3e}"
+
+
+def documents(seed: int, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Document ids (and prefix ends, where the variant has them) at random boundaries, in the
+    layout and dtype of `like`'s: other blocks empty, partial and full than the library's."""
+    g = torch.Generator().manual_seed(seed)
+    B, S = like["doc_ids"].shape
+    ids, ends = torch.zeros(B, S), torch.zeros(B, S)
+    for b in range(B):
+        cuts = sorted(torch.randperm(S - 2, generator=g)[:4].add(1).tolist())
+        for a, z in zip([0, *cuts], [*cuts, S], strict=True):
+            ids[b, a:] += 1
+            ends[b, a:z] = a + max(1, (z - a) // 4)
+    out = {"doc_ids": ids, "prefix_end": ends}
+    return {n: out[n].to(like[n]) for n in like if n in out}

@@ -13,7 +13,7 @@ from engine.reference.executor import rel_err
 from engine.runtime.ops import attention_backward, attention_forward
 from engine.variants import VARIANTS
 from tests import small_transformer
-from tests.gpu.test_cuda_graphs_kernels import _documents
+from tests.gpu.cases import documents
 
 pytestmark = pytest.mark.gpu
 
@@ -77,7 +77,7 @@ def test_reduce_overhead_replays_forward_and_backward(name):
     for seed in (6, 7):
         fresh = v.make_inputs(**SIZES, dtype=torch.bfloat16, device="cuda", seed=seed)
         if "doc_ids" in fresh:  # other documents: the graph classifies their blocks
-            fresh.update(_documents(seed, fresh))
+            fresh.update(documents(seed, fresh))
         with torch.no_grad():
             for n in names:
                 inp[n].copy_(fresh[n])

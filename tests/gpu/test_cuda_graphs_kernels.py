@@ -10,6 +10,7 @@ import torch
 
 from engine.reference.executor import rel_err
 from engine.variants import VARIANTS
+from tests.gpu.cases import documents
 
 pytestmark = pytest.mark.gpu
 
@@ -24,21 +25,6 @@ def test_forward_and_backward_replay_in_a_cuda_graph(name):
                                                       device="cuda", seed=seed))
 
 
-def _documents(seed: int, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Document ids (and prefix ends, where the variant has them) at random boundaries, in the
-    layout and dtype of `like`'s: other blocks empty, partial and full than the library's."""
-    g = torch.Generator().manual_seed(seed)
-    B, S = like["doc_ids"].shape
-    ids, ends = torch.zeros(B, S), torch.zeros(B, S)
-    for b in range(B):
-        cuts = sorted(torch.randperm(S - 2, generator=g)[:4].add(1).tolist())
-        for a, z in zip([0, *cuts], [*cuts, S], strict=True):
-            ids[b, a:] += 1
-            ends[b, a:z] = a + max(1, (z - a) // 4)
-    out = {"doc_ids": ids, "prefix_end": ends}
-    return {n: out[n].to(like[n]) for n in like if n in out}
-
-
 @pytest.mark.parametrize("name", ["document", "document_prefix"])
 def test_a_mask_that_reads_tensors_replays_on_new_documents(name):
     """Captured, a mask that reads tensors is classified inside the graph
@@ -49,7 +35,7 @@ def test_a_mask_that_reads_tensors_replays_on_new_documents(name):
 
     def inputs(seed):
         inp = v.make_inputs(**SIZES, dtype=torch.bfloat16, device="cuda", seed=seed)
-        return inp if seed == 1 else {**inp, **_documents(seed, inp)}
+        return inp if seed == 1 else {**inp, **documents(seed, inp)}
 
     _replays_like_eager(v, inputs)
 
