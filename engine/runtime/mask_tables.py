@@ -23,6 +23,7 @@ import torch
 from engine.dsl.expr import Expr
 from engine.mask.analysis import BlockClasses, classify, reads_data
 from engine.plan.shape import KernelShape
+from engine.runtime.fused import fuse, signature
 from engine.runtime.persistent import capturing, kept
 
 # Bounded: a stream of fresh id tensors must not grow memory.
@@ -48,6 +49,8 @@ class MaskTables:
     _cache: dict[Any, tuple[torch.Tensor, ...]] = field(default_factory=dict)
     # per device: the persistent walk's deal for any data, what a capture binds
     _any_data_walk: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+    # a data mask's classification on a GPU, compiled per signature of its tensors
+    _fused: dict[tuple, Callable] = field(default_factory=dict)
 
     @cached_property
     def data_dependent(self) -> bool:
@@ -57,11 +60,7 @@ class MaskTables:
     def get(self, customs: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, ...]:
         key: Any = device  # hashable; its text per call cost host time
         if self.data_dependent:
-            if self.extra is not None and device not in self._any_data_walk:
-                # before any capture (a capture may not copy from the host): on the first
-                # call, which a capture's warm-up makes
-                # ({}: the mask's tensors unknown; the walk is the last table)
-                self._any_data_walk[device] = kept(lambda: self._build({}, device)[-1], device)
+            self._prepare_capture(customs, device)
             if capturing(device):
                 return self._build(customs, device, in_graph=True)  # not kept: per replay
             key = (device, *((n, t.data_ptr(), t._version, tuple(t.shape))
@@ -74,20 +73,49 @@ class MaskTables:
         self._cache[key] = out
         return out
 
+    def _prepare_capture(self, customs: dict[str, torch.Tensor], device: torch.device) -> None:
+        """What a capture of a data mask binds or calls, made on a call before it (a capture's
+        first call would copy from the host or compile: a warm-up makes it)."""
+        if self.extra is not None and device not in self._any_data_walk:
+            # ({}: the mask's tensors unknown; the walk is the last table)
+            self._any_data_walk[device] = kept(lambda: self._build({}, device)[-1], device)
+        if device.type == "cuda" and not capturing(device) \
+                and (key := signature(customs)) not in self._fused:
+            self._fused[key] = kept(lambda: fuse(lambda cs: self._layout(cs, device), customs),
+                                    device)
+
     def _build(self, customs: dict[str, torch.Tensor], device: torch.device,
                in_graph: bool = False) -> tuple[torch.Tensor, ...]:
         """The tables, classified on the host, or (`in_graph`) on `device` inside a capture."""
-        s = self.shape
-        bc = classify(self.mask, s.batch, s.heads_q, s.seqlen_q, s.seqlen_kv, self.block_M,
-                      self.block_N, customs if self.data_dependent else None, self.stride,
-                      device=device if in_graph else "cpu")
-        layout = self.layout(bc)
-        tables = [t.expand(s.mask_batch, s.mask_heads, *t.shape[2:]) for t in layout]
+        layout = self._fused_layout(customs, device) if in_graph \
+            else self._layout(customs, torch.device("cpu"))
+        tables = list(layout)
         if self.extra is not None:
             tables.append(self._any_data_walk[device] if in_graph
                           else self.extra(dict(zip(self.names, layout, strict=False))))
         # a blocking copy: the tables are on the device before the caller's kernels read them
-        return tuple(t.contiguous().to(device) for t in tables)
+        return tuple(t.to(device) for t in tables)
+
+    def _fused_layout(self, customs: dict[str, torch.Tensor], device: torch.device
+                      ) -> tuple[torch.Tensor, ...]:
+        """_layout on `device`, on a GPU by one compiled function (a few fused kernels: each
+        small kernel is a node a graph replays), compiled by _prepare_capture."""
+        if device.type != "cuda":
+            return self._layout(customs, device)
+        fused = self._fused.get(signature(customs))
+        # op by op where no call came before the capture
+        return fused(customs) if fused else self._layout(customs, device)
+
+    def _layout(self, customs: dict[str, torch.Tensor], device: torch.device
+                ) -> tuple[torch.Tensor, ...]:
+        """The layout's tables (all but the walk), classified on `device`, each expanded to
+        the shape's leading (mask_batch, mask_heads) dims."""
+        s = self.shape
+        bc = classify(self.mask, s.batch, s.heads_q, s.seqlen_q, s.seqlen_kv, self.block_M,
+                      self.block_N, customs if self.data_dependent else None, self.stride,
+                      device=device)
+        return tuple(t.expand(s.mask_batch, s.mask_heads, *t.shape[2:]).contiguous()
+                     for t in self.layout(bc))
 
     def named(self, customs: dict[str, torch.Tensor], device: torch.device
               ) -> dict[str, torch.Tensor]:
