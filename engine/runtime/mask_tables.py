@@ -81,8 +81,9 @@ class MaskTables:
             self._any_data_walk[device] = kept(lambda: self._build({}, device)[-1], device)
         if device.type == "cuda" and not capturing(device) \
                 and (key := signature(customs)) not in self._fused:
-            self._fused[key] = kept(lambda: fuse(lambda cs: self._layout(cs, device), customs),
-                                    device)
+            fused = kept(lambda: fuse(lambda cs: self._layout(cs, device), customs), device)
+            kept(lambda: fused(customs), device)  # loads its kernels: a capture may not
+            self._fused[key] = fused
 
     def _build(self, customs: dict[str, torch.Tensor], device: torch.device,
                in_graph: bool = False) -> tuple[torch.Tensor, ...]:
