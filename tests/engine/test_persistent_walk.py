@@ -23,35 +23,51 @@ def _module(name: str, dynamic: bool = False, **shape):
     return mod
 
 
-def _dealt(mod) -> tuple[list[list[int]], torch.Tensor]:
-    """Each block's tiles (grid numbers) from the forward's Walk table, and the key blocks of
-    every tile (batch, head, query block)."""
+def _dealt(mod, deal: str = "on_host") -> tuple[list[list[int]], torch.Tensor]:
+    """Each block's tiles (grid numbers) from the forward's Walk table, dealt by WalkTable's
+    `deal`, and the key blocks of every tile (batch, head, query block)."""
     fk = mod.forward_kernel()
     tables = fk.tables.named({}, torch.device("cpu"))
-    table, s = tables["Walk"].tolist(), fk.shape
+    table, s = getattr(fk.tables.extra, deal)(tables).tolist(), fk.shape
     blocks = min(132, -(-s.seqlen_q // 128) * s.heads_q * s.batch)
+    assert table[blocks] == len(table) - blocks - 1, "the offsets end at the tile count"
     own = [table[blocks + 1 + table[p]:blocks + 1 + table[p + 1]] for p in range(blocks)]
     keys = (tables["Hi"] - tables["Lo"]).expand(s.batch, s.heads_q, -1)
     return own, keys
 
 
+@pytest.mark.parametrize("deal", ["on_host", "on_device"])
 @pytest.mark.parametrize("name,shape", [
     ("softmax_causal", {}),
     ("softmax_causal", dict(batch=3, heads_q=8, heads_kv=2, seqlen_q=3000, seqlen_kv=3000)),
     ("sliding_window", dict(batch=2, seqlen_q=4096, seqlen_kv=4096)),
     ("softmax_causal", dict(batch=1, heads_q=2, heads_kv=2, seqlen_q=1024, seqlen_kv=1024)),
 ])
-def test_every_tile_dealt_once_and_blocks_balanced(name, shape):
-    own, keys = _dealt(_module(name, **shape))
+def test_every_tile_dealt_once_and_blocks_balanced(name, shape, deal):
+    own, keys = _dealt(_module(name, **shape), deal)
     tiles = [t for mine in own for t in mine]
     assert sorted(tiles) == list(range(keys.numel())), "each tile exactly once"
     cost = keys.reshape(-1) + walk.TILE_OVERHEAD_BLOCKS
     work = [sum(int(cost[t]) for t in mine) for mine in own]
-    # each block's last tile went to it while it was the least loaded
+    # host: each block's last tile went to it while it was the least loaded; device: a
+    # round's tiles are no longer than the last round's, and the turn evens each pair out
     mean = sum(work) / len(work)
     assert max(work) <= mean + int(cost.max()), work
     if len(tiles) > 12 * len(own):  # many tiles a block: evened out
         assert max(work) <= 1.02 * mean, work
+
+
+def test_the_device_deal_walks_each_block_section_by_section_longest_first():
+    """16k, D 128, 16 heads: four sections of four heads (as the host's deal); each block's
+    tiles in section order, longest first within one."""
+    mod = _module("softmax_causal")
+    own, keys = _dealt(mod, "on_device")
+    cost = keys.reshape(-1)
+    per_section = 4 * 128
+    for mine in own:
+        order = [(t // per_section, -int(cost[t])) for t in mine]
+        assert order == sorted(order)
+    assert {t // per_section for t in own[0]} == {0, 1, 2, 3}
 
 
 def test_causal_tiles_go_longest_first_within_l2_sections():

@@ -4,7 +4,6 @@ first use, called by name with the mask's tables and freshly allocated outputs."
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
@@ -54,7 +53,7 @@ def build_forward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig) -> Fo
     extra = None
     if walk.walks_table(kspec, tiled, cfg):
         blocks, _ = walk.static_blocks(tiled, cfg.block_M)
-        extra, names = partial(walk.walk_table, shape=tiled, blocks=blocks), (*names, "Walk")
+        extra, names = walk.WalkTable(tiled, blocks), (*names, "Walk")
     tables = MaskTables(kspec.mask, tiled, cfg.block_M, cfg.block_N, layout, names,
                         fold.stride if fold else 1, extra=extra)
     return ForwardKernel(shape, cfg, Kernel(generate_forward(spec, shape, cfg)), tables,

@@ -76,22 +76,78 @@ def l2_section(heads: int, group: int, kv_head_bytes: int, budget: int | None = 
     return max(d for d in range(1, heads + 1) if heads % d == 0 and d <= fit)
 
 
+@dataclass(frozen=True)
+class WalkTable:
+    """The `Walk` table at a tiled shape, from the forward's mask tables: an index-only mask's
+    dealt once on the host, a data mask's where its tables are built (engine.runtime.
+    mask_tables)."""
+
+    shape: KernelShape
+    blocks: int
+
+    def on_host(self, tables: dict[str, torch.Tensor]) -> torch.Tensor:
+        return walk_table(tables, self.shape, self.blocks)
+
+    def on_device(self, tables: dict[str, torch.Tensor]) -> torch.Tensor:
+        return snake_table(tables, self.shape, self.blocks)
+
+
 def walk_table(tables: dict[str, torch.Tensor], shape: KernelShape, blocks: int
                ) -> torch.Tensor:
     """Each block's tiles (grid numbers), int32: blocks + 1 offsets, then the tiles, block by
-    block. `tables`: the forward's mask tables of the tiled `shape` (its key ranges Lo, Hi)."""
+    block. `tables`: the forward's mask tables of the tiled `shape` (its key ranges Lo, Hi).
+    On the host: each tile in turn to the block that would be free first."""
+    cost, number = _costs(tables, shape)
+    order = cost[number].argsort(dim=-1, descending=True, stable=True)
+    tiles = number.gather(-1, order).reshape(-1)
+    return _deal(tiles.tolist(), cost[tiles].tolist(), blocks)
+
+
+def snake_table(tables: dict[str, torch.Tensor], shape: KernelShape, blocks: int
+                ) -> torch.Tensor:
+    """walk_table's layout, dealt where the tables are (a data mask's, on the GPU, inside a
+    CUDA graph too) with no read back: the tiles of all sections longest first, round by
+    round to blocks 0 .. n-1 and back n-1 .. 0 (in a round each block takes one tile, and the
+    turn puts a round's longest after the last round's shortest: loads differ by at most one
+    tile), then each block's own tiles section by section, longest first. The counts per block
+    follow from the tile count alone."""
+    cost, number = _costs(tables, shape)
+    sections, per_section = number.shape
+    n, dev = number.numel(), cost.device
+    flat = number.reshape(-1)
+    longest = flat[cost[flat].argsort(descending=True, stable=True)]
+    j = torch.arange(n, device=dev)
+    turn, place = j // blocks, j % blocks
+    owner = torch.where(turn % 2 == 0, place, blocks - 1 - place)
+    section = longest // per_section
+    tiles = longest[((owner * sections + section) * n + j).argsort()]
+    return torch.cat([_snake_offsets(n, blocks, dev), tiles]).to(torch.int32)
+
+
+def _snake_offsets(n: int, blocks: int, device: torch.device) -> torch.Tensor:
+    """Where each block's tiles start in a snake deal of n tiles (and n at the end): every
+    block takes one tile a full round; the last, partial round reaches the first blocks
+    after an even number of full rounds, the last blocks after an odd one."""
+    rounds, left = divmod(n, blocks)
+    p = torch.arange(blocks + 1, device=device)
+    extra = torch.clamp(p, max=left) if rounds % 2 == 0 else torch.clamp(p - (blocks - left), min=0)
+    return p * rounds + extra
+
+
+def _costs(tables: dict[str, torch.Tensor], shape: KernelShape
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every tile's cost (key blocks and the tile's own) by grid number, and the grid numbers
+    [section, tile] in the walk's order: per section of heads that share L2, from the last
+    query block, heads fastest."""
     lo, hi = tables["Lo"], tables["Hi"]
     b, h = shape.batch, shape.heads_q
     cost = (hi - lo).expand(b, h, -1).to(torch.int64) + TILE_OVERHEAD_BLOCKS
     grid_q = cost.shape[-1]
     section = l2_section(h, h // shape.heads_kv,
                          shape.seqlen_kv * (shape.head_dim + shape.head_dim_v) * 2)
-    # per section: its tiles from the last query block, heads fastest, then longest first
-    number = torch.arange(b * h * grid_q).view(b, h // section, section, grid_q)
+    number = torch.arange(b * h * grid_q, device=cost.device).view(b, h // section, section, grid_q)
     number = number.flip(-1).transpose(-1, -2).reshape(-1, grid_q * section)
-    order = cost.reshape(-1)[number].argsort(dim=-1, descending=True, stable=True)
-    tiles = number.gather(-1, order).reshape(-1)
-    return _deal(tiles.tolist(), cost.reshape(-1)[tiles].tolist(), blocks)
+    return cost.reshape(-1), number
 
 
 def _deal(tiles: list[int], costs: list[int], blocks: int) -> torch.Tensor:
