@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, make_fx
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -38,3 +38,9 @@ def signature(tensors: dict[str, torch.Tensor]) -> tuple:
     """What a function compiled by `fuse` was specialised to (its cache key)."""
     return tuple((n, t.device, t.dtype, tuple(t.shape), t.stride())
                  for n, t in sorted(tensors.items()))
+
+
+def untraced():
+    """A context where tensors are made outside any trace `fuse` runs: the compiled function
+    reads them as constants."""
+    return disable_proxy_modes_tracing()

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any, Protocol
 
 import torch
 
 from engine.dsl.expr import Expr
+from engine.logs import log_once
 from engine.mask.analysis import BlockClasses, classify, reads_data
 from engine.plan.shape import KernelShape
 from engine.runtime.fused import fuse, signature
@@ -103,9 +104,21 @@ class MaskTables:
         if fused is None:
             if capturing(device):  # no call came before the capture: op by op
                 return self._classified(customs, device)
-            fused = fuse(lambda cs: self._classified(cs, device), customs)
+            fused = self._fuse(customs, device)
             self._fused[signature(customs)] = fused
         return fused(customs)
+
+    def _fuse(self, customs: dict[str, torch.Tensor], device: torch.device
+              ) -> Callable[[dict[str, torch.Tensor]], Tables]:
+        """The classification compiled, or op by op where the compiler fails on it (the same
+        tables, more kernels)."""
+        op_by_op = partial(self._classified, device=device)
+        try:
+            return fuse(op_by_op, customs)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure: the tables stay right
+            log_once(f"a data mask's block classification did not compile, so it runs op by op "
+                     f"(more kernels a call): {type(exc).__name__}: {str(exc)[:200]}")
+            return op_by_op
 
     def _classified(self, customs: dict[str, torch.Tensor], device: torch.device) -> Tables:
         layout = self._layout(customs, device)

@@ -13,13 +13,15 @@ reset between launches).
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.ir.spec import TracedSpec
 from engine.plan.config import H100_SMS, L2_SECTION_BYTES, KernelConfig
 from engine.plan.shape import KernelShape
+from engine.runtime.fused import untraced
+from engine.runtime.persistent import capturing
 
 # A tile's cost beyond its key blocks (its Q load, epilogue and store), in key blocks.
 TILE_OVERHEAD_BLOCKS = 1
@@ -84,12 +86,22 @@ class WalkTable:
 
     shape: KernelShape
     blocks: int
+    # per device: the snake deal's parts from the shape alone, made once and outside a trace
+    # (so a compiled classification reads them as constants, not as index arithmetic)
+    _orders: dict[torch.device, SnakeOrder] = field(default_factory=dict, compare=False)
 
     def on_host(self, tables: dict[str, torch.Tensor]) -> torch.Tensor:
         return walk_table(tables, self.shape, self.blocks)
 
     def on_device(self, tables: dict[str, torch.Tensor]) -> torch.Tensor:
-        return snake_table(tables, self.shape, self.blocks)
+        device = tables["Lo"].device
+        order = self._orders.get(device)
+        if order is None:
+            with untraced():
+                order = snake_order(self.shape, tables["Lo"].shape[-1], self.blocks, device)
+            if not capturing(device):  # a capture's tensors belong to its graph
+                self._orders[device] = order
+        return snake_table(tables, self.shape, self.blocks, order)
 
 
 def walk_table(tables: dict[str, torch.Tensor], shape: KernelShape, blocks: int
@@ -97,31 +109,52 @@ def walk_table(tables: dict[str, torch.Tensor], shape: KernelShape, blocks: int
     """Each block's tiles (grid numbers), int32: blocks + 1 offsets, then the tiles, block by
     block. `tables`: the forward's mask tables of the tiled `shape` (its key ranges Lo, Hi).
     On the host: each tile in turn to the block that would be free first."""
-    cost, number = _costs(tables, shape)
+    cost, number = _costs(tables, shape), walk_numbers(shape, tables["Lo"].shape[-1])
     order = cost[number].argsort(dim=-1, descending=True, stable=True)
     tiles = number.gather(-1, order).reshape(-1)
     return _deal(tiles.tolist(), cost[tiles].tolist(), blocks)
 
 
-def snake_table(tables: dict[str, torch.Tensor], shape: KernelShape, blocks: int
-                ) -> torch.Tensor:
+def snake_table(tables: dict[str, torch.Tensor], shape: KernelShape, blocks: int,
+                order: SnakeOrder | None = None) -> torch.Tensor:
     """walk_table's layout, dealt where the tables are (a data mask's, on the GPU, inside a
     CUDA graph too) with no read back: the tiles of all sections longest first, round by
     round to blocks 0 .. n-1 and back n-1 .. 0 (in a round each block takes one tile, and the
     turn puts a round's longest after the last round's shortest: loads differ by at most one
-    tile), then each block's own tiles section by section, longest first. The counts per block
-    follow from the tile count alone."""
-    cost, number = _costs(tables, shape)
+    tile), then each block's own tiles section by section, longest first. `order`: the
+    parts that follow from the shape alone (snake_order's), where made already."""
+    cost = _costs(tables, shape)
+    order = order or snake_order(shape, tables["Lo"].shape[-1], blocks, cost.device)
+    n = order.number.numel()
+    longest = order.number[cost[order.number].argsort(descending=True, stable=True)]
+    tiles = longest[(order.key + longest // order.per_section * n).argsort()]
+    return torch.cat([order.offsets, tiles]).to(torch.int32)
+
+
+@dataclass(frozen=True)
+class SnakeOrder:
+    """What a snake deal at a shape takes from the shape alone: the grid numbers in the
+    walk's order (per section of heads that share L2, from the last query block, heads
+    fastest), the sort key of the j-th longest tile but for its section (block, then j), the
+    sections' size in tiles, and the blocks' offsets."""
+
+    number: torch.Tensor
+    key: torch.Tensor
+    per_section: int
+    offsets: torch.Tensor
+
+
+def snake_order(shape: KernelShape, grid_q: int, blocks: int, device: torch.device
+                ) -> SnakeOrder:
+    """snake_table's parts that follow from the shape alone (`grid_q` query blocks)."""
+    number = walk_numbers(shape, grid_q, device)
     sections, per_section = number.shape
-    n, dev = number.numel(), cost.device
-    flat = number.reshape(-1)
-    longest = flat[cost[flat].argsort(descending=True, stable=True)]
-    j = torch.arange(n, device=dev)
+    n = number.numel()
+    j = torch.arange(n, device=device)
     turn, place = j // blocks, j % blocks
     owner = torch.where(turn % 2 == 0, place, blocks - 1 - place)
-    section = longest // per_section
-    tiles = longest[((owner * sections + section) * n + j).argsort()]
-    return torch.cat([_snake_offsets(n, blocks, dev), tiles]).to(torch.int32)
+    return SnakeOrder(number.reshape(-1), owner * sections * n + j, per_section,
+                      _snake_offsets(n, blocks, device))
 
 
 def _snake_offsets(n: int, blocks: int, device: torch.device) -> torch.Tensor:
@@ -134,20 +167,21 @@ def _snake_offsets(n: int, blocks: int, device: torch.device) -> torch.Tensor:
     return p * rounds + extra
 
 
-def _costs(tables: dict[str, torch.Tensor], shape: KernelShape
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every tile's cost (key blocks and the tile's own) by grid number, and the grid numbers
-    [section, tile] in the walk's order: per section of heads that share L2, from the last
-    query block, heads fastest."""
-    lo, hi = tables["Lo"], tables["Hi"]
+def _costs(tables: dict[str, torch.Tensor], shape: KernelShape) -> torch.Tensor:
+    """Every tile's cost (its key blocks and its own) by grid number."""
+    cost = (tables["Hi"] - tables["Lo"]).expand(shape.batch, shape.heads_q, -1)
+    return cost.to(torch.int64).reshape(-1) + TILE_OVERHEAD_BLOCKS
+
+
+def walk_numbers(shape: KernelShape, grid_q: int, device: torch.device | str = "cpu"
+                 ) -> torch.Tensor:
+    """The grid numbers [section, tile] in the walk's order (`grid_q` query blocks): per
+    section of heads that share L2, from the last query block, heads fastest."""
     b, h = shape.batch, shape.heads_q
-    cost = (hi - lo).expand(b, h, -1).to(torch.int64) + TILE_OVERHEAD_BLOCKS
-    grid_q = cost.shape[-1]
     section = l2_section(h, h // shape.heads_kv,
                          shape.seqlen_kv * (shape.head_dim + shape.head_dim_v) * 2)
-    number = torch.arange(b * h * grid_q, device=cost.device).view(b, h // section, section, grid_q)
-    number = number.flip(-1).transpose(-1, -2).reshape(-1, grid_q * section)
-    return cost.reshape(-1), number
+    number = torch.arange(b * h * grid_q, device=device).view(b, h // section, section, grid_q)
+    return number.flip(-1).transpose(-1, -2).reshape(-1, grid_q * section)
 
 
 def _deal(tiles: list[int], costs: list[int], blocks: int) -> torch.Tensor:
