@@ -125,9 +125,20 @@ def snake_table(tables: dict[str, torch.Tensor], shape: KernelShape, blocks: int
     parts that follow from the shape alone (snake_order's), where made already."""
     cost = _costs(tables, shape)
     order = order or snake_order(shape, tables["Lo"].shape[-1], blocks, cost.device)
-    n = order.number.numel()
     longest = order.number[cost[order.number].argsort(descending=True, stable=True)]
-    tiles = longest[(order.key + longest // order.per_section * n).argsort()]
+    section = longest // order.per_section
+    # where the j-th longest goes: its block's start, the block's tiles of earlier sections,
+    # and its section's tiles the block took in earlier rounds (no second sort)
+    one_hot = (section.unsqueeze(1) == torch.arange(order.sections, device=cost.device))
+    one_hot = one_hot.to(torch.int32)
+    grid = (one_hot[order.at_slot.clamp(min=0)] * (order.at_slot >= 0).unsqueeze(1).int())
+    grid = grid.view(-1, blocks, order.sections)  # [round, block, section]
+    earlier = (grid.cumsum(0) - grid).view(-1, order.sections)
+    taken = grid.sum(0)
+    before = taken.cumsum(1) - taken  # [block, section]
+    place = (order.offsets[order.owner] + before[order.owner, section]
+             + earlier[order.slot, section])
+    tiles = torch.empty_like(longest).scatter(0, place, longest)
     return torch.cat([order.offsets, tiles]).to(torch.int32)
 
 
@@ -135,12 +146,16 @@ def snake_table(tables: dict[str, torch.Tensor], shape: KernelShape, blocks: int
 class SnakeOrder:
     """What a snake deal at a shape takes from the shape alone: the grid numbers in the
     walk's order (per section of heads that share L2, from the last query block, heads
-    fastest), the sort key of the j-th longest tile but for its section (block, then j), the
-    sections' size in tiles, and the blocks' offsets."""
+    fastest), the section count and size in tiles, the j-th longest tile's block (`owner`)
+    and slot (round * blocks + block), each slot's j (-1 past the last), and the blocks'
+    offsets."""
 
     number: torch.Tensor
-    key: torch.Tensor
+    sections: int
     per_section: int
+    owner: torch.Tensor
+    slot: torch.Tensor
+    at_slot: torch.Tensor
     offsets: torch.Tensor
 
 
@@ -153,7 +168,10 @@ def snake_order(shape: KernelShape, grid_q: int, blocks: int, device: torch.devi
     j = torch.arange(n, device=device)
     turn, place = j // blocks, j % blocks
     owner = torch.where(turn % 2 == 0, place, blocks - 1 - place)
-    return SnakeOrder(number.reshape(-1), owner * sections * n + j, per_section,
+    slot = turn * blocks + owner
+    at_slot = torch.full((-(-n // blocks) * blocks,), -1, dtype=torch.int64, device=device)
+    at_slot[slot] = j
+    return SnakeOrder(number.reshape(-1), sections, per_section, owner, slot, at_slot,
                       _snake_offsets(n, blocks, device))
 
 
