@@ -76,3 +76,17 @@ def test_an_index_only_mask_keeps_its_tables_when_captured(monkeypatch):
     eager = tables.get(customs, CPU)
     monkeypatch.setattr(mask_tables, "capturing", lambda device: True)
     assert tables.get(customs, CPU) is eager
+
+
+def test_a_classification_the_compiler_refuses_runs_op_by_op(monkeypatch):
+    mod, customs = _module("document_prefix")
+    tables = mod.forward_kernel().tables
+
+    def refuse(fn, example):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(mask_tables, "fuse", refuse)
+    op_by_op = tables._fuse(customs, CPU)
+    want = tables.named(customs, CPU)
+    assert all(torch.equal(got, want[n]) for n, got in zip(tables.names, op_by_op(customs),
+                                                           strict=True))
