@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine.runtime import mask_tables
+from engine.runtime.fused import fuse
 from engine.variants import get_variant
 from tests import table_spec
 
@@ -90,3 +91,15 @@ def test_a_classification_the_compiler_refuses_runs_op_by_op(monkeypatch):
     want = tables.named(customs, CPU)
     assert all(torch.equal(got, want[n]) for n, got in zip(tables.names, op_by_op(customs),
                                                            strict=True))
+
+
+def test_the_compiled_classification_follows_the_data_it_is_given():
+    """engine.runtime.fused on the CPU (the GPU compiles the same graph to Triton): traced on
+    one set of documents, it gives the op-by-op tables, the walk's deal included, on those and
+    on documents cut elsewhere (nothing of the example's data is baked in)."""
+    mod, customs = _module("document_prefix")
+    tables = mod.forward_kernel().tables
+    compiled = fuse(lambda cs: tables._classified(cs, CPU), customs)
+    for d in (customs, _other_documents(customs)):
+        want = tables._classified(d, CPU)
+        assert all(torch.equal(g, w) for g, w in zip(compiled(d), want, strict=True))
