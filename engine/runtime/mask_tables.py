@@ -97,8 +97,9 @@ class MaskTables:
     def _device_tables(self, customs: dict[str, torch.Tensor], device: torch.device) -> Tables:
         """A data mask's tables, classified on `device` from its tensors; on a GPU by the
         function compiled on the first call outside a capture (its first run loads its
-        kernels, which a capture may not)."""
-        if device.type != "cuda":
+        kernels, which a capture may not). Op by op for a dynamic-shape module: its lengths
+        change from call to call, and a compile per length (1-3 s) would stall the caller."""
+        if device.type != "cuda" or self.shape.dynamic:
             return self._classified(customs, device)
         fused = self._fused.get(signature(customs))
         if fused is None:
