@@ -101,13 +101,12 @@ class MaskTables:
         change from call to call, and a compile per length (1-3 s) would stall the caller."""
         if device.type != "cuda" or self.shape.dynamic:
             return self._classified(customs, device)
-        fused = self._fused.get(signature(customs))
-        if fused is None:
+        key = signature(customs)
+        if key not in self._fused:
             if capturing(device):  # no call came before the capture: op by op
                 return self._classified(customs, device)
-            fused = self._fuse(customs, device)
-            self._fused[signature(customs)] = fused
-        return fused(customs)
+            self._fused[key] = self._fuse(customs, device)
+        return self._fused[key](customs)
 
     def _fuse(self, customs: dict[str, torch.Tensor], device: torch.device
               ) -> Callable[[dict[str, torch.Tensor]], Tables]:

@@ -116,22 +116,21 @@ def walk_table(tables: dict[str, torch.Tensor], shape: KernelShape, blocks: int
 
 
 def snake_table(tables: dict[str, torch.Tensor], shape: KernelShape, blocks: int,
-                order: SnakeOrder | None = None) -> torch.Tensor:
+                order: SnakeOrder) -> torch.Tensor:
     """walk_table's layout, dealt where the tables are (a data mask's, on the GPU, inside a
     CUDA graph too) with no read back: the tiles of all sections longest first, round by
     round to blocks 0 .. n-1 and back n-1 .. 0 (in a round each block takes one tile, and the
     turn puts a round's longest after the last round's shortest: loads differ by at most one
     tile), then each block's own tiles section by section, longest first. `order`: the
-    parts that follow from the shape alone (snake_order's), where made already."""
+    parts that follow from the shape alone (snake_order's)."""
     cost = _costs(tables, shape)
-    order = order or snake_order(shape, tables["Lo"].shape[-1], blocks, cost.device)
     longest = order.number[cost[order.number].argsort(descending=True, stable=True)]
     section = longest // order.per_section
     # where the j-th longest goes: its block's start, the block's tiles of earlier sections,
     # and its section's tiles the block took in earlier rounds (no second sort)
     one_hot = (section.unsqueeze(1) == torch.arange(order.sections, device=cost.device))
-    one_hot = one_hot.to(torch.int32)
-    grid = (one_hot[order.at_slot.clamp(min=0)] * (order.at_slot >= 0).unsqueeze(1).int())
+    # a zero row last, for the slots past the last tile
+    grid = torch.nn.functional.pad(one_hot.to(torch.int32), (0, 0, 0, 1))[order.at_slot]
     grid = grid.view(-1, blocks, order.sections)  # [round, block, section]
     earlier = (grid.cumsum(0) - grid).view(-1, order.sections)
     taken = grid.sum(0)
@@ -147,7 +146,7 @@ class SnakeOrder:
     """What a snake deal at a shape takes from the shape alone: the grid numbers in the
     walk's order (per section of heads that share L2, from the last query block, heads
     fastest), the section count and size in tiles, the j-th longest tile's block (`owner`)
-    and slot (round * blocks + block), each slot's j (-1 past the last), and the blocks'
+    and slot (round * blocks + block), each slot's j (n past the last), and the blocks'
     offsets."""
 
     number: torch.Tensor
@@ -169,7 +168,7 @@ def snake_order(shape: KernelShape, grid_q: int, blocks: int, device: torch.devi
     turn, place = j // blocks, j % blocks
     owner = torch.where(turn % 2 == 0, place, blocks - 1 - place)
     slot = turn * blocks + owner
-    at_slot = torch.full((-(-n // blocks) * blocks,), -1, dtype=torch.int64, device=device)
+    at_slot = torch.full((-(-n // blocks) * blocks,), n, dtype=torch.int64, device=device)
     at_slot[slot] = j
     return SnakeOrder(number.reshape(-1), sections, per_section, owner, slot, at_slot,
                       _snake_offsets(n, blocks, device))
