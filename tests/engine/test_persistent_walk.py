@@ -111,3 +111,14 @@ def test_data_mask_deals_each_batch_by_its_documents():
     ids[1, 512:] = 1  # in place: the tables (and the deal) are rebuilt
     again = fk.tables.named({"doc_ids": ids}, torch.device("cpu"))
     assert not torch.equal(again["Walk"], first["Walk"])
+
+
+@pytest.mark.parametrize("n,most", [(1, 0), (7, 3), (2048, 65), (4096, 129)])
+def test_longest_first_is_a_stable_descending_sort(n, most):
+    """The device deal's counting sort places each cost as a stable sort, longest first,
+    would (random costs with many ties, every level from 0 to `most`)."""
+    cost = torch.randint(0, most + 1, (n,), generator=torch.Generator().manual_seed(n))
+    rank = walk.longest_first(cost, most)
+    expected = torch.empty_like(rank)
+    expected[cost.argsort(descending=True, stable=True)] = torch.arange(n)
+    assert torch.equal(rank, expected)

@@ -53,7 +53,8 @@ def build_forward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig) -> Fo
     extra = None
     if walk.walks_table(kspec, tiled, cfg):
         blocks, _ = walk.static_blocks(tiled, cfg.block_M)
-        extra, names = walk.WalkTable(tiled, blocks), (*names, "Walk")
+        key_blocks = -(-tiled.seqlen_kv // cfg.block_N)
+        extra, names = walk.WalkTable(tiled, blocks, key_blocks), (*names, "Walk")
     tables = MaskTables(kspec.mask, tiled, cfg.block_M, cfg.block_N, layout, names,
                         fold.stride if fold else 1, extra=extra)
     return ForwardKernel(shape, cfg, Kernel(generate_forward(spec, shape, cfg)), tables,

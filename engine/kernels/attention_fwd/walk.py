@@ -86,6 +86,7 @@ class WalkTable:
 
     shape: KernelShape
     blocks: int
+    key_blocks: int  # a row's most key blocks (a tile's cost is at most key_blocks + 1)
     # per device: the snake deal's parts from the shape alone, made once and outside a trace
     # (so a compiled classification reads them as constants, not as index arithmetic)
     _orders: dict[torch.device, SnakeOrder] = field(default_factory=dict, compare=False)
@@ -101,7 +102,7 @@ class WalkTable:
                 order = snake_order(self.shape, tables["Lo"].shape[-1], self.blocks, device)
             if not capturing(device):  # a capture's tensors belong to its graph
                 self._orders[device] = order
-        return snake_table(tables, self.shape, self.blocks, order)
+        return snake_table(tables, self.shape, self.blocks, order, self.key_blocks)
 
 
 def walk_table(tables: dict[str, torch.Tensor], shape: KernelShape, blocks: int
@@ -116,15 +117,16 @@ def walk_table(tables: dict[str, torch.Tensor], shape: KernelShape, blocks: int
 
 
 def snake_table(tables: dict[str, torch.Tensor], shape: KernelShape, blocks: int,
-                order: SnakeOrder) -> torch.Tensor:
+                order: SnakeOrder, key_blocks: int) -> torch.Tensor:
     """walk_table's layout, dealt where the tables are (a data mask's, on the GPU, inside a
     CUDA graph too) with no read back: the tiles of all sections longest first, round by
     round to blocks 0 .. n-1 and back n-1 .. 0 (in a round each block takes one tile, and the
     turn puts a round's longest after the last round's shortest: loads differ by at most one
     tile), then each block's own tiles section by section, longest first. `order`: the
-    parts that follow from the shape alone (snake_order's)."""
-    cost = _costs(tables, shape)
-    longest = order.number[cost[order.number].argsort(descending=True, stable=True)]
+    parts that follow from the shape alone (snake_order's); `key_blocks`: a row's most."""
+    cost = _costs(tables, shape)[order.number]
+    rank = longest_first(cost, key_blocks + TILE_OVERHEAD_BLOCKS)
+    longest = torch.empty_like(order.number).scatter(0, rank, order.number)
     section = longest // order.per_section
     # where the j-th longest goes: its block's start, the block's tiles of earlier sections,
     # and its section's tiles the block took in earlier rounds (no second sort)
@@ -139,6 +141,18 @@ def snake_table(tables: dict[str, torch.Tensor], shape: KernelShape, blocks: int
              + earlier[order.slot, section])
     tiles = torch.empty_like(longest).scatter(0, place, longest)
     return torch.cat([order.offsets, tiles]).to(torch.int32)
+
+
+def longest_first(cost: torch.Tensor, most: int) -> torch.Tensor:
+    """Each cost's place in a stable sort, longest first, of `cost` (int, 0..`most`): a
+    counting sort, as a few fused kernels where a compiled sort of a few thousand took
+    longer than the rest of the tables (NOTES 169)."""
+    levels = torch.arange(most, -1, -1, device=cost.device).unsqueeze(1)
+    at = (cost.clamp(0, most).unsqueeze(0) == levels).to(torch.int32)  # [level, tile]
+    count = at.sum(1)
+    longer = count.cumsum(0) - count
+    before = at.cumsum(1) - at  # equal costs earlier in `cost`
+    return ((longer.unsqueeze(1) + before) * at).sum(0).to(torch.int64)
 
 
 @dataclass(frozen=True)
