@@ -134,13 +134,13 @@ def snake_table(tables: dict[str, torch.Tensor], shape: KernelShape, blocks: int
     # a zero row last, for the slots past the last tile
     grid = torch.nn.functional.pad(one_hot.to(torch.int32), (0, 0, 0, 1))[order.at_slot]
     grid = grid.view(-1, blocks, order.sections)  # [round, block, section]
-    earlier = (grid.cumsum(0) - grid).view(-1, order.sections)
-    taken = grid.sum(0)
-    before = taken.cumsum(1) - taken  # [block, section]
+    earlier = (grid.cumsum(0, dtype=torch.int32) - grid).view(-1, order.sections)
+    taken = grid.sum(0, dtype=torch.int32)
+    before = taken.cumsum(1, dtype=torch.int32) - taken  # [block, section]
     place = (order.offsets[order.owner] + before[order.owner, section]
              + earlier[order.slot, section])
-    tiles = torch.empty_like(longest).scatter(0, place, longest)
-    return torch.cat([order.offsets, tiles]).to(torch.int32)
+    tiles = torch.empty_like(longest).scatter(0, place.to(torch.int64), longest)
+    return torch.cat([order.offsets, tiles])
 
 
 def longest_first(cost: torch.Tensor, most: int) -> torch.Tensor:
@@ -149,9 +149,9 @@ def longest_first(cost: torch.Tensor, most: int) -> torch.Tensor:
     longer than the rest of the tables (NOTES 169)."""
     levels = torch.arange(most, -1, -1, device=cost.device).unsqueeze(1)
     at = (cost.clamp(0, most).unsqueeze(0) == levels).to(torch.int32)  # [level, tile]
-    count = at.sum(1)
-    longer = count.cumsum(0) - count
-    before = at.cumsum(1) - at  # equal costs earlier in `cost`
+    count = at.sum(1, dtype=torch.int32)
+    longer = count.cumsum(0, dtype=torch.int32) - count
+    before = at.cumsum(1, dtype=torch.int32) - at  # equal costs earlier in `cost`
     return ((longer.unsqueeze(1) + before) * at).sum(0).to(torch.int64)
 
 
@@ -184,8 +184,9 @@ def snake_order(shape: KernelShape, grid_q: int, blocks: int, device: torch.devi
     slot = turn * blocks + owner
     at_slot = torch.full((-(-n // blocks) * blocks,), n, dtype=torch.int64, device=device)
     at_slot[slot] = j
-    return SnakeOrder(number.reshape(-1), sections, per_section, owner, slot, at_slot,
-                      _snake_offsets(n, blocks, device))
+    # int32 values: inductor scatters int64 through an eager kernel (its atomics' limits)
+    return SnakeOrder(number.reshape(-1).to(torch.int32), sections, per_section, owner, slot,
+                      at_slot, _snake_offsets(n, blocks, device).to(torch.int32))
 
 
 def _snake_offsets(n: int, blocks: int, device: torch.device) -> torch.Tensor:
