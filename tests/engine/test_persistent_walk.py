@@ -118,7 +118,8 @@ def test_longest_first_is_a_stable_descending_sort(n, most):
     """The device deal's counting sort places each cost as a stable sort, longest first,
     would (random costs with many ties, every level from 0 to `most`)."""
     cost = torch.randint(0, most + 1, (n,), generator=torch.Generator().manual_seed(n))
-    rank = walk.longest_first(cost, most)
-    expected = torch.empty_like(rank)
+    expected = torch.empty_like(cost)
     expected[cost.argsort(descending=True, stable=True)] = torch.arange(n)
-    assert torch.equal(rank, expected)
+    assert torch.equal(walk.longest_first(cost, most), expected)
+    # past its cells (long rows), a sort: the same places
+    assert torch.equal(walk.longest_first(cost, most, cells=n * most), expected)

@@ -25,6 +25,8 @@ from engine.runtime.persistent import capturing
 
 # A tile's cost beyond its key blocks (its Q load, epilogue and store), in key blocks.
 TILE_OVERHEAD_BLOCKS = 1
+# The most [level, tile] counts the device deal's counting sort makes (16 MB of int32)
+COUNTING_CELLS = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -143,10 +145,15 @@ def snake_table(tables: dict[str, torch.Tensor], shape: KernelShape, blocks: int
     return torch.cat([order.offsets, tiles])
 
 
-def longest_first(cost: torch.Tensor, most: int) -> torch.Tensor:
+def longest_first(cost: torch.Tensor, most: int, cells: int = COUNTING_CELLS) -> torch.Tensor:
     """Each cost's place in a stable sort, longest first, of `cost` (int, 0..`most`): a
-    counting sort, as a few fused kernels where a compiled sort of a few thousand took
-    longer than the rest of the tables (NOTES 169)."""
+    counting sort, a few fused kernels, where a compiled sort of a few thousand took longer
+    than the rest of the tables (NOTES 168, 170); a sort where its [level, tile] counts would
+    pass `cells` (they grow with the tiles times a row's key blocks: 33 M at 128k)."""
+    if (most + 1) * cost.numel() > cells:
+        rank = torch.empty_like(cost)
+        order = cost.argsort(descending=True, stable=True)
+        return rank.scatter(0, order, torch.arange(cost.numel(), device=cost.device))
     levels = torch.arange(most, -1, -1, device=cost.device).unsqueeze(1)
     at = (cost.clamp(0, most).unsqueeze(0) == levels).to(torch.int32)  # [level, tile]
     count = at.sum(1, dtype=torch.int32)
