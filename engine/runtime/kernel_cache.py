@@ -12,9 +12,8 @@ from engine.dtypes import KERNEL_DTYPES, elem_bytes
 from engine.ir.merge import TracedMerge
 from engine.kernels.attention_bwd.launch import BackwardKernels
 from engine.kernels.attention_bwd.plan import (
-    NARROW_BLOCK_M,
     check_backward_config,
-    wants_narrow_rows,
+    step_rows_cap,
 )
 from engine.kernels.attention_decode.launch import DecodeKernels
 from engine.kernels.attention_decode.plan import DecodeConfig, DecodeShape
@@ -62,7 +61,8 @@ def forward_default(req: KernelRequest) -> KernelConfig:
 
 
 def backward_config(req: KernelRequest, config: KernelConfig | None = None,
-                    custom_grads: tuple[str, ...] = ()) -> KernelConfig:
+                    custom_grads: tuple[str, ...] = (), deterministic: bool = False
+                    ) -> KernelConfig:
     """`config`, else the module's backward config, else the tune file's, else the default
     (for the gradients of `custom_grads` too). The tuner times the backward without custom
     gradients, so its entry is passed over where they need narrower steps than it has, and
@@ -72,15 +72,16 @@ def backward_config(req: KernelRequest, config: KernelConfig | None = None,
     if cfg is None:
         cfg = tuned_config(req, ATTENTION_BWD, default_at=lambda shape: ATTENTION_BWD.default(
             p.head_dim, p.head_dim_v, spec=spec))
-        if cfg is not None and cfg.block_M > NARROW_BLOCK_M \
-                and wants_narrow_rows(spec, tuple(custom_grads)):
+        cap = step_rows_cap(spec, tuple(custom_grads))
+        if cfg is not None and cap is not None and cfg.block_M > cap:
             log.info("engine: tuned backward config %s has %d-row steps; the gradients of %s "
                      "take the default's narrower ones", cfg.key(), cfg.block_M,
                      ", ".join(custom_grads))
             cfg = None
     if cfg is None:
         return ATTENTION_BWD.default(p.head_dim, p.head_dim_v, spec=spec,
-                                     custom_grads=tuple(custom_grads))
+                                     custom_grads=tuple(custom_grads),
+                                     deterministic=deterministic)
     n_rows = len(spec.final_names) + int(spec.uses_doosum)
     return check_backward_config(cfg, p.head_dim, p.head_dim_v, n_rows=n_rows)
 
@@ -149,6 +150,6 @@ class KernelCache:
                                  f"{sorted(map(str, KERNEL_DTYPES))}")
             self._backward[key] = ATTENTION_BWD.build(req.spec, req.shape,
                                                       backward_config(req, config,
-                                                                      custom_grads),
+                                                                      custom_grads, det),
                                                       tuple(custom_grads), det)
         return self._backward[key]

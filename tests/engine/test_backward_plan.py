@@ -75,6 +75,26 @@ def test_step_and_reads_follow_the_spec():
         False, "rows", False, "atomic")
 
 
+def test_d64_takes_128_row_steps_with_the_finals_and_delta_in_the_ring():
+    """At D 64 the default step is 128 query rows where the warp-specialised schedule's ring
+    holds the finals and Delta (read there where used: in registers they spill), fused; not
+    in the deterministic mode (no ring: the automatic pipeline), not where a per-query read
+    makes the ring exceed shared memory, and not at D 128 (dK and dV leave no room)."""
+    def spec(name):
+        return VARIANTS[name].build(**SMALL, head_dim=64, head_dim_v=64, dtype=torch.bfloat16,
+                                    backend="tilelang").spec
+
+    wide = default_backward_config(64, 64, spec=spec("softmax"))
+    assert (wide.block_M, wide.block_N) == (128, 128)
+    plan = _plan("softmax", d=64, cfg=wide)
+    assert plan.warp_specialized and plan.rows_in_ring and not plan.split
+    assert default_backward_config(64, 64, spec=spec("softmax"), deterministic=True).block_M == 64
+    assert default_backward_config(64, 64, spec=spec("document")).block_M == 64
+    narrow = _plan("softmax")
+    assert narrow.config.block_M == 64 and not narrow.rows_in_ring and narrow.split
+    assert not _plan("softmax", d=64, cfg=wide, det=True).rows_in_ring
+
+
 def test_forced_decisions_are_checked_and_the_plan_is_frozen():
     with pytest.raises(ValueError, match="warp_specialized"):
         _plan("softmax", det=True, warp_specialized=True)
@@ -160,8 +180,9 @@ def test_table_gradients_are_summed_by_diagonals_where_a_constant_turns_ds_into_
     mod, g = _table_grad(lambda q, k: q - k + 7)
     assert g.ds_factor == pytest.approx(8.0)  # dS^T holds dS' * 0.125
     shape = KernelShape.of(mod)
-    assert plan_backward(mod.spec, shape, default_backward_config(64, 64), ("t",)
-                         ).diagonal_tables == (0,)
+    cfg = default_backward_config(64, 64, spec=mod.spec, custom_grads=("t",))
+    assert cfg.block_M == 64, "the table's gradient caps the step at 64 rows"
+    assert plan_backward(mod.spec, shape, cfg, ("t",)).diagonal_tables == (0,)
     # 128 x 128 tiles need 16 warps of lanes; a multiplying table's d/d read is the score
     assert diagonal_tables(_exprs(mod), KernelConfig(128, 128, 2, 256), False) == ()
     mod, g = _table_grad(None)

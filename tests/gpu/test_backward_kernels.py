@@ -55,6 +55,13 @@ NO_TAIL_VARIANTS = ["softmax_causal", "document", "document_prefix", "neighbourh
                     "alibi", "softcap", "rel_bias", "t5_bias", "key_gate"]
 CASES += [(name, dt, 2, 8, hkv, 1024, 1024, 128, 128)
           for name in NO_TAIL_VARIANTS for dt in (BF16, FP16) for hkv in (8, 2)]
+# D 64's 128-row steps at whole query blocks (finals and Delta by TMA into the ring, read
+# there; engine/kernels/attention_bwd/plan.py: ROWS_IN_RING_M), and the 64-row cap of custom
+# gradients (ALiBi's slopes, the T5 table's).
+CASES += [(name, dt, 2, 8, hkv, 1024, 1024, 64, 64)
+          for name in ("softmax", "softmax_causal", "gemma2", "softcap", "sliding_window",
+                       "document_prefix", "alibi", "t5_bias")
+          for dt in (BF16, FP16) for hkv in (8, 2)]
 # The head split at whole query blocks (its producer copies the per-query vectors by TMA)
 CASES += [(name, dt, 2, 8, hkv, 1024, 1024, D, Dv)
           for name, dt, hkv, D, Dv in [
@@ -68,7 +75,8 @@ CASES += [(name, dt, 2, 8, hkv, 1024, 1024, D, Dv)
 # At 1000 rows, and at 1024 where the head split (D 256) copies its vectors by TMA.
 DETERMINISTIC = [("softmax_causal", 2, 128), ("alibi", 2, 128), ("sigmoid", 2, 128),
                  ("softmax_causal", 8, 128), ("softmax_causal", 2, 256), ("gemma2", 8, 256),
-                 ("alibi", 2, 256), ("dilated", 2, 128), ("key_gate", 2, 128)]
+                 ("alibi", 2, 256), ("dilated", 2, 128), ("key_gate", 2, 128),
+                 ("softmax_causal", 2, 64)]
 DETERMINISTIC = [(*entry, 1000) for entry in DETERMINISTIC] + [("softmax_causal", 2, 256, 1024),
                                                                 ("alibi", 8, 256, 1024)]
 

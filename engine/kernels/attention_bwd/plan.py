@@ -26,11 +26,16 @@ from engine.plan.shape import KernelShape
 # Preference order for the main kernel. block_N = keys per thread block (rows of every
 # fragment), block_M = queries per inner step. The kernel holds dK and dV [block_N x D]
 # accumulators for the whole loop, so block_M stays small: at D = 128 and 256 threads,
-# 64 x 128 fits the 240 registers of a consumer (ptxas: no spills), 128 x 128 spills.
+# 64 x 128 fits the 240 registers of a consumer (ptxas: no spills), 128 x 128 spills. At
+# D 64, 128 x 128 fits with the finals and Delta read from the ring (rows_in_ring); it ran
+# the backward 11-13% faster than 64 x 128 (H200, B 4 x S 4k and B 1 x S 16k, 16 heads;
+# results/NOTES.md 172), and default_backward_config takes it where the warp-specialised
+# schedule does.
 # Last, the head-split schedule (gemm_policy FullCol: head_split_problems) for the head dims
 # whose dK/dV do not fit a key split (D = Dv = 256: (D + Dv) / 2 registers a thread); past
 # D 128 default_backward_config takes it first.
 PREFERENCE: tuple[KernelConfig, ...] = (
+    KernelConfig(block_M=128, block_N=128, num_stages=2, threads=256),
     KernelConfig(block_M=64, block_N=128, num_stages=2, threads=256),
     KernelConfig(block_M=32, block_N=128, num_stages=2, threads=256),
     KernelConfig(block_M=32, block_N=64, num_stages=2, threads=128),
@@ -57,11 +62,13 @@ def backward_resources(
     per = lambda n: -(-n // cfg.threads)  # noqa: E731 - ceil division
     # Peak live registers: dK and dV throughout, plus the larger of two phases (ptxas reuses
     # the tiles' registers): the elementwise phase (two live fp32 tiles, S^T/P^T and dP^T,
-    # and the 16-bit P^T and dS^T) and the dQ product (with dS^T's 16-bit copy).
-    # Checked with ptxas --resource-usage at D = 128: 64x128/256 threads and 64x64/128 threads
-    # (model 224) compile without spills; 128x128/256 threads (model 320) spills.
+    # and the 16-bit P^T, still read by the dV wgmma; dS^T's 16-bit values take the places
+    # of the fp32 ones they are made from) and the dQ product (with dS^T's 16-bit copy).
+    # Checked with ptxas --resource-usage: at D = 128, 64x128/256 threads and 64x64/128
+    # threads (model 208) compile without spills, 128x128/256 threads (model 288) spills; at
+    # D 64, 128x128/256 threads (model 224) does not, with the finals and Delta in the ring.
     regs = per(bN * (head_dim + head_dim_v)) + max(
-        3 * per(bN * bM),
+        5 * per(bN * bM) // 2,
         per(bM * head_dim) + per(bN * bM) // 2,
     )
     return {"smem_bytes": smem, "regs_per_thread": regs}
@@ -255,6 +262,16 @@ def wants_narrow_rows(spec: TracedSpec, custom_grads: tuple[str, ...]) -> bool:
     return bool(grads) and BackwardExprs(spec, grads).only_grads_read_score
 
 
+def step_rows_cap(spec: TracedSpec, custom_grads: tuple[str, ...]) -> int | None:
+    """The most query rows a step should take for the gradients of `custom_grads` (None: no
+    cap): NARROW_BLOCK_M where wants_narrow_rows; 64 where the kernels compute any, whose
+    per-step tiles and sums at 128 rows spilled 236-2102 bytes (ptxas at D 64: ALiBi's
+    slopes, sigmoid's and the bias tables' gradients; results/NOTES.md 172)."""
+    if wants_narrow_rows(spec, custom_grads):
+        return NARROW_BLOCK_M
+    return ROWS_IN_RING_M // 2 if kernel_custom_grads(spec, custom_grads) else None
+
+
 def kernel_custom_grads(spec: TracedSpec, custom_grads: tuple[str, ...]) -> tuple[str, ...]:
     """The gradients of `custom_grads` the kernels compute: not those that come from
     q . dQ afterwards (row_dot_grads)."""
@@ -268,21 +285,27 @@ def _without(custom_grads: tuple[str, ...], dots: tuple[RowDotGrad, ...]) -> tup
 
 def default_backward_config(head_dim: int, head_dim_v: int, elem_bytes: int = 2,
                             spec: TracedSpec | None = None,
-                            custom_grads: tuple[str, ...] = ()) -> KernelConfig:
-    """The first valid config of PREFERENCE (the same for every spec: the split/fused schedule,
-    not the tile, adapts to a spec's registers), the head-split ones first past D 128; the
-    first with at most NARROW_BLOCK_M query rows a step, if any, where only a gradient of
-    `custom_grads` reads `spec`'s raw score."""
+                            custom_grads: tuple[str, ...] = (),
+                            deterministic: bool = False) -> KernelConfig:
+    """The first valid config of PREFERENCE (the split/fused schedule, not the tile, adapts to
+    a spec's registers), the head-split ones first past D 128; steps of ROWS_IN_RING_M query
+    rows only where the schedule reads the finals and Delta from its ring (warp-specialised
+    for `spec`, not `deterministic`); the first with at most NARROW_BLOCK_M query rows a
+    step, if any, under step_rows_cap."""
+    n_vectors = 2 if spec is None else query_vectors(spec)
     valid = [c for c in PREFERENCE
-             if not backward_config_problems(c, head_dim, head_dim_v, elem_bytes)]
+             if not backward_config_problems(c, head_dim, head_dim_v, elem_bytes)
+             and (c.block_M < ROWS_IN_RING_M or ws_schedule_fits(
+                 c, head_dim, head_dim_v, elem_bytes, deterministic, n_vectors))]
     if separate_dq(head_dim, True, False):
         # Past D 128 the head-split schedule first: there its dQ comes from the dQ kernel and
         # its main kernel is warp-specialised. At D 192 / Dv 128 (B 2 x S 4k, 16 heads) its
         # backward ran 1.32 ms causal and 2.30 ms not, against 1.96 and 3.26 for the 32 x 128
         # key split (H100, same process; results/NOTES.md 114).
         valid.sort(key=lambda c: not head_split(c))
-    if spec is not None and wants_narrow_rows(spec, custom_grads):
-        valid = [c for c in valid if c.block_M <= NARROW_BLOCK_M] + valid
+    cap = None if spec is None else step_rows_cap(spec, custom_grads)
+    if cap is not None:
+        valid = [c for c in valid if c.block_M <= cap] + valid
     for cfg in valid:
         return cfg
     raise ConfigError(
@@ -387,6 +410,9 @@ class BackwardPlan:
     # The per-query hoisted reads bound to the ring's shared memory where the partial blocks
     # use them, not copied into registers each step (warp-specialised, two or more of them).
     q_reads_in_ring: bool
+    # The finals and Delta read where used from the ring's stage, not copied into registers
+    # each step (the warp-specialised key split, ROWS_IN_RING_M query rows a step or more).
+    rows_in_ring: bool
     preprocess: bool  # Delta = rowsum(dO * O) first: the spec's `bwd` reads doosum
     dq_config: KernelConfig | None  # the dQ kernel's (dq_layout "none")
     # Gradients of custom inputs that scale the raw score per (batch, head), from q . dQ
@@ -428,14 +454,26 @@ def single_axis(index: tuple) -> str | None:
     return None
 
 
-def warp_specialized_default(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
-                             deterministic: bool = False) -> bool:
-    """Warp-specialised where ws_schedule_fits, counting this spec's per-query vectors
-    (finals, Delta and, at most, every custom read indexed by the query alone)."""
+def query_vectors(spec: TracedSpec) -> int:
+    """The per-query vectors of `spec`'s backward ring: finals, Delta and, at most, every
+    custom read indexed by the query alone."""
     roots = [r for r in (spec.mask, spec.score_mod, spec.fwd_recompute, spec.bwd) if r is not None]
     by_query = {n.attr for n in leaves(roots) if n.op == "custom" and single_axis(n.attr[2]) == "q"}
-    n_vectors = len(spec.final_names) + int(spec.uses_doosum) + len(by_query)
-    return ws_schedule_fits(cfg, shape.head_dim, shape.head_dim_v, 2, deterministic, n_vectors)
+    return len(spec.final_names) + int(spec.uses_doosum) + len(by_query)
+
+
+def warp_specialized_default(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
+                             deterministic: bool = False) -> bool:
+    """Warp-specialised where ws_schedule_fits, counting this spec's per-query vectors."""
+    return ws_schedule_fits(cfg, shape.head_dim, shape.head_dim_v, 2, deterministic,
+                            query_vectors(spec))
+
+
+# Query rows a step from which the warp-specialised schedule reads the finals and Delta where
+# used from its ring's stage instead of copying them into registers: at 128 rows their
+# 32 values a thread each made ptxas spill 244 bytes at D 64 (the step 1.58x slower); at 64
+# rows the copy ran as fast at D 64 and 2% faster at D 128 (H200; results/NOTES.md 172).
+ROWS_IN_RING_M = 128
 
 
 def panel_default(shape: KernelShape, cfg: KernelConfig, warp_specialized: bool,
@@ -571,9 +609,12 @@ def plan_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
     # Split spills where S^T stays live beside the per-query vectors (soft-capping: 588 bytes,
     # 30% slower; a document id per query: 184 bytes, and fused ran 4% faster on the H100).
     n_q_reads = sum(h.axis == "q" for h in hoisted)
-    n_vectors = len(spec.final_names) + int(spec.uses_doosum) + n_q_reads
-    split = not split_heads and split_schedule_fits(cfg, shape.head_dim, shape.head_dim_v,
-                                                    n_vectors, ex.ds_reads_score)
+    rows_in_ring = warp_specialized and not split_heads and cfg.block_M >= ROWS_IN_RING_M
+    n_vectors = n_q_reads + len(spec.final_names) + int(spec.uses_doosum)
+    # At 128 rows split's three 64-register tiles beside dK and dV spilled even with the
+    # finals and Delta in the ring (ptxas at D 64: 72 bytes, causal 324); fused did not.
+    split = not split_heads and not rows_in_ring and split_schedule_fits(
+        cfg, shape.head_dim, shape.head_dim_v, n_vectors, ex.ds_reads_score)
     once = shape.heads_q == shape.heads_kv or heads_loop
     # In registers, two per-query vectors (a document id and a prefix end) made ptxas spill
     # 316 bytes and each block step take 6.9 us against causal's 2.5 (4.5 from the ring); one
@@ -588,7 +629,7 @@ def plan_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
         custom_grads=tuple(custom_grads),
         custom_reads=tuple((name, index) for name, index, _ in ex.dc_reads),
         hoisted=hoisted, diagonal_tables=diagonal_tables(ex, cfg, deterministic),
-        q_reads_in_ring=q_in_ring, preprocess=spec.uses_doosum,
+        q_reads_in_ring=q_in_ring, rows_in_ring=rows_in_ring, preprocess=spec.uses_doosum,
         dq_config=default_dq_config(shape.head_dim, shape.head_dim_v) if dq_kernel else None,
         row_dot_grads=dots, fold=fold,
     )

@@ -97,7 +97,7 @@ def frame(spec: TracedSpec, shape: KernelShape, plan: BackwardPlan) -> Frame:
                                            ring[0] if plan.q_reads_in_ring else None, q_block)
     finals, delta = row_vectors(spec, shape, f"qb * {d.bM}", head, q_block)
     bind, index_text = binder(shape, q_idx, kv_idx, {"rawscore": "sT", "dp": "dpT", "p": "pT"},
-                              "j", hoisted, h)
+                              "j", hoisted, h, ring[0] if plan.rows_in_ring else None)
     if plan.warp_specialized:
         (q_sh, do_sh), ds_sh, p_sh = _qdo_stage("k", st), "dsT_shared[k % 2, :, :]", \
             "pT_shared[k % 2, :, :]"
@@ -110,7 +110,8 @@ def frame(spec: TracedSpec, shape: KernelShape, plan: BackwardPlan) -> Frame:
         dk_regs=d.bN * d.D // cfg.threads, dv_regs=d.bN * d.Dv // cfg.threads,
         q_idx=q_idx, kv_idx=kv_idx, bind=bind,
         index_text=index_text, mask=mask_text(spec, bind, q_row, kv_row, shape),
-        finals=VectorGroup(tuple(finals), d.bM, ring), delta=VectorGroup(tuple(delta), d.bM, ring),
+        finals=VectorGroup(tuple(finals), d.bM, ring, in_registers=not plan.rows_in_ring),
+        delta=VectorGroup(tuple(delta), d.bM, ring, in_registers=not plan.rows_in_ring),
         by_kv=VectorGroup(tuple(by_kv), d.bN),
         by_q=VectorGroup(tuple(by_q), d.bM, ring, in_registers=not plan.q_reads_in_ring),
         q_sh=q_sh, do_sh=do_sh, ds_sh=ds_sh, p_sh=p_sh,

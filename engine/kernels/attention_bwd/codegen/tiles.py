@@ -45,11 +45,13 @@ def dims(shape: KernelShape, cfg: KernelConfig) -> Dims:
 
 
 def binder(shape: KernelShape, q_idx: str, kv_idx: str, tiles: dict[str, str], q_var: str,
-           hoisted: dict[tuple, str] | None = None, head: str = "by") -> tuple[Bind, dict]:
+           hoisted: dict[tuple, str] | None = None, head: str = "by",
+           rows_at: str | None = None) -> tuple[Bind, dict]:
     """Emitter binding for one frame: `q_idx`/`kv_idx` the index texts of the fragment element
     [i, j], `tiles` the fragments holding rawscore, dp and p, `q_var` the loop variable (i or
     j) that indexes the per-query register vectors; `hoisted` maps a custom read (name, index)
-    to the register-vector element that holds it; `head` the query head's text."""
+    to the register-vector element that holds it; `head` the query head's text; `rows_at`
+    the ring stage from which the finals and Delta are read (None: their register vectors)."""
     Sq, Skv = shape.seqlen_q, shape.seqlen_kv
     index_text = {"b": "bz", "h": head, "q": q_idx, "kv": kv_idx}
     clamp = {"q": f"T.min({q_idx}, {Sq - 1})", "kv": f"T.min({kv_idx}, {Skv - 1})"}
@@ -68,9 +70,9 @@ def binder(shape: KernelShape, q_idx: str, kv_idx: str, tiles: dict[str, str], q
         if node.op == "gather":
             return gather_text(node, bind, shape.dim_sizes)
         if node.op == "final":
-            return f"Fr_{node.attr}[{q_var}]"
+            return f"Fs_{node.attr}[{rows_at}, {q_var}]" if rows_at else f"Fr_{node.attr}[{q_var}]"
         if node.op == "doosum":
-            return f"Dr[{q_var}]"
+            return f"Ds[{rows_at}, {q_var}]" if rows_at else f"Dr[{q_var}]"
         return None
 
     return bind, index_text
