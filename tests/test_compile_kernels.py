@@ -151,6 +151,21 @@ def test_d256_backward_is_head_split_and_does_not_spill(name, heads_kv, D, Dv, t
         assert _spill_store_bytes(lowered_cuda(kernel_src), tmp_path) == 0
 
 
+def test_d64_backward_takes_128_row_steps_without_spills(tmp_path, monkeypatch):
+    """D 64's backward steps 128 query rows (the fused step) and reads the finals and Delta
+    from the ring where used: ptxas finds no spills (copied into registers, 32 values a thread
+    each, they spilled 244 bytes and the backward ran 1.58x as long: results/NOTES.md 172)."""
+    from engine.runtime.compile import lowered_cuda
+
+    monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
+    mod = _module("softmax_causal", D=64, Dv=64, seqlen_q=2048, seqlen_kv=2048)
+    bk = mod.backward_kernels()
+    assert (bk.config.block_M, bk.plan.rows_in_ring, bk.plan.split) == (128, True, False)
+    src = bk.main.source
+    assert "Fr_lse" not in src and "Fs_lse[k % 2, j]" in src and "Ds[k % 2, j]" in src
+    assert _spill_store_bytes(lowered_cuda(src), tmp_path) == 0
+
+
 def test_masked_tile_choice_follows_ptxas(tmp_path, monkeypatch):
     """The register model's calibration point: sliding window's partial blocks spill at 192 x
     128 on 384 threads (the tile it skips) and not at the tile it picks; at the variants suite's

@@ -71,7 +71,7 @@ def backward_config(req: KernelRequest, config: KernelConfig | None = None,
     cfg = config or req.options.backward_config
     if cfg is None:
         cfg = tuned_config(req, ATTENTION_BWD, default_at=lambda shape: ATTENTION_BWD.default(
-            p.head_dim, p.head_dim_v, spec=spec))
+            p.head_dim, p.head_dim_v, spec=spec, seqlen_q=shape["seqlen_q"]))
         cap = step_rows_cap(spec, tuple(custom_grads))
         if cfg is not None and cap is not None and cfg.block_M > cap:
             log.info("engine: tuned backward config %s has %d-row steps; the gradients of %s "
@@ -79,9 +79,11 @@ def backward_config(req: KernelRequest, config: KernelConfig | None = None,
                      ", ".join(custom_grads))
             cfg = None
     if cfg is None:
+        # dynamic shapes: one kernel for every length, so the length cannot pick the step
+        seqlen_q = None if req.options.dynamic_shapes else p.seqlen_q
         return ATTENTION_BWD.default(p.head_dim, p.head_dim_v, spec=spec,
                                      custom_grads=tuple(custom_grads),
-                                     deterministic=deterministic)
+                                     deterministic=deterministic, seqlen_q=seqlen_q)
     n_rows = len(spec.final_names) + int(spec.uses_doosum)
     return check_backward_config(cfg, p.head_dim, p.head_dim_v, n_rows=n_rows)
 

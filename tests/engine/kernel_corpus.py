@@ -40,6 +40,10 @@ SHAPES = {
                      head_dim=128, head_dim_v=128),
     "d64-cross": dict(batch=1, heads_q=4, heads_kv=4, seqlen_q=512, seqlen_kv=2048,
                       head_dim=64, head_dim_v=64),
+    # D 64 at a length where the backward's default steps are 128 query rows (the finals and
+    # Delta read from the ring; attention_bwd/plan.py: WIDE_STEP_MIN_SQ).
+    "d64-1024": dict(batch=1, heads_q=4, heads_kv=4, seqlen_q=1024, seqlen_kv=1024,
+                     head_dim=64, head_dim_v=64),
     "d256": dict(batch=1, heads_q=4, heads_kv=1, seqlen_q=1024, seqlen_kv=1024,
                  head_dim=256, head_dim_v=256),
     "dv64": dict(batch=1, heads_q=4, heads_kv=4, seqlen_q=777, seqlen_kv=777,
@@ -52,7 +56,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # (shape, dtype, every config or the first three): the tuner-space configs on the GQA shapes,
 # the others at the default config and two more.
 PROBLEMS = [("mha-1000", "bf16", False), ("gqa-1000", "bf16", True), ("gqa-4096", "bf16", True),
-            ("d64-cross", "bf16", False), ("d256", "bf16", False), ("dv64", "bf16", False),
+            ("d64-cross", "bf16", False), ("d64-1024", "bf16", False), ("d256", "bf16", False),
+            ("dv64", "bf16", False),
             ("gqa-1000", "fp16", False), ("vit", "bf16", False)]
 
 # KernelConfig fields: block_M, block_N, num_stages, threads, gemm_policy, swizzle_panel,

@@ -79,19 +79,27 @@ def test_d64_takes_128_row_steps_with_the_finals_and_delta_in_the_ring():
     """At D 64 the default step is 128 query rows where the warp-specialised schedule's ring
     holds the finals and Delta (read there where used: in registers they spill), fused; not
     in the deterministic mode (no ring: the automatic pipeline), not where a per-query read
-    makes the ring exceed shared memory, and not at D 128 (dK and dV leave no room)."""
+    makes the ring exceed shared memory, not at short rows (ViT's 197: two steps a key
+    block) and not at D 128 (dK and dV leave no room)."""
     def spec(name):
         return VARIANTS[name].build(**SMALL, head_dim=64, head_dim_v=64, dtype=torch.bfloat16,
                                     backend="tilelang").spec
 
-    wide = default_backward_config(64, 64, spec=spec("softmax"))
+    def rows(name="softmax", **kw):
+        return default_backward_config(64, 64, spec=spec(name), **kw).block_M
+
+    wide = default_backward_config(64, 64, spec=spec("softmax"), seqlen_q=1024)
     assert (wide.block_M, wide.block_N) == (128, 128)
+    assert rows(seqlen_q=197) == rows() == 64, "short or unknown (dynamic) rows"
     plan = _plan("softmax", d=64, cfg=wide)
     assert plan.warp_specialized and plan.rows_in_ring and not plan.split
-    assert default_backward_config(64, 64, spec=spec("softmax"), deterministic=True).block_M == 64
-    assert default_backward_config(64, 64, spec=spec("document")).block_M == 64
+    assert rows(seqlen_q=4096, deterministic=True) == 64
+    assert rows("document", seqlen_q=4096) == 64
+    assert rows("alibi", seqlen_q=4096) == 128
+    assert rows("alibi", seqlen_q=4096, custom_grads=("alibi_slopes",)) == 64
+    assert default_backward_config(128, 128, spec=spec("softmax"), seqlen_q=4096).block_M == 64
     narrow = _plan("softmax")
-    assert narrow.config.block_M == 64 and not narrow.rows_in_ring and narrow.split
+    assert not narrow.rows_in_ring and narrow.split
     assert not _plan("softmax", d=64, cfg=wide, det=True).rows_in_ring
 
 

@@ -44,6 +44,18 @@ PREFERENCE: tuple[KernelConfig, ...] = (
 )
 
 
+# Query rows a step from which the warp-specialised schedule reads the finals and Delta where
+# used from its ring's stage instead of copying them into registers: at 128 rows their
+# 32 values a thread each made ptxas spill 244 bytes at D 64 (the backward 1.58x as slow as
+# from the ring); at 64 rows the copy ran as fast at D 64 and 2% faster at D 128 (H200;
+# results/NOTES.md 172).
+ROWS_IN_RING_M = 128
+# The shortest query rows for which the default takes such steps: at ViT-S/16's 197 the
+# backward ran 4.5% slower at 128 rows than at 64 (two steps a key block: the ring barely
+# fills), at 1024 8% faster (H200, D 64; results/NOTES.md 172). Between them: not measured.
+WIDE_STEP_MIN_SQ = 1024
+
+
 def backward_resources(
     cfg: KernelConfig, head_dim: int, head_dim_v: int, elem_bytes: int = 2, n_rows: int = 2
 ) -> dict[str, int]:
@@ -286,17 +298,23 @@ def _without(custom_grads: tuple[str, ...], dots: tuple[RowDotGrad, ...]) -> tup
 def default_backward_config(head_dim: int, head_dim_v: int, elem_bytes: int = 2,
                             spec: TracedSpec | None = None,
                             custom_grads: tuple[str, ...] = (),
-                            deterministic: bool = False) -> KernelConfig:
+                            deterministic: bool = False,
+                            seqlen_q: int | None = None) -> KernelConfig:
     """The first valid config of PREFERENCE (the split/fused schedule, not the tile, adapts to
     a spec's registers), the head-split ones first past D 128; steps of ROWS_IN_RING_M query
     rows only where the schedule reads the finals and Delta from its ring (warp-specialised
-    for `spec`, not `deterministic`); the first with at most NARROW_BLOCK_M query rows a
-    step, if any, under step_rows_cap."""
+    for `spec`, not `deterministic`) and `seqlen_q` is at least WIDE_STEP_MIN_SQ (None, a
+    length unknown or dynamic: never);
+    the first with at most NARROW_BLOCK_M query rows a step, if any, under step_rows_cap."""
     n_vectors = 2 if spec is None else query_vectors(spec)
+
+    def wide_ok(c: KernelConfig) -> bool:
+        return (c.block_M < ROWS_IN_RING_M
+                or ws_schedule_fits(c, head_dim, head_dim_v, elem_bytes, deterministic, n_vectors)
+                and seqlen_q is not None and seqlen_q >= WIDE_STEP_MIN_SQ)
+
     valid = [c for c in PREFERENCE
-             if not backward_config_problems(c, head_dim, head_dim_v, elem_bytes)
-             and (c.block_M < ROWS_IN_RING_M or ws_schedule_fits(
-                 c, head_dim, head_dim_v, elem_bytes, deterministic, n_vectors))]
+             if not backward_config_problems(c, head_dim, head_dim_v, elem_bytes) and wide_ok(c)]
     if separate_dq(head_dim, True, False):
         # Past D 128 the head-split schedule first: there its dQ comes from the dQ kernel and
         # its main kernel is warp-specialised. At D 192 / Dv 128 (B 2 x S 4k, 16 heads) its
@@ -468,12 +486,6 @@ def warp_specialized_default(spec: TracedSpec, shape: KernelShape, cfg: KernelCo
     return ws_schedule_fits(cfg, shape.head_dim, shape.head_dim_v, 2, deterministic,
                             query_vectors(spec))
 
-
-# Query rows a step from which the warp-specialised schedule reads the finals and Delta where
-# used from its ring's stage instead of copying them into registers: at 128 rows their
-# 32 values a thread each made ptxas spill 244 bytes at D 64 (the step 1.58x slower); at 64
-# rows the copy ran as fast at D 64 and 2% faster at D 128 (H200; results/NOTES.md 172).
-ROWS_IN_RING_M = 128
 
 
 def panel_default(shape: KernelShape, cfg: KernelConfig, warp_specialized: bool,
