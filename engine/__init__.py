@@ -6,8 +6,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# The custom ops are registered on `import engine`, as before: a graph saved with them (an
-# exported program) loads in a process that imported the package.
+# Registered on `import engine`, as before: torch functions on symbolic expressions (a
+# score_mod written with torch.clamp, say) and the custom ops (a graph saved with them, an
+# exported program, loads in a process that imported the package).
+import engine.dsl.torch_funcs  # noqa: F401
 import engine.runtime.ops  # noqa: F401
 
 # Each public name and where it lives, imported on first use: a process that needs one

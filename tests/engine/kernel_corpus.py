@@ -41,7 +41,8 @@ SHAPES = {
     "d64-cross": dict(batch=1, heads_q=4, heads_kv=4, seqlen_q=512, seqlen_kv=2048,
                       head_dim=64, head_dim_v=64),
     # D 64 at a length where the backward's default steps are 128 query rows (the finals and
-    # Delta read from the ring; attention_bwd/plan.py: WIDE_STEP_MIN_SQ).
+    # Delta read from the ring; attention_bwd/plan.py: WIDE_STEP_MIN_SQ), keys and queries
+    # equal (d64-cross: more keys).
     "d64-1024": dict(batch=1, heads_q=4, heads_kv=4, seqlen_q=1024, seqlen_kv=1024,
                      head_dim=64, head_dim_v=64),
     "d256": dict(batch=1, heads_q=4, heads_kv=1, seqlen_q=1024, seqlen_kv=1024,

@@ -88,7 +88,7 @@ def test_d64_takes_128_row_steps_with_the_finals_and_delta_in_the_ring():
     def rows(name="softmax", **kw):
         return default_backward_config(64, 64, spec=spec(name), **kw).block_M
 
-    wide = default_backward_config(64, 64, spec=spec("softmax"), seqlen_q=1024)
+    wide = default_backward_config(64, 64, spec=spec("softmax"), seqlen_q=512)
     assert (wide.block_M, wide.block_N) == (128, 128)
     assert rows(seqlen_q=197) == rows() == 64, "short or unknown (dynamic) rows"
     plan = _plan("softmax", d=64, cfg=wide)

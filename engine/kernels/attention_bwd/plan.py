@@ -51,9 +51,9 @@ PREFERENCE: tuple[KernelConfig, ...] = (
 # results/NOTES.md 172).
 ROWS_IN_RING_M = 128
 # The shortest query rows for which the default takes such steps: at ViT-S/16's 197 the
-# backward ran 4.5% slower at 128 rows than at 64 (two steps a key block: the ring barely
-# fills), at 1024 8% faster (H200, D 64; results/NOTES.md 172). Between them: not measured.
-WIDE_STEP_MIN_SQ = 1024
+# backward ran 4-5% slower at 128 rows than at 64 (two steps a key block: the ring barely
+# fills), at 512 8% faster, at 1024 8% (H200, D 64; results/NOTES.md 172-173).
+WIDE_STEP_MIN_SQ = 512
 
 
 def backward_resources(
