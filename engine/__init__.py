@@ -22,21 +22,15 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "log2", "maximum", "minimum", "rsqrt", "sigmoid", "sin", "softplus", "sqrt", "square",
         "tan", "tanh", "where",
     ),
-    "engine.dsl.io": (
-        "CustomIO", "meta_tensor",
-    ),
+    "engine.dsl.io": ("CustomIO", "meta_tensor"),
     "engine.dsl.online": (
         "OnlineFunc", "OnlineIdentity", "OnlineRetention", "OnlineSoftmax", "SymbolScalar", "Var",
     ),
     "engine.flex": ("flex_attention",),
     "engine.ir.trace": ("TraceError",),
     "engine.linear_api": ("LinearAttentionEngine",),
-    "engine.mask.block_mask": (
-        "BlockMask", "create_block_mask",
-    ),
-    "engine.plan.config": (
-        "ConfigError", "KernelConfig",
-    ),
+    "engine.mask.block_mask": ("BlockMask", "create_block_mask"),
+    "engine.plan.config": ("ConfigError", "KernelConfig"),
     "engine.runtime.tilelang_backend": ("kernel_backward_enabled",),
 }
 _PUBLIC: dict[str, tuple[str, str]] = {

@@ -72,8 +72,8 @@ def backward_config(req: KernelRequest, config: KernelConfig | None = None,
     if cfg is None:
         cfg = tuned_config(req, ATTENTION_BWD, default_at=lambda shape: ATTENTION_BWD.default(
             p.head_dim, p.head_dim_v, spec=spec, seqlen_q=shape["seqlen_q"]))
-        cap = step_rows_cap(spec, tuple(custom_grads))
-        if cfg is not None and cap is not None and cfg.block_M > cap:
+        cap = None if cfg is None else step_rows_cap(spec, tuple(custom_grads))
+        if cap is not None and cfg.block_M > cap:
             log.info("engine: tuned backward config %s has %d-row steps; the gradients of %s "
                      "take the default's narrower ones", cfg.key(), cfg.block_M,
                      ", ".join(custom_grads))

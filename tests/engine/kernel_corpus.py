@@ -58,8 +58,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # the others at the default config and two more.
 PROBLEMS = [("mha-1000", "bf16", False), ("gqa-1000", "bf16", True), ("gqa-4096", "bf16", True),
             ("d64-cross", "bf16", False), ("d64-1024", "bf16", False), ("d256", "bf16", False),
-            ("dv64", "bf16", False),
-            ("gqa-1000", "fp16", False), ("vit", "bf16", False)]
+            ("dv64", "bf16", False), ("gqa-1000", "fp16", False), ("vit", "bf16", False)]
 
 # KernelConfig fields: block_M, block_N, num_stages, threads, gemm_policy, swizzle_panel,
 # schedule.

@@ -302,16 +302,17 @@ def default_backward_config(head_dim: int, head_dim_v: int, elem_bytes: int = 2,
                             seqlen_q: int | None = None) -> KernelConfig:
     """The first valid config of PREFERENCE (the split/fused schedule, not the tile, adapts to
     a spec's registers), the head-split ones first past D 128; steps of ROWS_IN_RING_M query
-    rows only where the schedule reads the finals and Delta from its ring (warp-specialised
-    for `spec`, not `deterministic`) and `seqlen_q` is at least WIDE_STEP_MIN_SQ (None, a
-    length unknown or dynamic: never);
-    the first with at most NARROW_BLOCK_M query rows a step, if any, under step_rows_cap."""
+    rows only where `seqlen_q` is at least WIDE_STEP_MIN_SQ (None, a length unknown or
+    dynamic: never) and the schedule reads the finals and Delta from its ring (warp-specialised
+    for `spec`, not `deterministic`); first those within step_rows_cap, if any."""
     n_vectors = 2 if spec is None else query_vectors(spec)
 
     def wide_ok(c: KernelConfig) -> bool:
-        return (c.block_M < ROWS_IN_RING_M
-                or ws_schedule_fits(c, head_dim, head_dim_v, elem_bytes, deterministic, n_vectors)
-                and seqlen_q is not None and seqlen_q >= WIDE_STEP_MIN_SQ)
+        if c.block_M < ROWS_IN_RING_M:
+            return True
+        return (seqlen_q is not None and seqlen_q >= WIDE_STEP_MIN_SQ
+                and ws_schedule_fits(c, head_dim, head_dim_v, elem_bytes, deterministic,
+                                     n_vectors))
 
     valid = [c for c in PREFERENCE
              if not backward_config_problems(c, head_dim, head_dim_v, elem_bytes) and wide_ok(c)]
@@ -487,7 +488,6 @@ def warp_specialized_default(spec: TracedSpec, shape: KernelShape, cfg: KernelCo
                             query_vectors(spec))
 
 
-
 def panel_default(shape: KernelShape, cfg: KernelConfig, warp_specialized: bool,
                   short_walks: bool = False) -> int:
     """Groups per panel of the warp-specialised backward's launch order (see panel_order): as
@@ -622,7 +622,7 @@ def plan_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
     # 30% slower; a document id per query: 184 bytes, and fused ran 4% faster on the H100).
     n_q_reads = sum(h.axis == "q" for h in hoisted)
     rows_in_ring = warp_specialized and not split_heads and cfg.block_M >= ROWS_IN_RING_M
-    n_vectors = n_q_reads + len(spec.final_names) + int(spec.uses_doosum)
+    n_vectors = len(spec.final_names) + int(spec.uses_doosum) + n_q_reads
     # At 128 rows split's three 64-register tiles beside dK and dV spilled even with the
     # finals and Delta in the ring (ptxas at D 64: 72 bytes, causal 324); fused did not.
     split = not split_heads and not rows_in_ring and split_schedule_fits(
