@@ -75,6 +75,45 @@ def _ws_module(case):
                                 config=WS_CONFIGS[schedule]), sz
 
 
+# Three consumer warpgroups of 64 rows (192-row tiles, D 64), forced: the persistent walk with
+# three stages and the plain grid with two, row tails (1000 = 5 x 192 + 40), Sq != Skv, GQA,
+# masks heavier than the default lets through (it is about registers, not results), per-key
+# rings (document). (variant, dtype, B, Hq, Hkv, Sq, Skv, persistent)
+THREE_GROUP_CASES = [
+    ("softmax", BF16, 2, 8, 8, 1000, 1000, True),
+    ("softmax", FP16, 4, 8, 2, 777, 777, False),
+    ("softmax_causal", BF16, 4, 8, 2, 1000, 1000, True),
+    ("softmax_causal", FP16, 2, 8, 8, 1000, 1000, False),
+    ("softmax_causal", BF16, 2, 4, 2, 300, 1000, True),
+    ("softmax", BF16, 2, 4, 2, 1000, 300, True),
+    ("key_gate", BF16, 2, 8, 2, 1000, 1000, True),
+    ("document", BF16, 2, 8, 2, 1024, 1024, True),
+    ("alibi", FP16, 2, 8, 4, 1000, 1000, False),
+]
+# The defaults that take them (plan.wide_rows_pay): (variant, dtype, B, Hq, Hkv, S, config).
+WIDE = KernelConfig(192, 128, 3, 384, schedule="overlap", persistent=True)
+WIDE_DEFAULT_CASES = [
+    ("softmax", BF16, 1, 4, 4, 4096, WIDE),
+    ("softmax_causal", FP16, 1, 4, 2, 8192, WIDE),
+    ("softmax_causal", BF16, 1, 2, 2, 16384, KernelConfig(192, 128, 2, 384, schedule="overlap")),
+]
+
+
+def _three_group_module(case):
+    name, dt, B, Hq, Hkv, Sq, Skv, persistent = case
+    sz = dict(batch=B, heads_q=Hq, heads_kv=Hkv, seqlen_q=Sq, seqlen_kv=Skv, head_dim=64,
+              head_dim_v=64)
+    cfg = KernelConfig(192, 128, 3 if persistent else 2, 384, schedule="overlap",
+                       persistent=persistent)
+    return VARIANTS[name].build(**sz, dtype=dt, backend="tilelang", config=cfg), sz
+
+
+def _wide_default_module(case):
+    name, dt, B, Hq, Hkv, S, _ = case
+    sz = _sizes(B, Hq, Hkv, S, S, 64)
+    return VARIANTS[name].build(**sz, dtype=dt, backend="tilelang"), sz
+
+
 # Cases whose module also gives the dynamic-shape kernel of its spec (precompiled).
 DYNAMIC_PRECOMPILE = {("softmax_causal", 2, 1000), ("document", 2, 1000), ("alibi", 2, 1000)}
 
@@ -109,6 +148,10 @@ def _precompiled(request):
              if c in selected_params(request, "ws_case")]
     srcs += [fold_module(c).kernel_source for c in FOLD_CASES
              if c in selected_params(request, "fold_case")]
+    srcs += [_three_group_module(c)[0].kernel_source for c in THREE_GROUP_CASES
+             if c in selected_params(request, "three_case")]
+    srcs += [_wide_default_module(c)[0].kernel_source for c in WIDE_DEFAULT_CASES
+             if c in selected_params(request, "wide_case")]
     errors = precompile(srcs)
     # A kernel that fails to compile fails its own tests (compiling again there, with the
     # error); the rest of the module still runs.
@@ -171,15 +214,17 @@ def test_warp_specialised_schedule_matches_reference(ws_case):
 
 def _matches_reference(mod, v, sz: dict, dt: torch.dtype) -> None:
     """`mod` on fresh random inputs against the reference executor: every element written,
-    no NaN, relative error < 1e-2."""
+    no NaN, relative error < 1e-2; the final row scales (lse) within 1e-3."""
     seed = torch.randint(0, 2**31 - 1, ()).item()
     inp = v.make_inputs(**sz, dtype=dt, device="cuda", seed=seed)
     with torch.no_grad():
-        out = mod(**inp)
+        out, finals = mod(**inp, return_lse=True)
     customs = {n: t for n, t in inp.items() if n not in "qkv"}
-    ref, _ = executor.forward(mod.spec, inp["q"], inp["k"], inp["v"], customs)
+    ref, ref_f = executor.forward(mod.spec, inp["q"], inp["k"], inp["v"], customs)
     assert not torch.isnan(out).any(), "NaN (or unwritten poisoned element) in the output"
     assert rel_err(out, ref) < 1e-2, f"rel err {rel_err(out, ref):.3e} (seed {seed})"
+    for fname, f in finals.items():
+        assert rel_err(f, ref_f[fname]) < 1e-3, f"final row scale {fname} (seed {seed})"
 
 
 # The persistent walk (one thread block per SM, the tiles in turn), forced: shapes with more
@@ -217,16 +262,21 @@ def test_persistent_walk_matches_reference(case):
     sz = _sizes(B, Hq, Hkv, Sq, Skv, D)
     mod = v.build(**sz, dtype=dt, backend="tilelang", config=persistent_config(schedule, D))
     assert mod.forward_kernel().config.persistent
-    seed = torch.randint(0, 2**31 - 1, ()).item()
-    inp = v.make_inputs(**sz, dtype=dt, device="cuda", seed=seed)
-    with torch.no_grad():
-        out, finals = mod(**inp, return_lse=True)
-    customs = {n: t for n, t in inp.items() if n not in "qkv"}
-    ref, ref_f = executor.forward(mod.spec, inp["q"], inp["k"], inp["v"], customs)
-    assert not torch.isnan(out).any(), "NaN (or unwritten poisoned element) in the output"
-    assert rel_err(out, ref) < 1e-2, f"rel err {rel_err(out, ref):.3e} (seed {seed})"
-    for fname, f in finals.items():
-        assert rel_err(f, ref_f[fname]) < 1e-3, f"final row scale {fname} (seed {seed})"
+    _matches_reference(mod, v, sz, dt)
+
+
+@pytest.mark.parametrize("three_case", THREE_GROUP_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_three_consumer_warpgroups_match_reference(three_case):
+    mod, sz = _three_group_module(three_case)
+    _matches_reference(mod, VARIANTS[three_case[0]], sz, three_case[1])
+
+
+@pytest.mark.parametrize("wide_case", WIDE_DEFAULT_CASES,
+                         ids=lambda c: "-".join(map(str, c[:6])))
+def test_long_d64_rows_take_three_warpgroups_by_default(wide_case):
+    mod, sz = _wide_default_module(wide_case)
+    assert mod.forward_kernel().config == wide_case[-1]
+    _matches_reference(mod, VARIANTS[wide_case[0]], sz, wide_case[1])
 
 
 # Keys shorter than 256 in one block by default (plan.fit_short_keys), with

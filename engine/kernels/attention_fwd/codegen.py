@@ -27,7 +27,12 @@ from engine.kernels.attention_fwd.plan import (
     walks_full_run,
 )
 from engine.mask.analysis import reads_data
-from engine.plan.config import H100_SMS, WS_CONSUMER_REGS, WS_PRODUCER_THREADS, KernelConfig
+from engine.plan.config import (
+    H100_SMS,
+    WS_PRODUCER_THREADS,
+    KernelConfig,
+    consumer_register_cap,
+)
 from engine.plan.fold import index_texts, row_fold
 from engine.plan.shape import KernelShape
 
@@ -324,7 +329,7 @@ def _emit_ws_body(w: SourceWriter, f: _Frame, full: OnlineBody, partial: OnlineB
     ws.emit_producer(w, _q_tile(f), _kv_tile(f, "K"), _kv_tile(f, "V"), order, tiles,
                      tuple(f.per_key.values()), cfg.block_N)
     with w.block("else:"):
-        w.line(f"T.set_max_nreg({WS_CONSUMER_REGS}, 1)")
+        w.line(f"T.set_max_nreg({consumer_register_cap(cfg.threads)}, 1)")
         loop = ws.ConsumerLoop(w, full, partial,
                                f"Cls[{f.table_index}, bx, kb]" if partial else None, cfg,
                                f.shape.head_dim_v, order, tiles,

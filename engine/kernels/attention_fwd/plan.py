@@ -137,20 +137,34 @@ def config_problems(
             f"(block_M={cfg.block_M}, block_N={cfg.block_N}, num_stages={cfg.num_stages}, "
             f"D={head_dim}, Dv={head_dim_v})"
         )
-    cap = consumer_register_cap(cfg.threads)
+    cap = consumer_register_cap(cfg.threads) - register_reserve(cfg)
     acc = res["regs_per_thread"] - REG_OVERHEAD
     if acc > cap:
         out.append(
             f"accumulators need about {acc} registers per thread > {cap} (the consumer cap with "
-            f"threads={cfg.threads}; {cfg.block_M}x{cfg.block_N} scores and {cfg.block_M}x{head_dim_v} "
-            f"output)"
+            f"threads={cfg.threads}, schedule={cfg.schedule!r}; {cfg.block_M}x{cfg.block_N} "
+            f"scores and {cfg.block_M}x{head_dim_v} output)"
         )
     return out
 
 
+# The warp-specialised schedules' shapes, (block_M, threads): consumer warpgroups of 64 query
+# rows each (one warpgroup's rows keep its softmax to itself), two or, overlapped only, three
+# (FlashAttention-3's D 64 tile; the ping-pong pairs two); each with the registers its
+# consumers keep beyond the accumulators the model counts. Three warpgroups get 160 registers
+# a thread; ptxas (locally) at 192 x 128: D 128 (160 of accumulators) spilled 328 bytes,
+# D 80 (136) 48, D 64 (128) none, causal 8, masks of more than 2 ops (masked_body_fits)
+# 12-404 (key gate, prefix-LM, document, ALiBi, soft-cap, sliding window).
+WS_SHAPES = {"overlap": {(128, 256): 0, (192, 384): 32}, "pingpong": {(128, 256): 0}}
+
+
+def register_reserve(cfg: KernelConfig) -> int:
+    """Registers a consumer of `cfg` keeps beyond its accumulators (WS_SHAPES)."""
+    return WS_SHAPES.get(cfg.schedule, {}).get((cfg.block_M, cfg.threads), 0)
+
+
 def _schedule_problems(cfg: KernelConfig) -> list[str]:
-    """The warp-specialised schedules' shape: two consumer warpgroups of 64 query rows each
-    (the ping-pong pairs them; one warpgroup's rows keep its softmax to itself)."""
+    """The warp-specialised schedules' shape (WS_SHAPES) and their walk's order."""
     if cfg.schedule not in SCHEDULES:
         return [f"schedule={cfg.schedule!r}: expected one of {SCHEDULES}"]
     if cfg.schedule == "auto":
@@ -159,10 +173,12 @@ def _schedule_problems(cfg: KernelConfig) -> list[str]:
     if cfg.persistent and cfg.swizzle_panel:
         return [f"persistent=True walks the tiles in order: expected swizzle_panel=0, not "
                 f"{cfg.swizzle_panel}"]
-    if (cfg.block_M, cfg.threads, cfg.gemm_policy) != (128, 256, "FullRow"):
-        return [f"schedule={cfg.schedule!r}: expected block_M=128, threads=256 and FullRow "
-                f"(two consumer warpgroups of 64 rows), not block_M={cfg.block_M}, "
-                f"threads={cfg.threads}, {cfg.gemm_policy}"]
+    shapes = tuple(WS_SHAPES[cfg.schedule])
+    if (cfg.block_M, cfg.threads) not in shapes or cfg.gemm_policy != "FullRow":
+        allowed = " or ".join(f"block_M={m} with threads={t}" for m, t in shapes)
+        return [f"schedule={cfg.schedule!r}: expected {allowed}, and FullRow (consumer "
+                f"warpgroups of 64 rows), not block_M={cfg.block_M}, threads={cfg.threads}, "
+                f"{cfg.gemm_policy}"]
     return []
 
 
@@ -181,7 +197,8 @@ def masked_body_fits(cfg: KernelConfig, head_dim: int, head_dim_v: int, masked_o
                      elem_bytes: int = 2) -> bool:
     """Whether a partial block's `masked_ops` elementwise ops fit beside the accumulators."""
     res = estimate_resources(cfg, head_dim, head_dim_v, elem_bytes)
-    headroom = consumer_register_cap(cfg.threads) - (res["regs_per_thread"] - REG_OVERHEAD)
+    headroom = consumer_register_cap(cfg.threads) - register_reserve(cfg) \
+        - (res["regs_per_thread"] - REG_OVERHEAD)
     return masked_ops <= FREE_MASKED_OPS + max(0, headroom) // REGS_PER_MASKED_OP
 
 
@@ -205,6 +222,14 @@ DYNAMIC_SHAPES = os.environ.get("ATTNBENCH_DYNAMIC_SHAPES", "0") == "1"
 # partial blocks do more than the register model allows beside the accumulators skips the
 # tiles that would spill (masked_body_fits).
 PREFERENCE: tuple[KernelConfig, ...] = (
+    # Three consumer warpgroups of 64 rows (FlashAttention-3's D 64 tile), where the register
+    # model allows them (D <= 64 with the reserve of WS_SHAPES) and rows are long
+    # (wide_rows_pay): on the H200 at D 64, B S = 16k, 32 heads, FA3's time over ours went
+    # from 0.82-0.84 to 0.93-0.94 at 8k and 16k, 0.90 to 0.94 at 4k; causal 0.74-0.77 to
+    # 0.83-0.87 at 8k and 16k (NOTES 175). The second entry is for masked rows beyond
+    # MASKED_WALK_ROWS (no persistent walk there): 2 stages ran 5% faster than 3 at 16k.
+    KernelConfig(192, 128, 3, 384, schedule="overlap", persistent=True),
+    KernelConfig(192, 128, 2, 384, schedule="overlap"),
     # The overlap's persistent walk (one block per SM, the next tile loaded while this one
     # finishes), where persistent_by_default allows it: on the H100 (same process, against
     # the plain grid or the tuned entries then in the tune file) ViT-S/16 0.140 -> 0.105 ms,
@@ -281,6 +306,27 @@ def persistent_by_default(spec: TracedSpec, seqlen_q: int | None = None) -> bool
     return ws_by_default(spec) and not masked_long
 
 
+# Where the three-warpgroup tiles pay (H200, D 64, NOTES 175): unmasked, equal to the
+# 128-row walk at 2k and 5% faster at 4k; masked (causal), 3% slower at 4k and 12% faster at
+# 8k (a tile's diagonal covers two or three key blocks instead of one). Other head dims the
+# register model allows (D 32) are not measured.
+WIDE_ROWS = 4096
+WIDE_MASKED_ROWS = 8192
+WIDE_HEAD_DIM = 64
+
+
+def wide_rows_pay(cfg: KernelConfig, head_dim: int, spec: TracedSpec | None,
+                  seqlen_q: int | None) -> bool:
+    """Whether `cfg` may be the default at `seqlen_q` rows (unknown: no): any config but the
+    warp-specialised three-warpgroup ones, those at WIDE_HEAD_DIM from WIDE_ROWS
+    (WIDE_MASKED_ROWS masked)."""
+    if cfg.schedule == "auto" or cfg.threads < 384:
+        return True
+    masked = spec is not None and spec.mask is not None
+    return head_dim == WIDE_HEAD_DIM and seqlen_q is not None \
+        and seqlen_q >= (WIDE_MASKED_ROWS if masked else WIDE_ROWS)
+
+
 # Rows spanning fewer blocks of the preferred tile than this take the least padded tile.
 SHORT_ROW_BLOCKS = 4
 
@@ -305,7 +351,7 @@ def default_forward_config(head_dim: int, head_dim_v: int, elem_bytes: int = 2,
         return masked_body_fits(c, head_dim, head_dim_v, ops, elem_bytes)
 
     valid = [c for c in PREFERENCE if sound(c) and (c.schedule == "auto" or ws)
-             and (not c.persistent or persistent)]
+             and (not c.persistent or persistent) and wide_rows_pay(c, head_dim, spec, seqlen_q)]
     if not valid:
         raise ValueError(
             f"no valid forward kernel config for head dims D={head_dim}, Dv={head_dim_v}"
