@@ -118,16 +118,16 @@ def test_masked_blocks_pick_tiles_with_register_headroom():
 
 
 def test_three_warpgroup_tiles_at_d64_on_long_rows():
-    """192-row warp-specialised tiles (three consumer warpgroups) by default at D 64 only, from
-    4096 rows unmasked and 8192 masked; unknown lengths, D 128 and heavier masks keep 128 rows;
-    masked rows past MASKED_WALK_ROWS take the tile without the persistent walk."""
+    """192-row warp-specialised tiles (three consumer warpgroups) by default at D 64 only, rows
+    and keys from 4096 unmasked (three stages) and 8192 masked (two, and persistent past
+    MASKED_WALK_ROWS); unknown lengths, D 128, short keys and heavier masks keep 128 rows."""
     import torch
 
     from engine.kernels.attention_fwd.plan import default_forward_config
     from engine.variants import VARIANTS
 
     wide = KernelConfig(192, 128, 3, 384, schedule="overlap", persistent=True)
-    wide_grid = KernelConfig(192, 128, 2, 384, schedule="overlap")
+    wide_masked = dataclasses.replace(wide, num_stages=2)
     walk = KernelConfig(128, 128, 2, 256, schedule="overlap", persistent=True)
 
     def spec(name):
@@ -135,18 +135,21 @@ def test_three_warpgroup_tiles_at_d64_on_long_rows():
                                     head_dim=64, head_dim_v=64, dtype=torch.bfloat16,
                                     backend="reference").spec
 
-    plain, causal, alibi = spec("softmax"), spec("softmax_causal"), spec("alibi")
-    assert default_forward_config(64, 64, spec=plain, seqlen_q=2048) == walk
-    assert default_forward_config(64, 64, spec=plain, seqlen_q=4096) == wide
-    assert default_forward_config(64, 64, spec=plain) == walk  # length unknown
-    assert default_forward_config(64, 64, spec=causal, seqlen_q=4096) == walk
-    assert default_forward_config(64, 64, spec=causal, seqlen_q=8192) == wide
-    assert default_forward_config(64, 64, spec=causal, seqlen_q=16384) == wide_grid
-    assert default_forward_config(64, 64, spec=alibi, seqlen_q=16384).block_M == 128  # 5 ops
-    assert default_forward_config(128, 128, spec=plain, seqlen_q=16384) == walk
-    assert default_forward_config(32, 32, spec=plain, seqlen_q=16384) == walk  # not measured
-    assert default_forward_config(64, 64, spec=plain, seqlen_q=16384, dynamic=True).schedule \
-        == "auto"
+    def default(name, s, skv=None, d=64, **kw):
+        return default_forward_config(d, d, spec=spec(name), seqlen_q=s,
+                                      seqlen_kv=s if skv is None else skv, **kw)
+
+    assert default("softmax", 2048) == walk
+    assert default("softmax", 4096) == wide
+    assert default("softmax", None, None) == walk  # lengths unknown
+    assert default("softmax", 4096, 1024) == walk  # short keys
+    assert default("softmax_causal", 4096) == walk
+    assert default("softmax_causal", 8192) == wide_masked
+    assert default("softmax_causal", 16384) == wide_masked
+    assert default("alibi", 16384).block_M == 128  # 5 masked ops: no registers left
+    assert default("softmax", 16384, d=128) == walk
+    assert default("softmax", 16384, d=32).block_M == 128  # not measured
+    assert default("softmax", 16384, dynamic=True).schedule == "auto"
 
 
 def test_three_warpgroup_tiles_keep_registers_for_the_walk():

@@ -46,7 +46,7 @@ SHAPES = {
     "d64-1024": dict(batch=1, heads_q=4, heads_kv=4, seqlen_q=1024, seqlen_kv=1024,
                      head_dim=64, head_dim_v=64),
     # D 64 at a length where the forward's default tile is 192 rows on three consumer
-    # warpgroups (attention_fwd/plan.py: wide_rows_pay); forward sources only (FORWARD_ONLY).
+    # warpgroups (attention_fwd/plan.py: wide_tile); forward sources only (FORWARD_ONLY).
     "d64-4096": dict(batch=1, heads_q=2, heads_kv=2, seqlen_q=4096, seqlen_kv=4096,
                      head_dim=64, head_dim_v=64),
     "d256": dict(batch=1, heads_q=4, heads_kv=1, seqlen_q=1024, seqlen_kv=1024,

@@ -5,6 +5,7 @@ must be written), relative error < 1e-2 for fp16/bf16 and no NaN."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -90,12 +91,13 @@ THREE_GROUP_CASES = [
     ("document", BF16, 2, 8, 2, 1024, 1024, True),
     ("alibi", FP16, 2, 8, 4, 1000, 1000, False),
 ]
-# The defaults that take them (plan.wide_rows_pay): (variant, dtype, B, Hq, Hkv, S, config).
+# The defaults that take them (plan.wide_tile): (variant, dtype, B, Hq, Hkv, S, config).
 WIDE = KernelConfig(192, 128, 3, 384, schedule="overlap", persistent=True)
+WIDE_MASKED = dataclasses.replace(WIDE, num_stages=2)
 WIDE_DEFAULT_CASES = [
     ("softmax", BF16, 1, 4, 4, 4096, WIDE),
-    ("softmax_causal", FP16, 1, 4, 2, 8192, WIDE),
-    ("softmax_causal", BF16, 1, 2, 2, 16384, KernelConfig(192, 128, 2, 384, schedule="overlap")),
+    ("softmax_causal", FP16, 1, 4, 2, 8192, WIDE_MASKED),
+    ("softmax_causal", BF16, 1, 2, 2, 16384, WIDE_MASKED),
 ]
 
 

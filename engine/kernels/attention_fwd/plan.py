@@ -222,14 +222,6 @@ DYNAMIC_SHAPES = os.environ.get("ATTNBENCH_DYNAMIC_SHAPES", "0") == "1"
 # partial blocks do more than the register model allows beside the accumulators skips the
 # tiles that would spill (masked_body_fits).
 PREFERENCE: tuple[KernelConfig, ...] = (
-    # Three consumer warpgroups of 64 rows (FlashAttention-3's D 64 tile), where the register
-    # model allows them (D <= 64 with the reserve of WS_SHAPES) and rows are long
-    # (wide_rows_pay): on the H200 at D 64, B S = 16k, 32 heads, FA3's time over ours went
-    # from 0.82-0.84 to 0.93-0.94 at 8k and 16k, 0.90 to 0.94 at 4k; causal 0.74-0.77 to
-    # 0.83-0.87 at 8k and 16k (NOTES 175). The second entry is for masked rows beyond
-    # MASKED_WALK_ROWS (no persistent walk there): 2 stages ran 5% faster than 3 at 16k.
-    KernelConfig(192, 128, 3, 384, schedule="overlap", persistent=True),
-    KernelConfig(192, 128, 2, 384, schedule="overlap"),
     # The overlap's persistent walk (one block per SM, the next tile loaded while this one
     # finishes), where persistent_by_default allows it: on the H100 (same process, against
     # the plain grid or the tuned entries then in the tune file) ViT-S/16 0.140 -> 0.105 ms,
@@ -306,25 +298,28 @@ def persistent_by_default(spec: TracedSpec, seqlen_q: int | None = None) -> bool
     return ws_by_default(spec) and not masked_long
 
 
-# Where the three-warpgroup tiles pay (H200, D 64, NOTES 175): unmasked, equal to the
-# 128-row walk at 2k and 5% faster at 4k; masked (causal), 3% slower at 4k and 12% faster at
-# 8k (a tile's diagonal covers two or three key blocks instead of one). Other head dims the
-# register model allows (D 32) are not measured.
+# FlashAttention-3's D 64 forward tile: 192 rows on three consumer warpgroups. Where it pays
+# (H200, D 64, B S = 16k, 32 heads, FA3's time over ours against the 128-row walk; NOTES 175):
+# unmasked, even at 2k, 0.90 -> 0.94 at 4k, 0.82-0.84 -> 0.93-0.94 at 8k and 16k with three
+# stages (two: 0.89-0.94); causal 3% slower at 4k (a tile's diagonal covers two or three key
+# blocks instead of one), 0.74 -> 0.83 at 8k and 0.77-0.88 -> 0.87-0.90 at 16k with two
+# stages on the persistent walk at every length (three: 0.86-0.89; the plain grid 0.85).
+# Other head dims the register model allows (D 32) are not measured.
+WIDE_HEAD_DIM = 64
 WIDE_ROWS = 4096
 WIDE_MASKED_ROWS = 8192
-WIDE_HEAD_DIM = 64
 
 
-def wide_rows_pay(cfg: KernelConfig, head_dim: int, spec: TracedSpec | None,
-                  seqlen_q: int | None) -> bool:
-    """Whether `cfg` may be the default at `seqlen_q` rows (unknown: no): any config but the
-    warp-specialised three-warpgroup ones, those at WIDE_HEAD_DIM from WIDE_ROWS
-    (WIDE_MASKED_ROWS masked)."""
-    if cfg.schedule == "auto" or cfg.threads < 384:
-        return True
+def wide_tile(head_dim: int, spec: TracedSpec | None, seqlen_q: int | None,
+              seqlen_kv: int | None) -> KernelConfig | None:
+    """The 192-row tile where it pays: at WIDE_HEAD_DIM, rows and keys known and at least
+    WIDE_ROWS (WIDE_MASKED_ROWS masked); None elsewhere."""
     masked = spec is not None and spec.mask is not None
-    return head_dim == WIDE_HEAD_DIM and seqlen_q is not None \
-        and seqlen_q >= (WIDE_MASKED_ROWS if masked else WIDE_ROWS)
+    least = WIDE_MASKED_ROWS if masked else WIDE_ROWS
+    if head_dim != WIDE_HEAD_DIM or seqlen_q is None or seqlen_kv is None \
+            or min(seqlen_q, seqlen_kv) < least:
+        return None
+    return KernelConfig(192, 128, 2 if masked else 3, 384, schedule="overlap", persistent=True)
 
 
 # Rows spanning fewer blocks of the preferred tile than this take the least padded tile.
@@ -337,7 +332,8 @@ def default_forward_config(head_dim: int, head_dim_v: int, elem_bytes: int = 2,
     """The first valid config of PREFERENCE; with `spec`, the first whose partial blocks also
     keep within the consumer's registers (the first valid one if none does), the
     warp-specialised schedule only where ws_by_default says so (and its persistent walk
-    where persistent_by_default does), and neither with `dynamic` shapes (runtime lengths).
+    where persistent_by_default does; its 192-row tile where wide_tile gives it), and
+    neither with `dynamic` shapes (runtime lengths).
     With a short `seqlen_q` (a few blocks), the first of those that pads the rows least; with
     a short `seqlen_kv`, its keys in one block (fit_short_keys)."""
     ops = spec.masked_block_ops() if spec is not None else 0
@@ -350,8 +346,11 @@ def default_forward_config(head_dim: int, head_dim_v: int, elem_bytes: int = 2,
     def fits(c: KernelConfig) -> bool:
         return masked_body_fits(c, head_dim, head_dim_v, ops, elem_bytes)
 
+    wide = wide_tile(head_dim, spec, seqlen_q, seqlen_kv) if ws else None
+    if wide is not None and sound(wide) and fits(wide):
+        return wide
     valid = [c for c in PREFERENCE if sound(c) and (c.schedule == "auto" or ws)
-             and (not c.persistent or persistent) and wide_rows_pay(c, head_dim, spec, seqlen_q)]
+             and (not c.persistent or persistent)]
     if not valid:
         raise ValueError(
             f"no valid forward kernel config for head dims D={head_dim}, Dv={head_dim_v}"
