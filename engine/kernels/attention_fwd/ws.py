@@ -3,7 +3,7 @@ written out explicitly because TileLang 0.1.15's automatic pipeline waits for ev
 once (results/NOTES.md, 83).
 
 A producer warp loads Q once, then K and V into rings `num_stages` deep. Two consumer
-warpgroups (64 query rows each) walk the key blocks: block k's Q K^T is issued with block
+warpgroups (64 query rows each; three on 192-row tiles, overlapped only) walk the key blocks: block k's Q K^T is issued with block
 k-1's P V behind it; the softmax of block k runs as soon as its scores are in, while P V
 still runs on the tensor cores; then O is rescaled and P cast for the next step (P stays an
 fp32 tile until then, since the previous P is the running gemm's operand). With "pingpong"
