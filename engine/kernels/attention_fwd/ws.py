@@ -3,14 +3,15 @@ written out explicitly because TileLang 0.1.15's automatic pipeline waits for ev
 once (results/NOTES.md, 83).
 
 A producer warp loads Q once, then K and V into rings `num_stages` deep. Two consumer
-warpgroups (64 query rows each; three on 192-row tiles, overlapped only) walk the key blocks: block k's Q K^T is issued with block
-k-1's P V behind it; the softmax of block k runs as soon as its scores are in, while P V
-still runs on the tensor cores; then O is rescaled and P cast for the next step (P stays an
-fp32 tile until then, since the previous P is the running gemm's operand). With "pingpong"
-the two warpgroups also take turns issuing their gemms (named barriers 2 and 3), so that one's
-exponentials run beside the other's gemms. (As compiled, ptxas puts the wait for P V right
-after the row max, so the exponentials run after it: results/NOTES.md, 89. Holding the wait
-after them, by retiring each step at the top of the next, measured 2-7% slower: NOTES 120.)
+warpgroups (64 query rows each; three on 192-row tiles, overlapped only) walk the key
+blocks: block k's Q K^T is issued with block k-1's P V behind it; the softmax of block k
+runs as soon as its scores are in, while P V still runs on the tensor cores; then O is
+rescaled and P cast for the next step (P stays an fp32 tile until then, since the previous P
+is the running gemm's operand). With "pingpong" the two warpgroups also take turns issuing
+their gemms (named barriers 2 and 3), so that one's exponentials run beside the other's
+gemms. (As compiled, ptxas puts the wait for P V right after the row max, so the
+exponentials run after it: results/NOTES.md, 89. Holding the wait after them, by retiring
+each step at the top of the next, measured 2-7% slower: NOTES 120.)
 
 With `KernelConfig.persistent` a grid of one thread block per SM walks the tiles in turn
 (TileWalk): the rings keep counting across tiles, the consumers hand Q back once a tile's last
