@@ -43,8 +43,9 @@ WS_CONSUMER_REGS = 240
 
 def consumer_register_cap(threads: int) -> int:
     """Registers per consumer thread under TileLang's warp specialisation (a producer warpgroup
-    of 24 registers per thread beside the consumers, within 64 Ki registers per SM)."""
-    return 240 if threads <= 256 else 160
+    of 24 registers per thread beside the consumers, within 64 Ki registers per SM): what the
+    warp-specialised kernels set with `set_max_nreg`."""
+    return WS_CONSUMER_REGS if threads <= 256 else 160
 
 
 def warp_partition(

@@ -103,8 +103,7 @@ WIDE_DEFAULT_CASES = [
 
 def _three_group_module(case):
     name, dt, B, Hq, Hkv, Sq, Skv, persistent = case
-    sz = dict(batch=B, heads_q=Hq, heads_kv=Hkv, seqlen_q=Sq, seqlen_kv=Skv, head_dim=64,
-              head_dim_v=64)
+    sz = _sizes(B, Hq, Hkv, Sq, Skv, 64)
     cfg = KernelConfig(192, 128, 3 if persistent else 2, 384, schedule="overlap",
                        persistent=persistent)
     return VARIANTS[name].build(**sz, dtype=dt, backend="tilelang", config=cfg), sz

@@ -137,7 +137,7 @@ def config_problems(
             f"(block_M={cfg.block_M}, block_N={cfg.block_N}, num_stages={cfg.num_stages}, "
             f"D={head_dim}, Dv={head_dim_v})"
         )
-    cap = consumer_register_cap(cfg.threads) - register_reserve(cfg)
+    cap = accumulator_cap(cfg)
     acc = res["regs_per_thread"] - REG_OVERHEAD
     if acc > cap:
         out.append(
@@ -158,9 +158,11 @@ def config_problems(
 WS_SHAPES = {"overlap": {(128, 256): 0, (192, 384): 32}, "pingpong": {(128, 256): 0}}
 
 
-def register_reserve(cfg: KernelConfig) -> int:
-    """Registers a consumer of `cfg` keeps beyond its accumulators (WS_SHAPES)."""
-    return WS_SHAPES.get(cfg.schedule, {}).get((cfg.block_M, cfg.threads), 0)
+def accumulator_cap(cfg: KernelConfig) -> int:
+    """Registers a consumer thread of `cfg` has for its accumulators: the cap less what the
+    schedule's shape keeps beyond them (WS_SHAPES)."""
+    reserve = WS_SHAPES.get(cfg.schedule, {}).get((cfg.block_M, cfg.threads), 0)
+    return consumer_register_cap(cfg.threads) - reserve
 
 
 def _schedule_problems(cfg: KernelConfig) -> list[str]:
@@ -197,8 +199,7 @@ def masked_body_fits(cfg: KernelConfig, head_dim: int, head_dim_v: int, masked_o
                      elem_bytes: int = 2) -> bool:
     """Whether a partial block's `masked_ops` elementwise ops fit beside the accumulators."""
     res = estimate_resources(cfg, head_dim, head_dim_v, elem_bytes)
-    headroom = consumer_register_cap(cfg.threads) - register_reserve(cfg) \
-        - (res["regs_per_thread"] - REG_OVERHEAD)
+    headroom = accumulator_cap(cfg) - (res["regs_per_thread"] - REG_OVERHEAD)
     return masked_ops <= FREE_MASKED_OPS + max(0, headroom) // REGS_PER_MASKED_OP
 
 

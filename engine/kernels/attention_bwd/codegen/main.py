@@ -32,7 +32,7 @@ from engine.kernels.attention_bwd.plan import (
     BackwardPlan,
     dq_chunks,
 )
-from engine.plan.config import WS_CONSUMER_REGS, WS_PRODUCER_THREADS
+from engine.plan.config import WS_PRODUCER_THREADS, consumer_register_cap
 from engine.plan.shape import KernelShape
 
 
@@ -163,7 +163,7 @@ def _emit_ws_body(w: SourceWriter, f: Frame) -> None:
                         dq_writer=f.plan.dq_layout != "none")
     heads = f.d.G if f.plan.heads_loop else 1
     with w.block("else:"):
-        w.line(f"T.set_max_nreg({WS_CONSUMER_REGS}, 1)")
+        w.line(f"T.set_max_nreg({consumer_register_cap(f.plan.config.threads)}, 1)")
         w.lines(["T.clear(dk)", "T.clear(dv)", "T.mbarrier_wait_parity(kv_full[0], 0)"])
         if f.plan.products_ahead:  # the first step's, issued here (step.py)
             with w.block("if n > 0:"):
