@@ -34,6 +34,9 @@ from engine.plan.config import WS_PRODUCER_REGS, WS_PRODUCER_THREADS, KernelConf
 # Named barriers: 1 for the consumers' meeting before the O store, 2 and 3 for the turns.
 EPILOGUE_BARRIER = 1
 TURN_BARRIERS = (2, 3)
+# scratch: where a step retires ("end", "top": at the next step's top, "fa3": top, O
+# rescaled between the next step's gemms)
+RETIRE = "end"
 
 
 def ws_buffers(cfg: KernelConfig, D: int, Dv: int, dt: str) -> list[str]:
@@ -190,6 +193,9 @@ class ConsumerLoop:
         # registers a thread holds of the score tile and of O (for the operand fences)
         self.tile_regs = cfg.block_M * cfg.block_N // cfg.threads
         self.o_regs = cfg.block_M * head_dim_v // cfg.threads
+        self.deferred = (RETIRE != "end" and not one_block and not key_stage and full.p_in_acc
+                         and partial is None)
+        self.fa3_order = self.deferred and RETIRE == "fa3"
 
     def start(self) -> None:
         """Once per thread block: with ping-pong the first warpgroup takes the first turn."""
@@ -209,7 +215,7 @@ class ConsumerLoop:
             with self._turn():
                 w.line(qk(self.tiles.stage("0")))
             self._wait_scores(0, self.tiles.stage("0"))
-            self._by_class(lambda body: self._body(body, first=True))
+            self._by_class(lambda body: self._body(body, first=True, defer=self.deferred))
             if not self.one_block:
                 self._later_blocks(qk, pv)
             self._hand_back_q()  # every Q K^T of the tile is in
@@ -230,14 +236,22 @@ class ConsumerLoop:
         w = self.w
         if self.order.full_run:  # steps 1 .. nf - 1: the full run, the unmasked body
             with w.block("for kk in T.serial(T.max(nf, 1) - 1):"):
+                self._retire("kk > 0", "(kk - 1)")
                 self._steps_head("fs + k", classed=False)
-                self._step(self.full, qk, pv)
+                self._step(self.full, qk, pv, defer=self.deferred)
+            self._retire("nf > 1", "(nf - 2)", rescale=True)
             loop, kb = "T.serial(T.max(nf, 1) - 1, n - 1)", self.order.rest_kb("k")
         else:
             loop, kb = "T.serial(n - 1)", self.order.kb("k")
+        unclassed = self.partial is None
         with w.block(f"for kk in {loop}:"):
+            if unclassed:
+                self._retire("kk > 0", "(kk - 1)")
             self._steps_head(kb, classed=True)
-            self._by_class(lambda body: self._step(body, qk, pv))
+            self._by_class(lambda body: self._step(body, qk, pv,
+                                                   defer=self.deferred and unclassed))
+        if unclassed:
+            self._retire("n > 1", "(n - 2)", rescale=True)
 
     def _hand_back_q(self) -> None:
         if self.tiles.persistent:
@@ -286,6 +300,30 @@ class ConsumerLoop:
         if not self.key_stage:
             self.w.line(f"T.mbarrier_arrive(k_empty[{stage}])")
 
+    def _retire(self, after_first: str, v_step: str, rescale: bool = False) -> None:
+        """The previous step retired: its P V waited for, V's stage of step `v_step` freed
+        where `after_first`, O rescaled (unless FA3's order leaves it to the next step's
+        gemms, and not `rescale`), then its P cast."""
+        if not self.deferred:
+            return
+        if self.fa3_order:
+            self._wait_output()
+            with self.w.block(f"if {after_first}:"):
+                self.w.line(f"T.mbarrier_arrive(v_empty[{self.tiles.stage(v_step)}])")
+            if rescale:
+                self._rescale(self.full)
+        else:
+            with self.w.block(f"if {after_first}:"):
+                self._wait_output()
+                self.w.line(f"T.mbarrier_arrive(v_empty[{self.tiles.stage(v_step)}])")
+                self._rescale(self.full)
+        self.w.line("T.copy(acc_s, acc_s_cast)")
+
+    def _rescale(self, body: OnlineBody) -> None:
+        if rescales(body.o_scale):
+            with self.w.block(f"for i, j in T.Parallel({self.bM}, {self.Dv}):"):
+                self.w.line("acc_o[i, j] *= o_scale_f[i]")
+
     def _wait_output(self) -> None:
         self.w.line("T.wait_wgmma(0)")
         self.w.line(f"T.warpgroup_fence_operand(acc_o, num_regs={self.o_regs})")
@@ -302,19 +340,27 @@ class ConsumerLoop:
         with self.w.block("else:"):
             emit(self.partial)
 
-    def _step(self, body: OnlineBody, qk: Callable[[str], str], pv: Callable[[str], str]
-              ) -> None:
+    def _step(self, body: OnlineBody, qk: Callable[[str], str], pv: Callable[[str], str],
+              defer: bool = False) -> None:
         """Block k's Q K^T and block k-1's P V issued, block k's online step."""
         with self._turn():
             self.w.line(qk(self.tiles.stage("k")))
+            if defer and self.fa3_order:
+                self._rescale(self.full)
             self.w.line(pv(self.tiles.stage("kk")))
         self._wait_scores(1, self.tiles.stage("k"))
-        self._body(body, first=False)
+        self._body(body, first=False, defer=defer)
 
-    def _body(self, body: OnlineBody, first: bool) -> None:
+    def _body(self, body: OnlineBody, first: bool, defer: bool = False) -> None:
         """The online step, then, once the previous P V is done, V's stage freed, O rescaled
         and P cast for the next gemm."""
         w = self.w
+        if defer:
+            w.line(body.source)
+            if first and self.fa3_order and rescales(body.o_scale):
+                with w.block(f"for i in T.Parallel({self.bM}):"):
+                    w.line("o_scale_f[i] = T.float32(1.0)")
+            return
         serial = not body.p_in_acc  # P written straight into acc_s_cast: the P V must be done
         if serial and not first:
             self._wait_output()
@@ -325,8 +371,6 @@ class ConsumerLoop:
             if not serial:
                 self._wait_output()
             w.line(f"T.mbarrier_arrive(v_empty[{self.tiles.stage('kk')}])")
-            if rescales(body.o_scale):
-                with w.block(f"for i, j in T.Parallel({self.bM}, {self.Dv}):"):
-                    w.line("acc_o[i, j] *= o_scale_f[i]")
+            self._rescale(body)
         if not serial:
             w.line("T.copy(acc_s, acc_s_cast)")
