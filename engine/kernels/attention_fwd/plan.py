@@ -165,6 +165,16 @@ def accumulator_cap(cfg: KernelConfig) -> int:
     return consumer_register_cap(cfg.threads) - reserve
 
 
+# The shapes whose unmasked steps retire at the top of the next (FlashAttention-3's order, ws.py):
+# three warpgroups, 3-4% faster at D 64; on two it measured 2-9% slower (NOTES 120, 179).
+NEXT_STEP_RETIRES = {(192, 384)}
+
+
+def retires_next_step(cfg: KernelConfig) -> bool:
+    """Whether `cfg`'s warp-specialised steps retire at the top of the next step."""
+    return cfg.schedule == "overlap" and (cfg.block_M, cfg.threads) in NEXT_STEP_RETIRES
+
+
 def _schedule_problems(cfg: KernelConfig) -> list[str]:
     """The warp-specialised schedules' shape (WS_SHAPES) and their walk's order."""
     if cfg.schedule not in SCHEDULES:

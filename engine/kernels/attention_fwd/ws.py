@@ -11,7 +11,11 @@ is the running gemm's operand). With "pingpong" the two warpgroups also take tur
 their gemms (named barriers 2 and 3), so that one's exponentials run beside the other's
 gemms. (As compiled, ptxas puts the wait for P V right after the row max, so the
 exponentials run after it: results/NOTES.md, 89. Holding the wait after them, by retiring
-each step at the top of the next, measured 2-7% slower: NOTES 120.)
+each step at the top of the next, measured 2-9% slower on two warpgroups: NOTES 120, 179.)
+On three warpgroups (`retires_next_step`) the unmasked steps do take FlashAttention-3's
+order: the step opens by retiring the previous one (its P V waited for, V freed, P cast),
+issues Q K^T, rescales O while it runs, then issues P V; ptxas keeps every exponential of
+the step before the wait (NOTES 179).
 
 With `KernelConfig.persistent` a grid of one thread block per SM walks the tiles in turn
 (TileWalk): the rings keep counting across tiles, the consumers hand Q back once a tile's last
@@ -28,15 +32,12 @@ from dataclasses import dataclass
 from engine.codegen.rings import parity, ring
 from engine.codegen.source import SourceWriter
 from engine.kernels.attention_fwd.online import OnlineBody, rescales
-from engine.kernels.attention_fwd.plan import o_staged_in_q
+from engine.kernels.attention_fwd.plan import o_staged_in_q, retires_next_step
 from engine.plan.config import WS_PRODUCER_REGS, WS_PRODUCER_THREADS, KernelConfig
 
 # Named barriers: 1 for the consumers' meeting before the O store, 2 and 3 for the turns.
 EPILOGUE_BARRIER = 1
 TURN_BARRIERS = (2, 3)
-# scratch: where a step retires ("end", "top": at the next step's top, "fa3": top, O
-# rescaled between the next step's gemms)
-RETIRE = "end"
 
 
 def ws_buffers(cfg: KernelConfig, D: int, Dv: int, dt: str) -> list[str]:
@@ -193,9 +194,10 @@ class ConsumerLoop:
         # registers a thread holds of the score tile and of O (for the operand fences)
         self.tile_regs = cfg.block_M * cfg.block_N // cfg.threads
         self.o_regs = cfg.block_M * head_dim_v // cfg.threads
-        self.deferred = (RETIRE != "end" and not one_block and not key_stage and full.p_in_acc
-                         and partial is None)
-        self.fa3_order = self.deferred and RETIRE == "fa3"
+        # Each step retired at the top of the next (FA3's order): unmasked loops only (with a
+        # masked body beside, causal's walk serialised its wgmmas for registers, C7512).
+        self.deferred = (retires_next_step(cfg) and partial is None and not order.full_run
+                         and full.p_in_acc and not one_block and not key_stage)
 
     def start(self) -> None:
         """Once per thread block: with ping-pong the first warpgroup takes the first turn."""
@@ -236,22 +238,16 @@ class ConsumerLoop:
         w = self.w
         if self.order.full_run:  # steps 1 .. nf - 1: the full run, the unmasked body
             with w.block("for kk in T.serial(T.max(nf, 1) - 1):"):
-                self._retire("kk > 0", "(kk - 1)")
                 self._steps_head("fs + k", classed=False)
-                self._step(self.full, qk, pv, defer=self.deferred)
-            self._retire("nf > 1", "(nf - 2)", rescale=True)
+                self._step(self.full, qk, pv)
             loop, kb = "T.serial(T.max(nf, 1) - 1, n - 1)", self.order.rest_kb("k")
         else:
             loop, kb = "T.serial(n - 1)", self.order.kb("k")
-        unclassed = self.partial is None
         with w.block(f"for kk in {loop}:"):
-            if unclassed:
-                self._retire("kk > 0", "(kk - 1)")
+            self._retire("kk > 0", "(kk - 1)")
             self._steps_head(kb, classed=True)
-            self._by_class(lambda body: self._step(body, qk, pv,
-                                                   defer=self.deferred and unclassed))
-        if unclassed:
-            self._retire("n > 1", "(n - 2)", rescale=True)
+            self._by_class(lambda body: self._step(body, qk, pv))
+        self._retire("n > 1", "(n - 2)", rescale=True)
 
     def _hand_back_q(self) -> None:
         if self.tiles.persistent:
@@ -301,22 +297,18 @@ class ConsumerLoop:
             self.w.line(f"T.mbarrier_arrive(k_empty[{stage}])")
 
     def _retire(self, after_first: str, v_step: str, rescale: bool = False) -> None:
-        """The previous step retired: its P V waited for, V's stage of step `v_step` freed
-        where `after_first`, O rescaled (unless FA3's order leaves it to the next step's
-        gemms, and not `rescale`), then its P cast."""
+        """Where steps are deferred: the previous step retired (its P V waited for; V's stage
+        of step `v_step` freed `after_first`, the first step has none), O rescaled if
+        `rescale` (the last step; the others are rescaled between the next step's gemms),
+        its P cast. The wait is unconditional: behind a branch ptxas took O for a running
+        gemm's at the rescale and serialised every wgmma (C7514, NOTES 120)."""
         if not self.deferred:
             return
-        if self.fa3_order:
-            self._wait_output()
-            with self.w.block(f"if {after_first}:"):
-                self.w.line(f"T.mbarrier_arrive(v_empty[{self.tiles.stage(v_step)}])")
-            if rescale:
-                self._rescale(self.full)
-        else:
-            with self.w.block(f"if {after_first}:"):
-                self._wait_output()
-                self.w.line(f"T.mbarrier_arrive(v_empty[{self.tiles.stage(v_step)}])")
-                self._rescale(self.full)
+        self._wait_output()
+        with self.w.block(f"if {after_first}:"):
+            self.w.line(f"T.mbarrier_arrive(v_empty[{self.tiles.stage(v_step)}])")
+        if rescale:
+            self._rescale(self.full)
         self.w.line("T.copy(acc_s, acc_s_cast)")
 
     def _rescale(self, body: OnlineBody) -> None:
@@ -340,24 +332,27 @@ class ConsumerLoop:
         with self.w.block("else:"):
             emit(self.partial)
 
-    def _step(self, body: OnlineBody, qk: Callable[[str], str], pv: Callable[[str], str],
-              defer: bool = False) -> None:
-        """Block k's Q K^T and block k-1's P V issued, block k's online step."""
+    def _step(self, body: OnlineBody, qk: Callable[[str], str], pv: Callable[[str], str]
+              ) -> None:
+        """Block k's Q K^T and block k-1's P V issued (deferred: O rescaled between them),
+        block k's online step."""
         with self._turn():
             self.w.line(qk(self.tiles.stage("k")))
-            if defer and self.fa3_order:
+            if self.deferred:
                 self._rescale(self.full)
             self.w.line(pv(self.tiles.stage("kk")))
         self._wait_scores(1, self.tiles.stage("k"))
-        self._body(body, first=False, defer=defer)
+        self._body(body, first=False, defer=self.deferred)
 
     def _body(self, body: OnlineBody, first: bool, defer: bool = False) -> None:
         """The online step, then, once the previous P V is done, V's stage freed, O rescaled
-        and P cast for the next gemm."""
+        and P cast for the next gemm; `defer`: the online step alone (the next step retires
+        it), the first's output scale set to 1 (O is still 0: 0 times its scale, inf, is
+        NaN)."""
         w = self.w
         if defer:
             w.line(body.source)
-            if first and self.fa3_order and rescales(body.o_scale):
+            if first and rescales(body.o_scale):
                 with w.block(f"for i in T.Parallel({self.bM}):"):
                     w.line("o_scale_f[i] = T.float32(1.0)")
             return
