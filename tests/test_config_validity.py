@@ -123,6 +123,7 @@ def test_three_warpgroup_tiles_at_d64_on_long_rows():
     MASKED_WALK_ROWS); unknown lengths, D 128, short keys and heavier masks keep 128 rows."""
     import torch
 
+    from engine import AttentionEngine, CustomIO, meta_tensor
     from engine.kernels.attention_fwd.plan import default_forward_config
     from engine.variants import VARIANTS
 
@@ -147,6 +148,13 @@ def test_three_warpgroup_tiles_at_d64_on_long_rows():
     assert default("softmax_causal", 8192) == wide_masked
     assert default("softmax_causal", 16384) == wide_masked
     assert default("alibi", 16384).block_M == 128  # 5 masked ops: no registers left
+    key_bias = AttentionEngine(
+        (meta_tensor(1, 4, 256, 64), meta_tensor(1, 4, 256, 64), meta_tensor(1, 4, 256, 64)),
+        CustomIO({"kvbias": ("batch", "seq_len_kv")}),
+        score_mod=lambda s, io, b, h, q, k: s + io["kvbias"][b, k], backend="reference").spec
+    # a tensor read per key: staged beside K on two warpgroups only
+    assert default_forward_config(64, 64, spec=key_bias, seqlen_q=16384,
+                                  seqlen_kv=16384) == walk
     assert default("softmax", 16384, d=128) == walk
     assert default("softmax", 16384, d=32).block_M == 128  # not measured
     assert default("softmax", 16384, dynamic=True).schedule == "auto"

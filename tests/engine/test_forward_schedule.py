@@ -3,6 +3,7 @@ roles, the order of gemm issue, waits and the online step, and where the class b
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import torch
@@ -104,6 +105,38 @@ def test_full_run_is_walked_without_the_class_branch():
                                       config=KernelConfig(128, 128, 2, 256, schedule="overlap")
                                       ).kernel_source
     assert "for kk in T.serial(n - 1):" in plain and "Fs" not in plain and "bxr" not in plain
+
+
+def test_three_warpgroups_retire_each_step_at_the_next_steps_top():
+    """On 192-row tiles an unmasked step opens by retiring the previous one (its P V waited
+    for, its V freed, P cast), issues Q K^T, rescales O while it runs, then issues P V; the
+    online step ends the loop body, so ptxas keeps its exponentials before the wait. Two
+    warpgroups, and masked specs on three, retire each step at its end."""
+    ops = (r"T\.wgmma_gemm\(Q_shared|T\.wgmma_gemm\(acc_s_cast|T\.wait_wgmma\(\d\)|"
+           r"T\.mbarrier_arrive\(v_empty|T\.reduce_max|acc_o\[i, j\] \*= o_scale_f|"
+           r"T\.copy\(acc_s, acc_s_cast\)")
+
+    def loop(name: str, cfg: KernelConfig) -> list[str]:
+        src = VARIANTS[name].build(**{**SHAPE, "seqlen_q": 1152, "seqlen_kv": 1152,
+                                      "head_dim": 64, "head_dim_v": 64},
+                                   dtype=torch.bfloat16, backend="reference",
+                                   config=cfg).kernel_source
+        body = src[src.index("for kk in T.serial("):src.index("T.mbarrier_wait_parity(v_full[(n - 1)")]
+        return [m.group(0) for m in re.finditer(ops, body)]
+
+    wide = KernelConfig(192, 128, 3, 384, schedule="overlap", persistent=True)
+    retire = ["T.wait_wgmma(0)", "T.mbarrier_arrive(v_empty", "T.copy(acc_s, acc_s_cast)"]
+    step = ["T.wgmma_gemm(Q_shared", "acc_o[i, j] *= o_scale_f", "T.wgmma_gemm(acc_s_cast",
+            "T.wait_wgmma(1)", "T.reduce_max"]
+    # the loop, then the last step's retirement (O rescaled there)
+    assert loop("softmax", wide) == retire + step + retire[:2] + [
+        "acc_o[i, j] *= o_scale_f", "T.copy(acc_s, acc_s_cast)"]
+    end = ["T.wgmma_gemm(Q_shared", "T.wgmma_gemm(acc_s_cast", "T.wait_wgmma(1)",
+           "T.reduce_max", "T.wait_wgmma(0)", "T.mbarrier_arrive(v_empty",
+           "acc_o[i, j] *= o_scale_f", "T.copy(acc_s, acc_s_cast)"]
+    assert loop("softmax", KernelConfig(128, 128, 2, 256, schedule="overlap")) == end
+    causal = loop("softmax_causal", dataclasses.replace(wide, num_stages=2))
+    assert "T.wait_wgmma(0)" not in causal[:causal.index("T.reduce_max")]
 
 
 def _walk(text: str, lo: int, fs: int, nf: int, k: int) -> int:

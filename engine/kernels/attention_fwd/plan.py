@@ -269,11 +269,15 @@ def ws_by_default(spec: TracedSpec) -> bool:
     (document) and 1.47x (document with prefixes) faster walked once the ids came from the
     producer's rings (NOTES 124; Llama-3-8B heads, B 1 x 8k). Not with dynamic shapes: plain
     softmax at 4k took 0.98 ms against the automatic pipeline's 0.85 (NOTES 90)."""
-    roots = [spec.score_mod, spec.online_p, spec.o_scale,
-             *([spec.mask] if spec.mask is not None else [])]
-    unstaged = [n for n in topo(roots) if n.op in CUSTOM_READS and n.axes
+    unstaged = [n for n in _step_nodes(spec) if n.op in CUSTOM_READS and n.axes
                 and not (per_query_read(n) or per_key_read(n))]
     return rescales(spec.o_scale) and not unstaged
+
+
+def _step_nodes(spec: TracedSpec) -> list[Expr]:
+    """The nodes a forward step evaluates per score element."""
+    return topo([spec.score_mod, spec.online_p, spec.o_scale,
+                 *([spec.mask] if spec.mask is not None else [])])
 
 
 def per_query_read(node: Expr) -> bool:
@@ -315,7 +319,9 @@ def persistent_by_default(spec: TracedSpec, seqlen_q: int | None = None) -> bool
 # stages (two: 0.89-0.94); causal 3% slower at 4k (a tile's diagonal covers two or three key
 # blocks instead of one), 0.74 -> 0.83 at 8k and 0.77-0.88 -> 0.87-0.90 at 16k with two
 # stages on the persistent walk at every length (three: 0.86-0.89; the plain grid 0.85).
-# Other head dims the register model allows (D 32) are not measured.
+# Other head dims the register model allows (D 32) are not measured. Not for specs that read
+# a tensor per key: the codegen stages those in rings beside K on two warpgroups only, and
+# read per element at 192 rows a key bias spilled 240 bytes (ptxas, NOTES 179).
 WIDE_HEAD_DIM = 64
 WIDE_ROWS = 4096
 WIDE_MASKED_ROWS = 8192
@@ -324,11 +330,13 @@ WIDE_MASKED_ROWS = 8192
 def wide_tile(head_dim: int, spec: TracedSpec | None, seqlen_q: int | None,
               seqlen_kv: int | None) -> KernelConfig | None:
     """The 192-row tile where it pays: at WIDE_HEAD_DIM, rows and keys known and at least
-    WIDE_ROWS (WIDE_MASKED_ROWS masked); None elsewhere."""
+    WIDE_ROWS (WIDE_MASKED_ROWS masked), no tensor read per key; None elsewhere."""
     masked = spec is not None and spec.mask is not None
     least = WIDE_MASKED_ROWS if masked else WIDE_ROWS
     if head_dim != WIDE_HEAD_DIM or seqlen_q is None or seqlen_kv is None \
             or min(seqlen_q, seqlen_kv) < least:
+        return None
+    if spec is not None and any(per_key_read(n) for n in _step_nodes(spec)):
         return None
     return KernelConfig(192, 128, 2 if masked else 3, 384, schedule="overlap", persistent=True)
 
