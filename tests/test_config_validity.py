@@ -148,13 +148,18 @@ def test_three_warpgroup_tiles_at_d64_on_long_rows():
     assert default("softmax_causal", 8192) == wide_masked
     assert default("softmax_causal", 16384) == wide_masked
     assert default("alibi", 16384).block_M == 128  # 5 masked ops: no registers left
-    key_bias = AttentionEngine(
-        (meta_tensor(1, 4, 256, 64), meta_tensor(1, 4, 256, 64), meta_tensor(1, 4, 256, 64)),
-        CustomIO({"kvbias": ("batch", "seq_len_kv")}),
-        score_mod=lambda s, io, b, h, q, k: s + io["kvbias"][b, k], backend="reference").spec
+    def user(score_mod, io=None):
+        meta = [meta_tensor(1, 4, 256, 64)] * 3
+        spec = AttentionEngine(tuple(meta), CustomIO(io or {}), score_mod=score_mod,
+                               backend="reference").spec
+        return default_forward_config(64, 64, spec=spec, seqlen_q=16384, seqlen_kv=16384)
+
+    assert user(lambda s, io, b, h, q, k: s * 0.5 + io["hb"][h], {"hb": ("heads",)}) == wide
     # a tensor read per key: staged beside K on two warpgroups only
-    assert default_forward_config(64, 64, spec=key_bias, seqlen_q=16384,
-                                  seqlen_kv=16384) == walk
+    assert user(lambda s, io, b, h, q, k: s + io["kb"][b, k], {"kb": ("batch", "seq_len_kv")}
+                ) == walk
+    # an unmasked score of 3 ops per element (soft-capping): no registers left at 192 rows
+    assert user(lambda s, io, b, h, q, k: (s * 0.02).tanh() * 50.0) == walk
     assert default("softmax", 16384, d=128) == walk
     assert default("softmax", 16384, d=32).block_M == 128  # not measured
     assert default("softmax", 16384, dynamic=True).schedule == "auto"

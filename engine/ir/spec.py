@@ -72,11 +72,15 @@ class TracedSpec:
 
     def masked_block_ops(self) -> int:
         """Elementwise ops a partial (masked) block evaluates per score element beyond the
-        matmul: the mask's and score_mod's nodes that vary along the key axis (0 without a
-        mask). The forward's register model uses it to size tiles (engine.plan.config)."""
-        if self.mask is None:
-            return 0
-        return sum(1 for n in topo([self.mask, self.score_mod]) if n.args and "n" in n.axes)
+        matmul (0 without a mask). The forward's register model uses it to size tiles
+        (engine.kernels.attention_fwd.plan)."""
+        return 0 if self.mask is None else self.elementwise_ops()
+
+    def elementwise_ops(self) -> int:
+        """The mask's and score_mod's nodes that vary along the key axis: what a block
+        evaluates per score element beyond the matmul, masked or not."""
+        roots = [self.score_mod] if self.mask is None else [self.mask, self.score_mod]
+        return sum(1 for n in topo(roots) if n.args and "n" in n.axes)
 
     def roots(self) -> dict[str, Expr]:
         out = {

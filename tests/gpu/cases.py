@@ -67,8 +67,10 @@ FOLD_CASES = [
     (2, None, 640, 640, 64, 8, FP16, None),
     (3, "causal-offset", 300, 900, 128, 2, BF16, None),
     (4, "causal", 1024, 1024, 256, 2, BF16, None),
-    # folded rows of 4096 at D 64: the forward's 192-row tile (attention_fwd/plan.wide_tile)
-    (2, None, 8192, 8192, 64, 8, BF16, None),
+    # folded rows of 4096 at D 64 on the forward's 192-row tile, forced (the positional score's
+    # ops keep the default at 128 rows: attention_fwd/plan.default_forward_config)
+    (2, None, 8192, 8192, 64, 8, BF16, KernelConfig(192, 128, 3, 384, schedule="overlap",
+                                                    persistent=True)),
 ]
 _FOLD_MASKS = {
     None: lambda q, kv: None,

@@ -366,7 +366,12 @@ def default_forward_config(head_dim: int, head_dim_v: int, elem_bytes: int = 2,
         return masked_body_fits(c, head_dim, head_dim_v, ops, elem_bytes)
 
     wide = wide_tile(head_dim, spec, seqlen_q, seqlen_kv) if ws else None
-    if wide is not None and sound(wide) and fits(wide):
+    # its full blocks too evaluate the score_mod per element beside 160 registers of
+    # accumulators: counted as a masked block's ops (ptxas at D 64, unmasked: 3 ops, a
+    # soft-cap, spilled 24 bytes; 5, ALiBi, 296; NOTES 179)
+    step_ops = spec.elementwise_ops() if spec is not None else 0
+    if wide is not None and sound(wide) \
+            and masked_body_fits(wide, head_dim, head_dim_v, step_ops, elem_bytes):
         return wide
     valid = [c for c in PREFERENCE if sound(c) and (c.schedule == "auto" or ws)
              and (not c.persistent or persistent)]
