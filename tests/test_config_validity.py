@@ -119,7 +119,7 @@ def test_masked_blocks_pick_tiles_with_register_headroom():
 
 def test_three_warpgroup_tiles_at_d64_on_long_rows():
     """192-row warp-specialised tiles (three consumer warpgroups) by default at D 64 only, rows
-    and keys from 4096 unmasked (three stages) and 8192 masked (two, and persistent past
+    and keys from 2048 unmasked (three stages) and 8192 masked (two, and persistent past
     MASKED_WALK_ROWS); unknown lengths, D 128, short keys and heavier masks keep 128 rows."""
     import torch
 
@@ -140,7 +140,8 @@ def test_three_warpgroup_tiles_at_d64_on_long_rows():
         return default_forward_config(d, d, spec=spec(name), seqlen_q=s,
                                       seqlen_kv=s if skv is None else skv, **kw)
 
-    assert default("softmax", 2048) == walk
+    assert default("softmax", 1024) == walk
+    assert default("softmax", 2048) == wide
     assert default("softmax", 4096) == wide
     assert default("softmax", None, None) == walk  # lengths unknown
     assert default("softmax", 4096, 1024) == walk  # short keys

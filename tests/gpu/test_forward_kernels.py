@@ -96,6 +96,7 @@ WIDE = KernelConfig(192, 128, 3, 384, schedule="overlap", persistent=True)
 WIDE_MASKED = dataclasses.replace(WIDE, num_stages=2)
 WIDE_DEFAULT_CASES = [
     ("softmax", BF16, 1, 4, 4, 4096, WIDE),
+    ("softmax", FP16, 2, 4, 1, 2048, WIDE),  # a partial last tile of rows, GQA 4
     ("softmax_causal", FP16, 1, 4, 2, 8192, WIDE_MASKED),
     ("softmax_causal", BF16, 1, 2, 2, 16384, WIDE_MASKED),
 ]

@@ -319,11 +319,13 @@ def persistent_by_default(spec: TracedSpec, seqlen_q: int | None = None) -> bool
 # stages (two: 0.89-0.94); causal 3% slower at 4k (a tile's diagonal covers two or three key
 # blocks instead of one), 0.74 -> 0.83 at 8k and 0.77-0.88 -> 0.87-0.90 at 16k with two
 # stages on the persistent walk at every length (three: 0.86-0.89; the plain grid 0.85).
-# Other head dims the register model allows (D 32) are not measured. Not for specs that read
+# Other head dims the register model allows (D 32) are not measured. Since the unmasked steps
+# retire at the next step's top (ws.py), also from 2k: 0.92 -> 0.98 there, 1.12 -> 1.08 at 1k
+# (NOTES 179). Not for specs that read
 # a tensor per key: the codegen stages those in rings beside K on two warpgroups only, and
 # read per element at 192 rows a key bias spilled 240 bytes (ptxas, NOTES 179).
 WIDE_HEAD_DIM = 64
-WIDE_ROWS = 4096
+WIDE_ROWS = 2048
 WIDE_MASKED_ROWS = 8192
 
 
