@@ -166,7 +166,7 @@ def accumulator_cap(cfg: KernelConfig) -> int:
 
 
 # The shapes whose unmasked steps retire at the top of the next (FlashAttention-3's order, ws.py):
-# three warpgroups, 3-4% faster at D 64; on two it measured 2-9% slower (NOTES 120, 179).
+# three warpgroups, 3-8% faster at D 64; on two it measured 2-9% slower (NOTES 120, 179).
 NEXT_STEP_RETIRES = {(192, 384)}
 
 
@@ -321,9 +321,9 @@ def persistent_by_default(spec: TracedSpec, seqlen_q: int | None = None) -> bool
 # stages on the persistent walk at every length (three: 0.86-0.89; the plain grid 0.85).
 # Other head dims the register model allows (D 32) are not measured. Since the unmasked steps
 # retire at the next step's top (ws.py), also from 2k: 0.92 -> 0.98 there, 1.12 -> 1.08 at 1k
-# (NOTES 179). Not for specs that read
-# a tensor per key: the codegen stages those in rings beside K on two warpgroups only, and
-# read per element at 192 rows a key bias spilled 240 bytes (ptxas, NOTES 179).
+# (NOTES 179). Not for specs that read a tensor per key: the codegen stages those in rings
+# beside K on two warpgroups only, and read per element at 192 rows a key bias spilled 240
+# bytes (ptxas, NOTES 180).
 WIDE_HEAD_DIM = 64
 WIDE_ROWS = 2048
 WIDE_MASKED_ROWS = 8192
@@ -370,7 +370,7 @@ def default_forward_config(head_dim: int, head_dim_v: int, elem_bytes: int = 2,
     wide = wide_tile(head_dim, spec, seqlen_q, seqlen_kv) if ws else None
     # its full blocks too evaluate the score_mod per element beside 160 registers of
     # accumulators: counted as a masked block's ops (ptxas at D 64, unmasked: 3 ops, a
-    # soft-cap, spilled 24 bytes; 5, ALiBi, 296; NOTES 179)
+    # soft-cap, spilled 24 bytes; 5, ALiBi, 296; NOTES 180)
     step_ops = spec.elementwise_ops() if spec is not None else 0
     if wide is not None and sound(wide) \
             and masked_body_fits(wide, head_dim, head_dim_v, step_ops, elem_bytes):

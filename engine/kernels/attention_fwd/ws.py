@@ -347,8 +347,8 @@ class ConsumerLoop:
     def _body(self, body: OnlineBody, first: bool, defer: bool = False) -> None:
         """The online step, then, once the previous P V is done, V's stage freed, O rescaled
         and P cast for the next gemm; `defer`: the online step alone (the next step retires
-        it), the first's output scale set to 1 (O is still 0: 0 times its scale, inf, is
-        NaN)."""
+        it), the first's output scale set to 1: the next step rescales O, still 0, by it,
+        and an OnlineFunc's first scale need not be finite (0 times inf or NaN is NaN)."""
         w = self.w
         if defer:
             w.line(body.source)
