@@ -24,6 +24,7 @@ from engine.kernels.attention_fwd.plan import (
     one_key_block,
     per_key_read,
     per_query_read,
+    stages_key_reads,
     walks_full_run,
 )
 from engine.mask.analysis import reads_data
@@ -78,8 +79,7 @@ class _Frame:
         global reads of partial blocks were 13% of its time). In the automatic pipeline a
         T.copy of the block's slice; in the warp-specialised schedule the producer warp fills
         a ring stage beside K's (`per_key` then holds the element read at position t). Not
-        with three consumer warpgroups: TileLang's warp specialisation then gave the copy to a
-        second producer group that ran out of registers."""
+        where the config does not stage them (stages_key_reads)."""
         spec, bN = self.spec, self.cfg.block_N
         nodes = topo([spec.score_mod, *([spec.mask] if spec.mask is not None else []),
                       spec.online_p, spec.o_scale, *(e for _, e in spec.online_updates)])
@@ -88,7 +88,7 @@ class _Frame:
         # The automatic pipeline copies a whole key block: static lengths that the key blocks
         # tile exactly; the producer warp's fill clamps each position.
         whole_blocks = not self.shape.dynamic and self.shape.seqlen_kv % bN == 0
-        if self.cfg.threads > 256 or self.fold or not (self.ws or whole_blocks):
+        if not stages_key_reads(self.cfg) or self.fold or not (self.ws or whole_blocks):
             return
         reads = sorted({n.key: n for n in nodes if per_key_read(n)}.items(),
                        key=lambda kv: str(kv[0]))

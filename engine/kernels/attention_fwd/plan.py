@@ -286,6 +286,13 @@ def per_query_read(node: Expr) -> bool:
     return node.op == "custom" and node.axes == ("m",)
 
 
+def stages_key_reads(cfg: KernelConfig) -> bool:
+    """Whether `cfg`'s kernels stage the per-key reads beside K (the codegen's `per_key`): not
+    on three consumer warpgroups, where TileLang's warp specialisation gave the copy to a
+    second producer group that ran out of registers; there each element reads them."""
+    return cfg.threads <= 256
+
+
 def per_key_read(node: Expr) -> bool:
     """A custom read indexed by the key position alone (staged per key block: the codegen's
     `per_key`)."""
@@ -321,9 +328,8 @@ def persistent_by_default(spec: TracedSpec, seqlen_q: int | None = None) -> bool
 # stages on the persistent walk at every length (three: 0.86-0.89; the plain grid 0.85).
 # Other head dims the register model allows (D 32) are not measured. Since the unmasked steps
 # retire at the next step's top (ws.py), also from 2k: 0.92 -> 0.98 there, 1.12 -> 1.08 at 1k
-# (NOTES 179). Not for specs that read a tensor per key: the codegen stages those in rings
-# beside K on two warpgroups only, and read per element at 192 rows a key bias spilled 240
-# bytes (ptxas, NOTES 180).
+# (NOTES 179). Not for specs that read a tensor per key (stages_key_reads): read per element
+# at 192 rows a key bias spilled 240 bytes (ptxas, NOTES 180).
 WIDE_HEAD_DIM = 64
 WIDE_ROWS = 2048
 WIDE_MASKED_ROWS = 8192
@@ -338,9 +344,11 @@ def wide_tile(head_dim: int, spec: TracedSpec | None, seqlen_q: int | None,
     if head_dim != WIDE_HEAD_DIM or seqlen_q is None or seqlen_kv is None \
             or min(seqlen_q, seqlen_kv) < least:
         return None
-    if spec is not None and any(per_key_read(n) for n in _step_nodes(spec)):
+    wide = KernelConfig(192, 128, 2 if masked else 3, 384, schedule="overlap", persistent=True)
+    if spec is not None and not stages_key_reads(wide) \
+            and any(per_key_read(n) for n in _step_nodes(spec)):
         return None
-    return KernelConfig(192, 128, 2 if masked else 3, 384, schedule="overlap", persistent=True)
+    return wide
 
 
 # Rows spanning fewer blocks of the preferred tile than this take the least padded tile.

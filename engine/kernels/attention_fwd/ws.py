@@ -217,7 +217,7 @@ class ConsumerLoop:
             with self._turn():
                 w.line(qk(self.tiles.stage("0")))
             self._wait_scores(0, self.tiles.stage("0"))
-            self._by_class(lambda body: self._body(body, first=True, defer=self.deferred))
+            self._by_class(lambda body: self._body(body, first=True))
             if not self.one_block:
                 self._later_blocks(qk, pv)
             self._hand_back_q()  # every Q K^T of the tile is in
@@ -342,15 +342,15 @@ class ConsumerLoop:
                 self._rescale(self.full)
             self.w.line(pv(self.tiles.stage("kk")))
         self._wait_scores(1, self.tiles.stage("k"))
-        self._body(body, first=False, defer=self.deferred)
+        self._body(body, first=False)
 
-    def _body(self, body: OnlineBody, first: bool, defer: bool = False) -> None:
+    def _body(self, body: OnlineBody, first: bool) -> None:
         """The online step, then, once the previous P V is done, V's stage freed, O rescaled
-        and P cast for the next gemm; `defer`: the online step alone (the next step retires
-        it), the first's output scale set to 1: the next step rescales O, still 0, by it,
-        and an OnlineFunc's first scale need not be finite (0 times inf or NaN is NaN)."""
+        and P cast for the next gemm; deferred steps: the online step alone (the next step
+        retires it), the first's output scale set to 1: the next step rescales O, still 0, by
+        it, and an OnlineFunc's first scale need not be finite (0 times inf or NaN is NaN)."""
         w = self.w
-        if defer:
+        if self.deferred:
             w.line(body.source)
             if first and rescales(body.o_scale):
                 with w.block(f"for i in T.Parallel({self.bM}):"):
