@@ -464,6 +464,31 @@ def test_heads_loop_backward_compiles(name, tmp_path, monkeypatch):
     _check_warp_specialised_protocol(compile_source(src).get_kernel_source())
 
 
+@pytest.mark.compile
+@needs_nvcc
+def test_persistent_walk_compiles_with_k_and_v_handed_back(tmp_path, monkeypatch):
+    """The persistent walk (forced here, under a causal mask: kv blocks of unequal steps):
+    each role walks the thread block's kv blocks, counting its steps on across them; the
+    producer loads a block's K and V only once the consumers have freed the last block's,
+    which they do after their last step (whose wgmmas are waited for) and before the dK/dV
+    stores; and the schedule's per-step protocol holds as compiled."""
+    from engine.runtime.compile import compile_source
+
+    monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
+    src = _source("softmax_causal", persistent=True)
+    assert "with T.Kernel(128, threads=384) as pid:" in src  # 8 kv blocks x 8 heads x 2
+    assert src.count("for it in T.serial(T.ceildiv(128 - pid, 128)):") == 3
+    assert src.count("base[0] = base[0] + n") == 3 and "k: T.int32 = base[0] + kk" in src
+    producer = src[src.index("if tx < 32:"):src.index("elif tx < 64:")]
+    assert producer.index("T.mbarrier_wait_parity(kv_empty[0]") < producer.index("T.tma_copy(K[")
+    consumers = src[src.index("T.set_max_nreg(240"):]
+    steps_end = consumers.index("T.mbarrier_arrive(qdo_empty")
+    free = consumers.index("T.mbarrier_arrive(kv_empty[0])")
+    assert steps_end < free < consumers.index("T.atomic_add(dV[bz, bx * 128 + i, by // 4, j]")
+    assert "kv_empty" not in _source("softmax_causal")
+    _check_warp_specialised_protocol(compile_source(src).get_kernel_source())
+
+
 def test_panel_launch_order():
     """The warp-specialised backward's launch order (panel_order, evaluated here: its text is
     Python but for T.min) visits every (key block, head, batch) once, a panel's groups key

@@ -53,8 +53,10 @@ SHAPES = {
                  head_dim=256, head_dim_v=256),
     "dv64": dict(batch=1, heads_q=4, heads_kv=4, seqlen_q=777, seqlen_kv=777,
                  head_dim=128, head_dim_v=64),
-    # ViT's rows: keys in one fitted block (208) without the loop over later blocks.
-    "vit": dict(batch=4, heads_q=6, heads_kv=6, seqlen_q=197, seqlen_kv=197,
+    # ViT's rows: keys in one fitted block (208) without the loop over later blocks; 768
+    # kv blocks, so the unmasked default backward walks them persistently (attention_bwd/
+    # plan.py: persistent_default).
+    "vit": dict(batch=64, heads_q=6, heads_kv=6, seqlen_q=197, seqlen_kv=197,
                 head_dim=64, head_dim_v=64),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

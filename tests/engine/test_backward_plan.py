@@ -115,6 +115,28 @@ def test_forced_decisions_are_checked_and_the_plan_is_frozen():
         plan.split = False
 
 
+def test_short_unmasked_rows_walk_the_kv_blocks_persistently():
+    """Without a mask, at up to PERSISTENT_MAX_SQ query rows and two thread blocks per SM,
+    a thread block per SM walks the kv blocks (in grid order: no panels); not at longer rows,
+    under a mask, on fewer blocks, with custom gradients; forced, only where it can run."""
+    vit = dict(batch=256, heads_q=6, heads_kv=6, seqlen_q=197, seqlen_kv=197)
+    plan = _plan("softmax", vit, d=64)
+    assert plan.persistent and plan.panel == 1 and plan.warp_specialized
+    assert _plan("relu", dict(vit, seqlen_q=512, seqlen_kv=512), d=64).persistent
+    assert not _plan("softmax", dict(vit, seqlen_q=1024, seqlen_kv=1024), d=64).persistent
+    assert not _plan("softmax_causal", vit, d=64).persistent
+    assert not _plan("softcap", vit, d=64).persistent  # (a causal mask)
+    assert not _plan("softmax", dict(vit, batch=8), d=64).persistent  # 96 blocks
+    assert not _plan("sigmoid", vit, grads=("bias",), d=64).persistent
+    assert _plan("sigmoid", vit, d=64).persistent
+    assert _plan("softmax_causal", persistent=True).persistent
+    for forced in (dict(det=True), dict(d=256), dict(heads_loop=True)):
+        with pytest.raises(ValueError, match="persistent"):
+            _plan("softmax", persistent=True, **forced)
+    with pytest.raises(ValueError, match="panel"):
+        _plan("softmax", vit, d=64, panel=2)
+
+
 def test_custom_gradients_that_alone_read_the_score_take_32_row_steps():
     """The default backward tile per learnable variant: 32 query rows a step where only the
     custom gradient reads the raw score (RetNet's log decay), the usual 64 where dS reads it

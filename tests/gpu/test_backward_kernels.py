@@ -99,6 +99,10 @@ def _precompiled(request):
     for case in (c for c in CASES if c in chosen):
         learn = tuple(VARIANTS[case[0]].learnable)
         srcs += _build(case)[0].backward_kernels(custom_grads=learn).sources()
+    with pytest.MonkeyPatch.context() as mp:
+        _force_persistent(mp)
+        srcs += [src for case in PERSISTENT if case in chosen
+                 for src in _build(case)[0].backward_kernels().sources()]
     chosen = selected_params(request, "name")
     for name, hkv, d, S in (entry for entry in DETERMINISTIC if entry[0] in chosen):
         mod = _build((name, BF16, 2, 8, hkv, S, S, d, d))[0]
@@ -203,6 +207,32 @@ def test_heads_loop_matches_reference(case, monkeypatch):
                         lambda shape, cfg, ws, grads=(): ws and shape.heads_q > shape.heads_kv)
     cfg = default_backward_config(case[7], case[8])
     _check_against_reference(case, cfg, check=lambda bk: bk.heads_loop)
+
+
+# The persistent walk (a thread block per SM walking the kv blocks, plan.persistent): the
+# default at ViT-like lengths, forced elsewhere: masks (kv blocks of unequal steps), key and
+# query tails, fp16, D 128, Sq != Skv, GQA (dK/dV atomics), fewer kv blocks than SMs.
+PERSISTENT = [
+    ("softmax", BF16, 64, 6, 6, 197, 197, 64, 64),  # the default (ViT-S/16's rows)
+    ("softmax", FP16, 8, 4, 4, 300, 300, 128, 128),  # 24 kv blocks: one each
+    ("softmax_causal", BF16, 4, 8, 8, 777, 777, 64, 64),
+    ("document", BF16, 2, 8, 8, 1000, 1000, 128, 128),
+    ("softcap", FP16, 2, 8, 8, 1000, 300, 64, 64),  # Sq > Skv
+    ("sliding_window", BF16, 2, 8, 2, 1500, 1500, 128, 128),  # GQA 4, no heads walk
+]
+
+
+def _force_persistent(monkeypatch) -> None:
+    from engine.kernels.attention_bwd import plan
+
+    monkeypatch.setattr(plan, "persistent_default",
+                        lambda spec, *rest: plan.persistent_possible(*rest))
+
+
+@pytest.mark.parametrize("case", PERSISTENT, ids=case_id)
+def test_persistent_walk_matches_reference(case, monkeypatch):
+    _force_persistent(monkeypatch)
+    _check_against_reference(case, check=lambda bk: bk.plan.persistent)
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)

@@ -440,6 +440,9 @@ class BackwardPlan:
     # A dilated mask's rows folded into heads (engine.plan.fold): the kernels are generated
     # for fold.spec at fold.tiled, every decision above taken there.
     fold: RowFold | None = None
+    # One thread block per SM walks the kv blocks (persistent_default): the next block's K
+    # and V load while this one stores dK and dV.
+    persistent: bool = False
 
     @property
     def products_ahead(self) -> bool:
@@ -522,9 +525,45 @@ def heads_loop_default(shape: KernelShape, cfg: KernelConfig, warp_specialized: 
     """Whether the warp-specialised backward's thread block walks the query heads of a GQA
     group: where it can, with enough thread blocks left and no custom gradients (on the H100
     ALiBi's slope gradient, flushed per head, ran 10-18% slower that way)."""
-    blocks = -(-shape.seqlen_kv // cfg.block_N) * shape.heads_kv * shape.batch
+    blocks = kv_blocks(shape, cfg, heads_loop=True)
     return (heads_loop_possible(shape, warp_specialized) and not custom_grads
             and blocks >= HEADS_LOOP_MIN_BLOCKS)
+
+
+# The query rows up to which the warp-specialised main kernel walks its kv blocks
+# persistently by default (persistent_default). Backward alone, persistent over the plain
+# grid (H200, same process, results/NOTES.md 184): D 64 at 197 rows 1.18-1.26x, 512 1.17x,
+# 1024 0.99x, 2048 0.99x; D 128 at 256 1.37x, 512 1.21x, 1024 1.005x.
+PERSISTENT_MAX_SQ = 512
+
+
+def kv_blocks(shape: KernelShape, cfg: KernelConfig, heads_loop: bool = False) -> int:
+    """The main kernel's thread blocks on the plain grid: kv blocks x heads x batch."""
+    heads = shape.heads_kv if heads_loop else shape.heads_q
+    return -(-shape.seqlen_kv // cfg.block_N) * heads * shape.batch
+
+
+def persistent_possible(shape: KernelShape, cfg: KernelConfig, warp_specialized: bool,
+                        heads_loop: bool, custom_grads: tuple[str, ...]) -> bool:
+    """Whether the main kernel can walk its kv blocks persistently: the warp-specialised
+    schedule with dQ in the main kernel (not the head split), one query head a block, no
+    swizzle panel (the walk takes the blocks in grid order), no custom gradients (their
+    flushes are per block) and static lengths (the walk's count)."""
+    return (warp_specialized and not head_split(cfg) and not heads_loop and not custom_grads
+            and not cfg.swizzle_panel and not shape.dynamic)
+
+
+def persistent_default(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
+                       warp_specialized: bool, heads_loop: bool,
+                       custom_grads: tuple[str, ...]) -> bool:
+    """The persistent walk where it can run, without a mask (every kv block walks the same
+    steps, so a fixed deal is even), at up to PERSISTENT_MAX_SQ query rows (few steps a kv
+    block, beside which each block's K/V load and dK/dV store were exposed: ViT-S/16's main
+    kernel on 3072 blocks took 1.7x the time of cuDNN's on 132, H200 ncu) and at least two
+    thread blocks per SM."""
+    return (persistent_possible(shape, cfg, warp_specialized, heads_loop, custom_grads)
+            and spec.mask is None and shape.seqlen_q <= PERSISTENT_MAX_SQ
+            and kv_blocks(shape, cfg) >= 2 * H100_SMS)
 
 
 def hoisted_reads(roots: list[Expr]) -> tuple[HoistedRead, ...]:
@@ -581,7 +620,7 @@ def diagonal_tables(ex: BackwardExprs, cfg: KernelConfig, deterministic: bool
 def plan_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
                   custom_grads: tuple[str, ...] = (), deterministic: bool = False, *,
                   warp_specialized: bool | None = None, heads_loop: bool | None = None,
-                  panel: int | None = None) -> BackwardPlan:
+                  panel: int | None = None, persistent: bool | None = None) -> BackwardPlan:
     """The plan of `spec`'s backward at `shape` and `cfg` (a valid config), producing the
     gradients of the CustomIO tensors in `custom_grads` too. The keyword arguments force a
     decision (tests); NotImplementedError when the kernels cannot run the spec, ValueError
@@ -615,8 +654,19 @@ def plan_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
     elif heads_loop and not heads_loop_possible(shape, warp_specialized):
         raise ValueError("heads_loop: needs the warp-specialised schedule, GQA and a mask "
                          "the same for every head")
+    if persistent is None:
+        persistent = persistent_default(spec, shape, cfg, warp_specialized, heads_loop,
+                                        custom_grads)
+    elif persistent and not persistent_possible(shape, cfg, warp_specialized, heads_loop,
+                                                custom_grads):
+        raise ValueError("persistent: needs the warp-specialised schedule without the head "
+                         "split or the heads walk, no custom gradients and static lengths")
     if panel is None:
-        panel = panel_default(shape, cfg, warp_specialized, reads_data(spec.mask))
+        panel = 1 if persistent else panel_default(shape, cfg, warp_specialized,
+                                                   reads_data(spec.mask))
+    elif panel > 1 and persistent:
+        raise ValueError("panel: the persistent walk takes the kv blocks in grid order "
+                         "(expected 1)")
     hoisted = hoisted_reads(ex.tile_roots(spec))
     # Split spills where S^T stays live beside the per-query vectors (soft-capping: 588 bytes,
     # 30% slower; a document id per query: 184 bytes, and fused ran 4% faster on the H100).
@@ -643,5 +693,5 @@ def plan_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
         hoisted=hoisted, diagonal_tables=diagonal_tables(ex, cfg, deterministic),
         q_reads_in_ring=q_in_ring, rows_in_ring=rows_in_ring, preprocess=spec.uses_doosum,
         dq_config=default_dq_config(shape.head_dim, shape.head_dim_v) if dq_kernel else None,
-        row_dot_grads=dots, fold=fold,
+        row_dot_grads=dots, fold=fold, persistent=persistent,
     )

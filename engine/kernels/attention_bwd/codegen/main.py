@@ -12,13 +12,15 @@ from contextlib import contextmanager
 
 from engine.codegen.emit import gather_parts
 from engine.codegen.params import GeneratedKernel, KernelParam, custom_param, param
-from engine.codegen.rings import pass_configs_line
+from engine.codegen.rings import parity, pass_configs_line
 from engine.codegen.source import SourceWriter, write_header
 from engine.ir.spec import TracedSpec
 from engine.kernels.attention_bwd.codegen import diagonals
 from engine.kernels.attention_bwd.codegen.frame import Frame, frame
 from engine.kernels.attention_bwd.codegen.roles import (
+    KvWalk,
     emit_producer_roles,
+    kv_walk,
     per_head,
     steps,
     ws_buffers,
@@ -31,8 +33,10 @@ from engine.kernels.attention_bwd.plan import (
     WS_CONSUMER_BARRIER,
     BackwardPlan,
     dq_chunks,
+    kv_blocks,
 )
-from engine.plan.config import WS_PRODUCER_THREADS, consumer_register_cap
+from engine.kernels.attention_fwd.walk import grid_order
+from engine.plan.config import H100_SMS, WS_PRODUCER_THREADS, consumer_register_cap
 from engine.plan.shape import KernelShape
 
 
@@ -97,6 +101,10 @@ def _kernel_block(w: SourceWriter, f: Frame) -> Iterator[None]:
     plan, d, batch = f.plan, f.d, f.shape.batch
     threads = plan.config.threads + (WS_PRODUCER_THREADS if plan.warp_specialized else 0)
     heads = f.shape.heads_kv if plan.heads_loop else f.shape.heads_q
+    if plan.persistent:
+        with w.block(f"with T.Kernel({_walk_blocks(f)}, threads={threads}) as pid:"):
+            yield
+        return
     if plan.panel <= 1:
         with w.block(f"with T.Kernel({d.nkb}, {heads}, {batch}, threads={threads}) "
                      "as (bx, by, bz):"):
@@ -108,6 +116,21 @@ def _kernel_block(w: SourceWriter, f: Frame) -> Iterator[None]:
         yield
 
 
+def _walk_blocks(f: Frame) -> int:
+    """The persistent walk's thread blocks: one per SM, no more than kv blocks."""
+    return min(H100_SMS, kv_blocks(f.shape, f.plan.config))
+
+
+def _kv_walk(f: Frame) -> KvWalk | None:
+    """The persistent walk's kv blocks (plan.persistent): block pid takes pid, pid + blocks,
+    ... in grid order (key block fastest, so the blocks in flight share a head's Q and dO)."""
+    if not f.plan.persistent:
+        return None
+    order = grid_order(str(kv_blocks(f.shape, f.plan.config)), _walk_blocks(f), str(f.d.nkb),
+                       f.shape.heads_q, reverse=False)
+    return KvWalk(order, f.lo, f.hi)
+
+
 def _emit_buffers(w: SourceWriter, f: Frame) -> None:
     """Shared tiles (K and V; the rings, or Q, dO, dS^T and dQ), the per-position vectors, the
     step's fragments and the accumulators."""
@@ -116,7 +139,7 @@ def _emit_buffers(w: SourceWriter, f: Frame) -> None:
     w.line(f'K_shared = T.alloc_shared(({bN}, {d.D}), "{dt}")')
     w.line(f'V_shared = T.alloc_shared(({bN}, {d.Dv}), "{dt}")')
     if plan.warp_specialized:
-        w.lines(ws_buffers(plan.config, d.D, d.Dv, dt, plan.head_split))
+        w.lines(ws_buffers(plan.config, d.D, d.Dv, dt, plan.head_split, plan.persistent))
     else:
         w.line(f'Q_shared = T.alloc_shared(({bM}, {d.D}), "{dt}")')
         w.line(f'dO_shared = T.alloc_shared(({bM}, {d.Dv}), "{dt}")')
@@ -157,26 +180,32 @@ def _emit_ws_body(w: SourceWriter, f: Frame) -> None:
     the heads) the custom gradients' accumulators and per-key vectors, the steps, the custom
     gradients' flush; then dK and dV."""
     w.line("tx = T.get_thread_binding()")
-    w.line(f"lo: T.int32 = {f.lo}")
-    w.line(f"n: T.int32 = {f.hi} - lo")
+    walk = _kv_walk(f)
+    if walk is None:
+        w.line(f"lo: T.int32 = {f.lo}")
+        w.line(f"n: T.int32 = {f.hi} - lo")
     emit_producer_roles(w, f.plan.config, f.d.G, f.plan.heads_loop, [f.finals, f.by_q], [f.delta],
-                        dq_writer=f.plan.dq_layout != "none")
+                        dq_writer=f.plan.dq_layout != "none", walk=walk)
     heads = f.d.G if f.plan.heads_loop else 1
     with w.block("else:"):
         w.line(f"T.set_max_nreg({consumer_register_cap(f.plan.config.threads)}, 1)")
-        w.lines(["T.clear(dk)", "T.clear(dv)", "T.mbarrier_wait_parity(kv_full[0], 0)"])
-        if f.plan.products_ahead:  # the first step's, issued here (step.py)
-            with w.block("if n > 0:"):
-                issue_products(w, f.at_step("0"))
-            emit_products_wait(w, f)
-        with per_head(w, heads):
-            w.lines([f"T.clear(cg_acc{r})" for r in range(len(f.ex.dc_reads))])
-            _emit_table_rows_clear(w, f)
-            f.by_kv.emit_load(w)
-            with steps(w, heads):
-                emit_step(w, f)
-            _emit_custom_grad_flush(w, f)
-        _emit_dkdv_store(w, f)
+        with kv_walk(w, walk):
+            w.lines(["T.clear(dk)", "T.clear(dv)", "T.mbarrier_wait_parity(kv_full[0], "
+                     + (f"{parity(1, 'it')})" if walk else "0)")])
+            if f.plan.products_ahead:  # the first step's, issued here (step.py)
+                with w.block("if n > 0:"):
+                    issue_products(w, f.at_step("0"))
+                emit_products_wait(w, f)
+            with per_head(w, heads):
+                w.lines([f"T.clear(cg_acc{r})" for r in range(len(f.ex.dc_reads))])
+                _emit_table_rows_clear(w, f)
+                f.by_kv.emit_load(w)
+                with steps(w, heads, walk is not None):
+                    emit_step(w, f)
+                _emit_custom_grad_flush(w, f)
+            if walk:  # (the last step's wgmmas, the last to read K and V, are waited for)
+                w.line("T.mbarrier_arrive(kv_empty[0])")
+            _emit_dkdv_store(w, f)
 
 
 def _emit_pipelined_body(w: SourceWriter, f: Frame) -> None:
