@@ -443,6 +443,9 @@ class BackwardPlan:
     # One thread block per SM walks the kv blocks (persistent_default): the next block's K
     # and V load while this one stores dK and dV.
     persistent: bool = False
+    # dK and dV written into K's and V's tiles (free after the last step) and stored from
+    # there by TMA copies, instead of element by element from the registers (staged_default).
+    staged_store: bool = False
 
     @property
     def products_ahead(self) -> bool:
@@ -566,6 +569,19 @@ def persistent_default(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
             and kv_blocks(shape, cfg) >= 2 * H100_SMS)
 
 
+def staged_store_possible(warp_specialized: bool, split_heads: bool, once: bool) -> bool:
+    """Whether dK and dV can go out through K's and V's tiles: the warp-specialised key split
+    (its tiles are [block_N, D] in the input dtype) storing each once."""
+    return warp_specialized and not split_heads and once
+
+
+def staged_default(warp_specialized: bool, split_heads: bool, once: bool,
+                   persistent: bool) -> bool:
+    """Staged where it can be, but on the persistent walk, whose next K and V load into the
+    tiles the stores would read."""
+    return staged_store_possible(warp_specialized, split_heads, once) and not persistent
+
+
 def hoisted_reads(roots: list[Expr]) -> tuple[HoistedRead, ...]:
     """Custom reads of the tile expressions indexed by one position axis (a document id per
     query or per key, say), held in register vectors instead of read per element: per key,
@@ -620,7 +636,8 @@ def diagonal_tables(ex: BackwardExprs, cfg: KernelConfig, deterministic: bool
 def plan_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
                   custom_grads: tuple[str, ...] = (), deterministic: bool = False, *,
                   warp_specialized: bool | None = None, heads_loop: bool | None = None,
-                  panel: int | None = None, persistent: bool | None = None) -> BackwardPlan:
+                  panel: int | None = None, persistent: bool | None = None,
+                  staged_store: bool | None = None) -> BackwardPlan:
     """The plan of `spec`'s backward at `shape` and `cfg` (a valid config), producing the
     gradients of the CustomIO tensors in `custom_grads` too. The keyword arguments force a
     decision (tests); NotImplementedError when the kernels cannot run the spec, ValueError
@@ -678,6 +695,11 @@ def plan_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
     split = not split_heads and not rows_in_ring and split_schedule_fits(
         cfg, shape.head_dim, shape.head_dim_v, n_vectors, ex.ds_reads_score)
     once = shape.heads_q == shape.heads_kv or heads_loop
+    if staged_store is None:
+        staged_store = staged_default(warp_specialized, split_heads, once, persistent)
+    elif staged_store and not staged_store_possible(warp_specialized, split_heads, once):
+        raise ValueError("staged_store: needs the warp-specialised key split storing dK and "
+                         "dV once")
     # In registers, two per-query vectors (a document id and a prefix end) made ptxas spill
     # 316 bytes and each block step take 6.9 us against causal's 2.5 (4.5 from the ring); one
     # (a document id) ran 7% faster in registers (4.18 against 4.49 ms, H100, S 16k).
@@ -693,5 +715,5 @@ def plan_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
         hoisted=hoisted, diagonal_tables=diagonal_tables(ex, cfg, deterministic),
         q_reads_in_ring=q_in_ring, rows_in_ring=rows_in_ring, preprocess=spec.uses_doosum,
         dq_config=default_dq_config(shape.head_dim, shape.head_dim_v) if dq_kernel else None,
-        row_dot_grads=dots, fold=fold, persistent=persistent,
+        row_dot_grads=dots, fold=fold, persistent=persistent, staged_store=staged_store,
     )

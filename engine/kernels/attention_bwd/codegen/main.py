@@ -203,9 +203,11 @@ def _emit_ws_body(w: SourceWriter, f: Frame) -> None:
                 with steps(w, heads, walk is not None):
                     emit_step(w, f)
                 _emit_custom_grad_flush(w, f)
-            if walk:  # (the last step's wgmmas, the last to read K and V, are waited for)
-                w.line("T.mbarrier_arrive(kv_empty[0])")
+            if walk and not f.plan.staged_store:  # (the last step's wgmmas, the last to
+                w.line("T.mbarrier_arrive(kv_empty[0])")  # read K and V, are waited for)
             _emit_dkdv_store(w, f)
+            if walk and f.plan.staged_store:  # (the stores' issuer waits for their reads)
+                w.line("T.mbarrier_arrive(kv_empty[0])")
 
 
 def _emit_pipelined_body(w: SourceWriter, f: Frame) -> None:
@@ -282,8 +284,12 @@ def _emit_custom_grad_flush(w: SourceWriter, f: Frame) -> None:
 
 def _emit_dkdv_store(w: SourceWriter, f: Frame) -> None:
     """dV and dK where plan.kv_store puts them: once in the input dtype, per query head in
-    fp32, or added atomically into the kv head."""
+    fp32, or added atomically into the kv head; staged (plan.staged_store), through K's and
+    V's tiles."""
     bN, Skv, G, dt = f.d.bN, f.d.Skv, f.d.G, f.d.dt
+    if f.plan.staged_store:
+        _emit_staged_store(w, f)
+        return
     for buf, out, width in (("dv", "dV", f.d.Dv), ("dk", "dK", f.d.D)):
         with w.block(f"for i, j in T.Parallel({bN}, {width}):"), \
                 w.block(f"if bx * {bN} + i < {Skv}:"):
@@ -293,3 +299,14 @@ def _emit_dkdv_store(w: SourceWriter, f: Frame) -> None:
                 w.line(f"{out}[bz, bx * {bN} + i, by, j] = {buf}[i, j]")
             else:
                 w.line(f"T.atomic_add({out}[bz, bx * {bN} + i, by // {G}, j], {buf}[i, j])")
+
+
+def _emit_staged_store(w: SourceWriter, f: Frame) -> None:
+    """dV and dK into V's and K's tiles once every consumer's last wgmma has read them, then,
+    the stores seen by the copy engine and every consumer's rows in, one TMA copy each (rows
+    past Skv fall outside the tensor and are dropped by the copy engine)."""
+    rows = f"bz, bx * {f.d.bN}:(bx + 1) * {f.d.bN}, by, :"
+    _consumer_sync(w, f)
+    w.lines(["T.copy(dv, V_shared)", "T.copy(dk, K_shared)", "T.fence_proxy_async()"])
+    _consumer_sync(w, f)
+    w.lines([f"T.copy(V_shared, dV[{rows}])", f"T.copy(K_shared, dK[{rows}])"])
