@@ -85,7 +85,8 @@ def _check_warp_specialised_protocol(cuda: str) -> None:
     its registers only after a wait that leaves at most dK's wgmma (issued after dQ's) in
     flight; the dQ tile's generic stores are fenced for the TMA engine before the writer warp
     is signalled; the consumers meet at one named barrier per step, behind the fence that
-    publishes dS^T to the tensor cores; and no other barrier is left in the kernel's loops."""
+    publishes dS^T to the tensor cores; and no other barrier is left in the kernel's loops
+    but the staged dK/dV stores' two after the last step."""
     if "qdo_empty" not in cuda:
         return
     lines = [ln.strip() for ln in cuda.splitlines()]
@@ -108,8 +109,19 @@ def _check_warp_specialised_protocol(cuda: str) -> None:
     batches = sum(ln == "tl::warpgroup_commit_batch();" for ln in lines[dq_issue:wait])
     assert lines[wait] in waits(0) or batches == 2, "only dK's wgmma may be in flight"
     syncs = [i for i, ln in enumerate(lines) if "__sync_thread_partial" in ln or "__syncthreads" in ln]
-    assert len(syncs) == 2, "barrier init, then one consumer barrier per step"
-    assert lines[syncs[1] - 1] == "tl::fence_proxy_async();"
+    steps = [i for i in syncs if i < r]
+    assert len(steps) == 2, "barrier init, then one consumer barrier per step"
+    assert lines[steps[1] - 1] == "tl::fence_proxy_async();"
+    stores = [i for i, ln in enumerate(lines) if ln.startswith(("tl::tma_store(dK", "tl::tma_store(dV"))]
+    after = [i for i in syncs if i > r]
+    if not stores:
+        assert not after, "no barrier after the steps without the staged dK/dV stores"
+        return
+    # Staged dK/dV: every consumer past its last step before K's and V's tiles are written,
+    # then the writes fenced for the copy engine and every consumer's rows in before a store.
+    assert len(after) == 2 and after[1] < min(stores)
+    assert lines[after[1] - 1] == "tl::fence_proxy_async();"
+    assert all("stmatrix" not in ln for ln in lines[r:after[0]])
     assert syncs[1] < last_issue, "dS^T is published before the dQ product reads it"
 
 

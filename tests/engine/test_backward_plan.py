@@ -137,6 +137,23 @@ def test_short_unmasked_rows_walk_the_kv_blocks_persistently():
         _plan("softmax", vit, d=64, panel=2)
 
 
+def test_dk_dv_stored_once_go_out_through_k_and_v_tiles():
+    """The warp-specialised key split storing dK and dV once stages them in K's and V's
+    tiles for TMA stores; not with fp32 atomics (GQA without the heads walk), the head
+    split, the automatic pipeline, or on the persistent walk (whose next K and V load into
+    those tiles) unless forced; forced, only where it can."""
+    assert _plan("softmax", dict(SMALL, heads_kv=8)).staged_store
+    assert _plan("softmax_causal", LLAMA3).staged_store  # the heads walk stores once
+    assert not _plan("softmax_causal").staged_store  # atomics over the GQA group
+    assert not _plan("softmax", dict(SMALL, heads_kv=8), d=256).staged_store
+    assert not _plan("softmax", det=True).staged_store
+    vit = dict(batch=256, heads_q=6, heads_kv=6, seqlen_q=197, seqlen_kv=197)
+    assert not _plan("softmax", vit, d=64).staged_store
+    assert _plan("softmax", vit, d=64, staged_store=True).staged_store
+    with pytest.raises(ValueError, match="staged_store"):
+        _plan("softmax_causal", staged_store=True)
+
+
 def test_custom_gradients_that_alone_read_the_score_take_32_row_steps():
     """The default backward tile per learnable variant: 32 query rows a step where only the
     custom gradient reads the raw score (RetNet's log decay), the usual 64 where dS reads it
