@@ -73,12 +73,18 @@ def dqk_heads_per_block(shape: LinearShape, cfg: LinearConfig) -> int:
     return max(g for g in range(1, DQK_HEAD_GROUP + 1) if shape.heads % g == 0)
 
 
+# The dQ/dK kernel's shared-head adds as one TMA reduce-add per tile (dqk_bulk_adds): off
+# until its time is measured; correct on the GPU (results/NOTES.md 186).
+DQK_BULK_ADDS = False
+
+
 def dqk_bulk_adds(shape: LinearShape, cfg: LinearConfig, atomic: bool) -> bool:
     """Whether the dQ/dK kernel adds each head's dq and dk tiles into the shared q and k
     heads (atomic: shared_heads_by_atomics) by one TMA reduce-add per tile from shared memory
     instead of a float32 atomic per element: at Mamba2-2.7B B 8 x T 2k those atomics and the
     row guards around them held 27% of the kernel's stall samples (H200 ncu, results/NOTES.md
-    186). Where the two float32 tiles fit beside the kernel's buffers."""
+    186). Where DQK_BULK_ADDS allows it and the two float32 tiles fit beside the kernel's
+    buffers."""
     C, BK, V, e = cfg.chunk, cfg.block_K, cfg.block_V, elem_bytes(shape.dtype)
     used = (2 * C * BK + C * C) * e + 4 * (6 * C + cfg.threads) + (2 * C + 2 * BK) * V * e * 2
-    return atomic and used + 2 * C * BK * 4 <= SMEM_LIMIT_BYTES
+    return DQK_BULK_ADDS and atomic and used + 2 * C * BK * 4 <= SMEM_LIMIT_BYTES
