@@ -633,6 +633,27 @@ def diagonal_tables(ex: BackwardExprs, cfg: KernelConfig, deterministic: bool
                  if g.diag_dim is not None and g.ds_factor is not None)
 
 
+def _launch_order(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
+                  warp_specialized: bool, heads_loop: bool, custom_grads: tuple[str, ...],
+                  persistent: bool | None, panel: int | None) -> tuple[bool, int]:
+    """(persistent, panel): the persistent walk or the launch's panels, each forced (checked)
+    or by default."""
+    if persistent is None:
+        persistent = persistent_default(spec, shape, cfg, warp_specialized, heads_loop,
+                                        custom_grads)
+    elif persistent and not persistent_possible(shape, cfg, warp_specialized, heads_loop,
+                                                custom_grads):
+        raise ValueError("persistent: needs the warp-specialised schedule without the head "
+                         "split or the heads walk, no custom gradients and static lengths")
+    if panel is None:
+        panel = 1 if persistent else panel_default(shape, cfg, warp_specialized,
+                                                   reads_data(spec.mask))
+    elif panel > 1 and persistent:
+        raise ValueError("panel: the persistent walk takes the kv blocks in grid order "
+                         "(expected 1)")
+    return persistent, panel
+
+
 def plan_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
                   custom_grads: tuple[str, ...] = (), deterministic: bool = False, *,
                   warp_specialized: bool | None = None, heads_loop: bool | None = None,
@@ -671,19 +692,8 @@ def plan_backward(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig,
     elif heads_loop and not heads_loop_possible(shape, warp_specialized):
         raise ValueError("heads_loop: needs the warp-specialised schedule, GQA and a mask "
                          "the same for every head")
-    if persistent is None:
-        persistent = persistent_default(spec, shape, cfg, warp_specialized, heads_loop,
-                                        custom_grads)
-    elif persistent and not persistent_possible(shape, cfg, warp_specialized, heads_loop,
-                                                custom_grads):
-        raise ValueError("persistent: needs the warp-specialised schedule without the head "
-                         "split or the heads walk, no custom gradients and static lengths")
-    if panel is None:
-        panel = 1 if persistent else panel_default(shape, cfg, warp_specialized,
-                                                   reads_data(spec.mask))
-    elif panel > 1 and persistent:
-        raise ValueError("panel: the persistent walk takes the kv blocks in grid order "
-                         "(expected 1)")
+    persistent, panel = _launch_order(spec, shape, cfg, warp_specialized, heads_loop,
+                                      custom_grads, persistent, panel)
     hoisted = hoisted_reads(ex.tile_roots(spec))
     # Split spills where S^T stays live beside the per-query vectors (soft-capping: 588 bytes,
     # 30% slower; a document id per query: 184 bytes, and fused ran 4% faster on the H100).

@@ -15,6 +15,7 @@ from engine.codegen.emit import Emitter, const_text, gather_text, let_uniforms
 from engine.codegen.params import GeneratedKernel, KernelParam, custom_param, param
 from engine.codegen.rings import pass_configs_line
 from engine.codegen.source import SourceWriter, write_header
+from engine.codegen.walk_order import grid_order
 from engine.dsl.expr import CUSTOM_READS, Expr, topo
 from engine.ir.spec import TracedSpec
 from engine.kernels.attention_fwd import walk, ws
@@ -182,7 +183,7 @@ def _tile_walk(f: _Frame, grid_q: str, reverse: bool) -> ws.TileWalk:
         blocks, tiles = walk.static_blocks(t, f.cfg.block_M)
         count = str(tiles)
     order = walk.table_order(blocks, grid_q, t.heads_q) if walk.walks_table(f.spec, t, f.cfg) \
-        else walk.grid_order(count, blocks, grid_q, t.heads_q, reverse)
+        else grid_order(count, blocks, grid_q, t.heads_q, reverse)
     return ws.TileWalk(True, f.cfg.num_stages, order.trips, order.tile, blocks,
                        (*order.indices, *_key_range_lines(f)))
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.codegen.walk_order import WalkOrder, grid_indices
 from engine.ir.spec import TracedSpec
 from engine.plan.config import H100_SMS, L2_SECTION_BYTES, KernelConfig
 from engine.plan.shape import KernelShape
@@ -29,35 +30,10 @@ TILE_OVERHEAD_BLOCKS = 1
 COUNTING_CELLS = 1 << 22
 
 
-@dataclass(frozen=True)
-class WalkOrder:
-    """A walk's texts: `trips` (a block's tile count), `tile` (its it-th tile's number in
-    grid order) and `indices` (the lines naming that tile's bz, by and bx)."""
-
-    trips: str
-    tile: str
-    indices: tuple[str, ...]
-
-
 def walks_table(spec: TracedSpec, shape: KernelShape, cfg: KernelConfig) -> bool:
     """Whether the persistent walk takes its tiles from the host's table: rows of unequal
     length (a mask) at static lengths (the table is built for them)."""
     return cfg.persistent and spec.mask is not None and not shape.dynamic
-
-
-def grid_indices(grid_q: str, heads: int, reverse: bool) -> tuple[str, ...]:
-    """Tile `tile` in grid order: query block fastest (from the last where `reverse`), then
-    head, then batch."""
-    q_block = f"tile % {grid_q}"
-    return (f"bz: T.int32 = tile // ({grid_q} * {heads})",
-            f"by: T.int32 = tile // {grid_q} % {heads}",
-            f"bx: T.int32 = {f'{grid_q} - 1 - {q_block}' if reverse else q_block}")
-
-
-def grid_order(count: str, blocks: int, grid_q: str, heads: int, reverse: bool) -> WalkOrder:
-    """Tiles pid, pid + blocks, ... of `count` in grid order."""
-    return WalkOrder(f"T.ceildiv({count} - pid, {blocks})", f"pid + it * {blocks}",
-                     grid_indices(grid_q, heads, reverse))
 
 
 def table_order(blocks: int, grid_q: str, heads: int) -> WalkOrder:

@@ -14,6 +14,7 @@ from engine.codegen.emit import gather_parts
 from engine.codegen.params import GeneratedKernel, KernelParam, custom_param, param
 from engine.codegen.rings import parity, pass_configs_line
 from engine.codegen.source import SourceWriter, write_header
+from engine.codegen.walk_order import grid_order
 from engine.ir.spec import TracedSpec
 from engine.kernels.attention_bwd.codegen import diagonals
 from engine.kernels.attention_bwd.codegen.frame import Frame, frame
@@ -35,7 +36,6 @@ from engine.kernels.attention_bwd.plan import (
     dq_chunks,
     kv_blocks,
 )
-from engine.kernels.attention_fwd.walk import grid_order
 from engine.plan.config import H100_SMS, WS_PRODUCER_THREADS, consumer_register_cap
 from engine.plan.shape import KernelShape
 

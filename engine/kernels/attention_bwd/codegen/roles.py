@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 from engine.codegen.rings import parity, ring
 from engine.codegen.source import SourceWriter
+from engine.codegen.walk_order import WalkOrder
 from engine.kernels.attention_bwd.codegen.vectors import VectorGroup
 from engine.kernels.attention_bwd.plan import DQ_ROW
-from engine.kernels.attention_fwd.walk import WalkOrder
 from engine.plan.config import WS_PRODUCER_REGS, WS_PRODUCER_THREADS, KernelConfig
 
 
