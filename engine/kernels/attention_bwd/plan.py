@@ -546,6 +546,11 @@ def kv_blocks(shape: KernelShape, cfg: KernelConfig, heads_loop: bool = False) -
     return -(-shape.seqlen_kv // cfg.block_N) * heads * shape.batch
 
 
+def persistent_blocks(shape: KernelShape, cfg: KernelConfig) -> int:
+    """The persistent walk's thread blocks: one per SM, no more than kv blocks."""
+    return min(H100_SMS, kv_blocks(shape, cfg))
+
+
 def persistent_possible(shape: KernelShape, cfg: KernelConfig, warp_specialized: bool,
                         heads_loop: bool, custom_grads: tuple[str, ...]) -> bool:
     """Whether the main kernel can walk its kv blocks persistently: the warp-specialised

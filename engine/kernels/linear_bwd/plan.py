@@ -45,13 +45,17 @@ def dqk_value_stages(shape: LinearShape, cfg: LinearConfig) -> int:
     128-position chunks (B 2 x T 16k). The dV and output kernels' loops stay plain: pipelined,
     the dV kernel took 1957 against 1658 us at YOCO-13B, and at 128-position chunks dV 380
     against 309 and the output 396 against 318."""
-    C, BK, V, e = cfg.chunk, cfg.block_K, cfg.block_V, elem_bytes(shape.dtype)
-    stages = min(cfg.num_stages, shape.head_dim_v // V)
-    fixed = (2 * C * BK + C * C) * e + 4 * (6 * C + cfg.threads)  # q, k, dA, decay vectors
-    per_stage = (2 * C + 2 * BK) * V * e  # v, dO and the state tiles S and dS
-    if C != 64 or stages < 2 or fixed + stages * per_stage > SMEM_LIMIT_BYTES:
+    stages = min(cfg.num_stages, shape.head_dim_v // cfg.block_V)
+    if cfg.chunk != 64 or stages < 2 or dqk_shared_bytes(shape, cfg, stages) > SMEM_LIMIT_BYTES:
         return 1
     return stages
+
+
+def dqk_shared_bytes(shape: LinearShape, cfg: LinearConfig, stages: int) -> int:
+    """The dQ/dK kernel's shared memory: q, k, dA and the decay vectors once, and `stages`
+    copies of the v, dO and state tiles S and dS."""
+    C, BK, V, e = cfg.chunk, cfg.block_K, cfg.block_V, elem_bytes(shape.dtype)
+    return (2 * C * BK + C * C) * e + 4 * (6 * C + cfg.threads) + stages * (2 * C + 2 * BK) * V * e
 
 
 # Output heads one dQ/dK block walks where they share q and k (dqk_heads_per_block): at
@@ -85,6 +89,6 @@ def dqk_bulk_adds(shape: LinearShape, cfg: LinearConfig, atomic: bool) -> bool:
     row guards around them held 27% of the kernel's stall samples (H200 ncu, results/NOTES.md
     186). Where DQK_BULK_ADDS allows it and the two float32 tiles fit beside the kernel's
     buffers."""
-    C, BK, V, e = cfg.chunk, cfg.block_K, cfg.block_V, elem_bytes(shape.dtype)
-    used = (2 * C * BK + C * C) * e + 4 * (6 * C + cfg.threads) + (2 * C + 2 * BK) * V * e * 2
-    return DQK_BULK_ADDS and atomic and used + 2 * C * BK * 4 <= SMEM_LIMIT_BYTES
+    tiles = 2 * cfg.chunk * cfg.block_K * 4
+    return (DQK_BULK_ADDS and atomic
+            and dqk_shared_bytes(shape, cfg, 2) + tiles <= SMEM_LIMIT_BYTES)

@@ -35,8 +35,9 @@ from engine.kernels.attention_bwd.plan import (
     BackwardPlan,
     dq_chunks,
     kv_blocks,
+    persistent_blocks,
 )
-from engine.plan.config import H100_SMS, WS_PRODUCER_THREADS, consumer_register_cap
+from engine.plan.config import WS_PRODUCER_THREADS, consumer_register_cap
 from engine.plan.shape import KernelShape
 
 
@@ -102,7 +103,8 @@ def _kernel_block(w: SourceWriter, f: Frame) -> Iterator[None]:
     threads = plan.config.threads + (WS_PRODUCER_THREADS if plan.warp_specialized else 0)
     heads = f.shape.heads_kv if plan.heads_loop else f.shape.heads_q
     if plan.persistent:
-        with w.block(f"with T.Kernel({_walk_blocks(f)}, threads={threads}) as pid:"):
+        blocks = persistent_blocks(f.shape, plan.config)
+        with w.block(f"with T.Kernel({blocks}, threads={threads}) as pid:"):
             yield
         return
     if plan.panel <= 1:
@@ -116,18 +118,14 @@ def _kernel_block(w: SourceWriter, f: Frame) -> Iterator[None]:
         yield
 
 
-def _walk_blocks(f: Frame) -> int:
-    """The persistent walk's thread blocks: one per SM, no more than kv blocks."""
-    return min(H100_SMS, kv_blocks(f.shape, f.plan.config))
-
-
 def _kv_walk(f: Frame) -> KvWalk | None:
     """The persistent walk's kv blocks (plan.persistent): block pid takes pid, pid + blocks,
     ... in grid order (key block fastest, so the blocks in flight share a head's Q and dO)."""
     if not f.plan.persistent:
         return None
-    order = grid_order(str(kv_blocks(f.shape, f.plan.config)), _walk_blocks(f), str(f.d.nkb),
-                       f.shape.heads_q, reverse=False)
+    shape, cfg = f.shape, f.plan.config
+    order = grid_order(str(kv_blocks(shape, cfg)), persistent_blocks(shape, cfg), str(f.d.nkb),
+                       shape.heads_q, reverse=False)
     return KvWalk(order, f.lo, f.hi)
 
 
