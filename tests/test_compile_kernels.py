@@ -307,33 +307,6 @@ def test_linear_kernels_compile_for_sm90a(tmp_path, monkeypatch):
     assert not errors, "\n".join(e[:500] for e in errors.values())
 
 
-def test_linear_dqk_bulk_adds_compile_for_sm90a(tmp_path, monkeypatch):
-    """The dQ/dK kernel's shared-head gradients by one TMA reduce-add per tile (off by
-    default: plan.DQK_BULK_ADDS), at 64-position chunks with the heads walked in groups,
-    plain and packed: each tile staged with its rows past the chunk zeroed, every thread's
-    stores fenced for the copy engine before the add."""
-    from engine.kernels.linear_bwd import plan
-    from engine.kernels.linear_fwd.plan import LinearConfig
-    from engine.runtime.compile import compile_source
-
-    monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
-    monkeypatch.setattr(plan, "DQK_BULK_ADDS", True)
-    cfg = LinearConfig(chunk=64, block_K=64, block_V=64, threads=256)
-    for packed in (0, 3):
-        dqk = _linear_sources(2 - bool(packed), 1, 1, 4, 200, 128, 64, config=cfg,
-                              packed=packed)[-1]
-        assert "for hh in T.Pipelined(4" in dqk
-        assert "T.atomic_add(dQa[b, hq, row0:row0 + 64, ik * 64:(ik + 1) * 64], dq_s, " \
-               "use_tma=True)" in dqk and "T.atomic_add(dKa[" in dqk
-        assert dqk.count("T.fence_proxy_async()") == 2
-        lines = [ln.strip() for ln in compile_source(dqk).get_kernel_source().splitlines()]
-        issues = [i for i, ln in enumerate(lines) if ln.startswith("if (((int)threadIdx.x) == 0)")
-                  and lines[i + 2].startswith("for (") and "tma_store_add" in lines[i + 3]]
-        assert issues  # (a copy per pipeline stage of the heads' loop)
-        for i in issues:  # every thread's fence, then the barrier, then one thread's adds
-            assert lines[i - 2:i] == ["tl::fence_proxy_async();", "__syncthreads();"]
-
-
 @pytest.mark.parametrize("name,config", [
     ("softmax_causal", KernelConfig(128, 176, 2, 256, schedule="pingpong")),
     ("document", KernelConfig(128, 128, 2, 256, schedule="overlap")),  # the mask once

@@ -25,12 +25,7 @@ from typing import NamedTuple
 
 from engine.codegen.params import GeneratedKernel, KernelParam, param
 from engine.codegen.source import SourceWriter, write_header
-from engine.kernels.linear_bwd.plan import (
-    dqk_bulk_adds,
-    dqk_heads_per_block,
-    dqk_value_stages,
-    heads_first,
-)
+from engine.kernels.linear_bwd.plan import dqk_heads_per_block, dqk_value_stages, heads_first
 from engine.kernels.linear_fwd.codegen import (
     cast,
     decay_buffers,
@@ -281,8 +276,6 @@ def generate_dqk(s: LinearShape, cfg: LinearConfig, folds: Folds = NO_FOLDS,
                  *(decay_gradient_buffers(C, BK, cfg.threads) if decay_grad else [])])
         if v_weight:
             w.line(f'W_s = T.alloc_shared(({C},), "float32")')
-        if dqk_bulk_adds(s, cfg, atomic):
-            w.lines([f'{acc}_s = T.alloc_shared(({C}, {BK}), "float32")' for acc in ("dq", "dk")])
         cols = f"ik * {BK}:(ik + 1) * {BK}"
         w.line(f"T.copy(Q[b, hq, row0:row0 + {C}, {cols}], Q_s)")
         w.line(f"T.copy(K[b, hk, row0:row0 + {C}, {cols}], K_s)")
@@ -312,27 +305,12 @@ def _emit_dqk_head(w: SourceWriter, s: LinearShape, cfg: LinearConfig, folds: Fo
     _emit_dqk_chunk_products(w, C, BK, dt, folds, decay_grad)
     if decay_grad:
         emit_decay_gradient(w, C, cfg.threads)
-    bulk = dqk_bulk_adds(s, cfg, atomic)
     for out, acc in zip(dqk_outputs(s, atomic), ("dq", "dk"), strict=True):
-        if out.atomic and bulk:
-            _emit_bulk_add(w, out, acc, C, BK)
-            continue
         value = f"{acc}[t, d]" if out.dtype == "float32" else cast(out.dtype, f"{acc}[t, d]")
         target = f"{out.name}[b, {out.index}, row0 + t, ik * {BK} + d]"
         with w.block(f"for t, d in T.Parallel({C}, {BK}):"), w.block("if t < nrows:"):
             w.line(f"T.atomic_add({target}, {value})" if out.atomic
                    else f"{target} = {value}")
-
-
-def _emit_bulk_add(w: SourceWriter, out: GradOutput, acc: str, C: int, BK: int) -> None:
-    """`acc` added into `out`'s shared head by one TMA reduce-add of its tile, staged in
-    shared memory with the rows past the chunk zeroed (they are the next sequence's where
-    sequences are packed; past the tensor's end the copy engine drops them)."""
-    with w.block(f"for t, d in T.Parallel({C}, {BK}):"):
-        w.line(f"{acc}_s[t, d] = T.if_then_else(t < nrows, {acc}[t, d], T.float32(0))")
-    w.line("T.fence_proxy_async()")  # every thread's stores seen by the copy engine
-    w.line(f"T.atomic_add({out.name}[b, {out.index}, row0:row0 + {C}, ik * {BK}:(ik + 1) * {BK}], "
-           f"{acc}_s, use_tma=True)")
 
 
 def _value_loop_preamble(pipelined: bool) -> str:

@@ -75,20 +75,3 @@ def dqk_heads_per_block(shape: LinearShape, cfg: LinearConfig) -> int:
             and cfg.chunk == 64):
         return 1
     return max(g for g in range(1, DQK_HEAD_GROUP + 1) if shape.heads % g == 0)
-
-
-# The dQ/dK kernel's shared-head adds as one TMA reduce-add per tile (dqk_bulk_adds): off
-# until its time is measured; correct on the GPU (results/NOTES.md 186).
-DQK_BULK_ADDS = False
-
-
-def dqk_bulk_adds(shape: LinearShape, cfg: LinearConfig, atomic: bool) -> bool:
-    """Whether the dQ/dK kernel adds each head's dq and dk tiles into the shared q and k
-    heads (atomic: shared_heads_by_atomics) by one TMA reduce-add per tile from shared memory
-    instead of a float32 atomic per element: at Mamba2-2.7B B 8 x T 2k those atomics and the
-    row guards around them held 27% of the kernel's stall samples (H200 ncu, results/NOTES.md
-    186). Where DQK_BULK_ADDS allows it and the two float32 tiles fit beside the kernel's
-    buffers."""
-    tiles = 2 * cfg.chunk * cfg.block_K * 4
-    return (DQK_BULK_ADDS and atomic
-            and dqk_shared_bytes(shape, cfg, 2) + tiles <= SMEM_LIMIT_BYTES)
