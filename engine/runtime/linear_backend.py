@@ -94,21 +94,21 @@ class _ChunkedLinear(torch.autograd.Function):
         fk = cache.forward(shape, fwd_cfg, folds)
         o, state = launch_forward(fk, q, k, v, g, h0, cu_seqlens, want_final, w, save_states)
         ctx.cache, ctx.shape, ctx.bwd_cfg, ctx.fk, ctx.state = cache, shape, bwd_cfg, fk, state
-        ctx.save_for_backward(q, k, v, g, h0, w)
+        ctx.save_for_backward(q, k, v, h0)  # the decays and weights: in state.slot_data
         ctx.set_materialize_grads(False)  # an unused final state sends no gradient
         return o, state.final
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, h0, w = ctx.saved_tensors
+        q, k, v, h0 = ctx.saved_tensors
         if do is None:  # only the final state is used
             s = ctx.shape
             do = q.new_zeros(s.batch, s.heads, s.seqlen, s.head_dim_v)
         bk = ctx.cache.backward(ctx.shape, ctx.bwd_cfg, ctx.fk.folds)
         initial_grad = h0 is not None and ctx.needs_input_grad[9]
         dq, dk, dv, dg, dh0, dw = launch_backward(
-            ctx.fk, bk, q, k, v, g, ctx.state, h0, do.contiguous(),
-            None if dht is None else dht.contiguous(), initial_grad, w,
+            ctx.fk, bk, q, k, v, ctx.state, h0, do.contiguous(),
+            None if dht is None else dht.contiguous(), initial_grad,
             decay_grad=ctx.needs_input_grad[8])
         dw = dw if ctx.needs_input_grad[10] else None
         return None, None, None, None, None, dq, dk, dv, dg, dh0, dw, None, None, None

@@ -48,7 +48,7 @@ def _call(cfg: LinearConfig, folds: Folds = NO_FOLDS, seqlen: int = 200, heads=(
     fk, bk = build_forward(s, cfg, folds), build_backward(s, cfg, folds)
     o, fwd = launch_forward(fk, q, k, v, g, h0, None, states, w, save)
     dht = torch.randn(2, h, 64, 128, generator=gen) if states else None
-    grads = launch_backward(fk, bk, q, k, v, g, fwd, h0, torch.randn_like(o), dht, states, w)
+    grads = launch_backward(fk, bk, q, k, v, fwd, h0, torch.randn_like(o), dht, states)
     return s, grads
 
 
@@ -74,6 +74,22 @@ def test_two_kernel_config_runs_the_reverse_state_pass_and_dv(launches):
                                 "reverse state pass", "dv", "dq dk dg"]
     by = [a for _, a in launches]
     assert by[4]["dHs"] is by[5]["dHs"] is by[6]["dHs"]
+
+
+def test_backward_kernels_read_the_forwards_decay_sums(launches):
+    """Every backward kernel reads G by slot (and, with a value weight, the weights) from the
+    forward's decay kernel, not the decays again: the two-kernel path's and the dQ/dK kernel's
+    with and without weights."""
+    for cfg, folds in ((TWO, NO_FOLDS), (TWO, FOLDED), (ONE, FOLDED)):
+        launches.clear()
+        _call(cfg, folds, heads=(1, 1, 4))
+        decays = dict(launches)["decays"]
+        for kind, args in launches[1:]:
+            assert "G" not in args and "W" not in args, kind
+            if kind in ("reverse state pass", "dv", "dq dk dg", "reverse single pass"):
+                assert args["Gc"] is decays["Gc"], kind
+            if folds.v_weight and kind in ("dv", "dq dk dg", "reverse single pass"):
+                assert args["Wc"] is decays["Wc"], kind
 
 
 def test_one_chunk_rows_take_the_two_kernels(launches):

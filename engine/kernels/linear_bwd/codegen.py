@@ -9,9 +9,11 @@ With dS_c the gradient of the state leaving chunk c and D_c[t, s] = exp(G_t - G_
   and the decays' gradient, whole (`emit_decay_gradient`).
 Where output heads share q or k heads, dQ and dK are float32: added by atomics into the shared
 head, or (deterministic) per output head for the launcher to sum.
-`v_weight` (a value weight folded, Folds.v_weight): the kernels read v and the weights W
-[B, H, T] and work with W * v: the dQ/dK kernel weights dA's columns and V dS^T's rows, and
-the dV kernel writes W * dV' and dW = rowsum(dV' * v), dV' being the gradient of W * v.
+Every kernel reads the chunk's decay sums G by slot from the forward's decay kernel (Gc), not
+the decays again. `v_weight` (a value weight folded, Folds.v_weight): the kernels read v and
+the weights by slot (Wc) and work with W * v: the dQ/dK kernel weights dA's columns and
+V dS^T's rows, and the dV kernel writes W * dV' and dW = rowsum(dV' * v), dV' being the
+gradient of W * v.
 A q scale (Folds.q_scale, the forward's o = core(q_scale * q)) is folded where the kernels
 meet q or dO: the reverse state pass scales exp(G) * Q (so dS is the scaled problem's), the dV
 kernel its (K Q^T) * D_c, the dQ/dK kernel dq's state part and dA; the backward then reads the
@@ -28,18 +30,18 @@ from engine.codegen.source import SourceWriter, write_header
 from engine.kernels.linear_bwd.plan import dqk_heads_per_block, dqk_value_stages, heads_first
 from engine.kernels.linear_fwd.codegen import (
     cast,
-    decay_buffers,
     emit_chunk,
-    emit_decays,
+    emit_decay_load,
     emit_rows,
     emit_sequence,
+    forward_table_params,
     head_text,
     input_params,
     optional_states,
     scaled,
+    slot_buffers,
     state_param,
     state_pass_tiles,
-    table_params,
     weighted,
 )
 from engine.kernels.linear_fwd.plan import NO_FOLDS, Folds, LinearConfig, LinearShape
@@ -52,12 +54,6 @@ def grad_params(s: LinearShape) -> list:
 def position_param(name: str, s: LinearShape) -> KernelParam:
     """A float32 value per position [B, H, T]: the value weights W, or their gradient dW."""
     return param(name, (s.batch, s.heads, s.seqlen), "float32")
-
-
-def emit_weights_load(w: SourceWriter, C: int) -> None:
-    """W_s: the chunk's value weights (0 past its rows: the tensor may end there)."""
-    with w.block(f"for t in T.Parallel({C}):"):
-        w.line("W_s[t] = T.if_then_else(t < nrows, W[b, h, row0 + t], T.float32(0))")
 
 
 def kernel_grid(s: LinearShape, threads: int, *axes: tuple[str, int],
@@ -77,7 +73,7 @@ def generate_dstates(s: LinearShape, cfg: LinearConfig, final_grad: bool, initia
     """The reverse state pass: dHs, and dH0 if `initial_grad` (dHt seeds it if `final_grad`);
     with the forward's q_scale folded in (module docstring)."""
     C, BK, BV, dt = cfg.chunk, cfg.block_K, cfg.block_V, s.dtype
-    params = [input_params(s)[0], *grad_params(s), *table_params(s, cfg),
+    params = [input_params(s)[0], *grad_params(s), *forward_table_params(s, cfg),
               state_param("dHs", s, cfg),
               *optional_states(s, ("dHt", final_grad), ("dH0", initial_grad))]
     w = SourceWriter()
@@ -92,7 +88,7 @@ def generate_dstates(s: LinearShape, cfg: LinearConfig, final_grad: bool, initia
                  f'dO_s = T.alloc_shared(({C}, {BV}), "{dt}")',
                  f'Qd_s = T.alloc_shared(({C}, {BK}), "{dt}")',
                  f'S_s = T.alloc_shared(({BK}, {BV}), "{dt}")',
-                 *decay_buffers(C),
+                 *slot_buffers(C),
                  f'acc = T.alloc_fragment(({BK}, {BV}), "float32")'])
         w.line(f"T.copy(dHt[n, h, {tile}], acc)" if final_grad else "T.clear(acc)")
         w.line(f"nc: T.int32 = T.ceildiv(seqlen, {C})")
@@ -103,7 +99,7 @@ def generate_dstates(s: LinearShape, cfg: LinearConfig, final_grad: bool, initia
             w.line(f"T.copy(S_s, dHs[slot0 + c, h, {tile}])")
             w.line(f"T.copy(Q[b, {hq}, {rows}, ik * {BK}:(ik + 1) * {BK}], Q_s)")
             w.line(f"T.copy(dO[b, h, {rows}, iv * {BV}:(iv + 1) * {BV}], dO_s)")
-            emit_decays(w, f"bos + c * {C}", f"seqlen - c * {C}", C)
+            emit_decay_load(w, "slot0 + c")
             with w.block(f"for r, d in T.Parallel({C}, {BK}):"):
                 w.line(f"Qd_s[r, d] = T.if_then_else(c * {C} + r < seqlen, "
                        + cast(dt, 'T.Cast("float32", Q_s[r, d]) * ' + scaled("T.exp(G_s[r])", Folds(q_scale)))
@@ -120,9 +116,8 @@ def generate_dv(s: LinearShape, cfg: LinearConfig, folds: Folds = NO_FOLDS) -> G
     C, BV, D, dt = cfg.chunk, cfg.block_V, s.head_dim, s.dtype
     v_weight = folds.v_weight
     q, k, v = input_params(s)
-    params = [q, k, *([v] if v_weight else []), *grad_params(s), *table_params(s, cfg),
-              state_param("dHs", s, cfg),
-              *([position_param("W", s)] if v_weight else []),
+    params = [q, k, *([v] if v_weight else []), *grad_params(s),
+              *forward_table_params(s, cfg, folds), state_param("dHs", s, cfg),
               param("dV", (s.batch, s.heads, s.seqlen, s.head_dim_v), dt),
               *([position_param("dW", s)] if v_weight else [])]
     w = SourceWriter()
@@ -137,20 +132,18 @@ def generate_dv(s: LinearShape, cfg: LinearConfig, folds: Folds = NO_FOLDS) -> G
                  f'dS_s = T.alloc_shared(({D}, {BV}), "{dt}")',
                  f'At_s = T.alloc_shared(({C}, {C}), "{dt}")',
                  f'dV_s = T.alloc_shared(({C}, {BV}), "{dt}")',
-                 *decay_buffers(C),
+                 *slot_buffers(C, folds),
                  f'At = T.alloc_fragment(({C}, {C}), "float32")',
                  f'acc = T.alloc_fragment(({C}, {BV}), "float32")'])
         if v_weight:
             w.lines([f'V_s = T.alloc_shared(({C}, {BV}), "{dt}")',
-                     f'W_s = T.alloc_shared(({C},), "float32")',
                      f'prod = T.alloc_fragment(({C}, {BV}), "float32")',
                      f'dw_part = T.alloc_fragment(({C},), "float32")',
                      f'dw = T.alloc_fragment(({C},), "float32")'])
         w.line(f"T.copy(Q[b, {hq}, row0:row0 + {C}, :], Q_s)")
         w.line(f"T.copy(K[b, {hk}, row0:row0 + {C}, :], K_s)")
-        emit_decays(w, "row0", "nrows", C)
+        emit_decay_load(w, "j", folds)
         if v_weight:
-            emit_weights_load(w, C)
             w.line("T.clear(dw)")
         emit_key_scores(w, C, dt, folds)
         with w.block(f"for iv in T.serial({s.head_dim_v // BV}):"):
@@ -227,19 +220,18 @@ def dqk_outputs(s: LinearShape, atomic: bool) -> tuple[GradOutput, GradOutput]:
     return one("dQ", s.heads_q, "hq"), one("dK", s.heads_k, "hk")
 
 
-def _dqk_params(s: LinearShape, cfg: LinearConfig, v_weight: bool, decay_grad: bool,
+def _dqk_params(s: LinearShape, cfg: LinearConfig, folds: Folds, decay_grad: bool,
                 atomic: bool) -> list:
     NK = s.head_dim // cfg.block_K
-    return [*input_params(s), *grad_params(s), *table_params(s, cfg),
+    return [*input_params(s), *grad_params(s), *forward_table_params(s, cfg, folds),
             state_param("Hs", s, cfg), state_param("dHs", s, cfg),
-            *([position_param("W", s)] if v_weight else []),
             *(param(name, (s.batch, heads, s.seqlen, s.head_dim), t)
               for name, t, heads, _, _ in dqk_outputs(s, atomic)),
             *([param("dG", (NK, s.batch, s.heads, s.seqlen), "float32")] if decay_grad
               else [])]
 
 
-def _dqk_buffers(C: int, BK: int, BV: int, dt: str) -> list[str]:
+def _dqk_buffers(C: int, BK: int, BV: int, dt: str, folds: Folds) -> list[str]:
     return [f'Q_s = T.alloc_shared(({C}, {BK}), "{dt}")',
             f'K_s = T.alloc_shared(({C}, {BK}), "{dt}")',
             f'V_s = T.alloc_shared(({C}, {BV}), "{dt}")',
@@ -247,7 +239,7 @@ def _dqk_buffers(C: int, BK: int, BV: int, dt: str) -> list[str]:
             f'S_s = T.alloc_shared(({BK}, {BV}), "{dt}")',
             f'dS_s = T.alloc_shared(({BK}, {BV}), "{dt}")',
             f'dA_s = T.alloc_shared(({C}, {C}), "{dt}")',
-            *decay_buffers(C),
+            *slot_buffers(C, folds),
             f'dA = T.alloc_fragment(({C}, {C}), "float32")',
             f'dq = T.alloc_fragment(({C}, {BK}), "float32")',
             f'dk = T.alloc_fragment(({C}, {BK}), "float32")']
@@ -259,8 +251,7 @@ def generate_dqk(s: LinearShape, cfg: LinearConfig, folds: Folds = NO_FOLDS,
     RetNet's fixed one, skips its reductions); `folds` as the forward's, `atomic` as
     dqk_outputs' (module docstring)."""
     C, BK, BV, dt = cfg.chunk, cfg.block_K, cfg.block_V, s.dtype
-    v_weight = folds.v_weight
-    params = _dqk_params(s, cfg, v_weight, decay_grad, atomic)
+    params = _dqk_params(s, cfg, folds, decay_grad, atomic)
     stages, group = dqk_value_stages(s, cfg), dqk_heads_per_block(s, cfg)
     w = SourceWriter()
     write_header(w, "# Generated by engine.kernels.linear_bwd: dq dk" + " dg" * decay_grad
@@ -272,10 +263,8 @@ def generate_dqk(s: LinearShape, cfg: LinearConfig, folds: Folds = NO_FOLDS,
         emit_chunk(w)
         w.lines([f"hq: T.int32 = {head_text(s.heads_q, s.heads)}",  # 0 where heads group
                  f"hk: T.int32 = {head_text(s.heads_k, s.heads)}"])
-        w.lines([*_dqk_buffers(C, BK, BV, dt),
+        w.lines([*_dqk_buffers(C, BK, BV, dt, folds),
                  *(decay_gradient_buffers(C, BK, cfg.threads) if decay_grad else [])])
-        if v_weight:
-            w.line(f'W_s = T.alloc_shared(({C},), "float32")')
         cols = f"ik * {BK}:(ik + 1) * {BK}"
         w.line(f"T.copy(Q[b, hq, row0:row0 + {C}, {cols}], Q_s)")
         w.line(f"T.copy(K[b, hk, row0:row0 + {C}, {cols}], K_s)")
@@ -295,9 +284,7 @@ def _emit_dqk_head(w: SourceWriter, s: LinearShape, cfg: LinearConfig, folds: Fo
     without a loop (a loop inside the heads' pipelined loop keeps TileLang from pipelining
     that one)."""
     C, BK, dt = cfg.chunk, cfg.block_K, s.dtype
-    emit_decays(w, "row0", "nrows", C)
-    if folds.v_weight:
-        emit_weights_load(w, C)
+    emit_decay_load(w, "j", folds)
     w.lines(["T.clear(dA)", "T.clear(dq)", "T.clear(dk)",
              *(["tx = T.get_thread_binding()", "xl[0] = T.float32(0)"] if decay_grad
                else [])])

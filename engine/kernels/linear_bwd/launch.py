@@ -119,29 +119,29 @@ def _group_sum(x: torch.Tensor, heads: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def launch_backward(fk: ForwardKernels, bk: BackwardKernels, q: torch.Tensor, k: torch.Tensor,
-                    v: torch.Tensor, g: torch.Tensor, fwd: ForwardState, initial_state: torch.Tensor | None,
+                    v: torch.Tensor, fwd: ForwardState, initial_state: torch.Tensor | None,
                     do: torch.Tensor, dht: torch.Tensor | None, initial_grad: bool,
-                    w: torch.Tensor | None = None, decay_grad: bool = True
-                    ) -> tuple[torch.Tensor | None, ...]:
+                    decay_grad: bool = True) -> tuple[torch.Tensor | None, ...]:
     """(dq, dk, dv, dg [B, H, T] fp32 (None without `decay_grad`), dh0 or None, dw or None)
     of the problem with bk's folds: with value weights w [B, H, T] float32 (folded into fk's
     and bk's kernels), w * v in place of v, and dw [B, H, T] float32; with a q scale,
-    q_scale * q in place of q (`do` is the output's gradient as given)."""
+    q_scale * q in place of q (`do` is the output's gradient as given). The kernels read the
+    decays' chunk sums (and the value weights) by slot from the forward's decay kernel
+    (fwd.slot_data: Gc, Wc), not the decays again."""
     s = bk.shape
     tb, dev = fwd.tables, q.device
     hs = fwd.states
     if hs is None:  # not kept by the forward (launch_forward's save_states): again
         hs, _ = run_states(fk, k, v, tb, fwd.slot_data, initial_state, False)
-    common = {"G": g, "Seqs": tb.seqs, "Chunks": tb.chunks}
+    common = {**fwd.slot_data, "Seqs": tb.seqs, "Chunks": tb.chunks}
     dhs = torch.empty_like(hs)
-    dv, dh0, dw = _run_state_gradients(bk, q, k, v, fwd, common, do, dhs, dht, initial_grad, w)
+    dv, dh0, dw = _run_state_gradients(bk, q, k, v, common, do, dhs, dht, initial_grad)
     outs = dqk_outputs(s, bk.atomic)
     dq, dk = (_output(o, s, dev) for o in outs)
     nk = s.head_dim // bk.config.block_K
     dgp = (torch.empty(nk, s.batch, s.heads, s.seqlen, dtype=torch.float32, device=dev)
            if decay_grad else None)
-    weights = {"W": w} if bk.v_weight else {}
-    bk.dqk(decay_grad)(Q=q, K=k, V=v, dO=do, **common, Hs=hs, dHs=dhs, **weights,
+    bk.dqk(decay_grad)(Q=q, K=k, V=v, dO=do, **common, Hs=hs, dHs=dhs,
                        **({"dG": dgp} if decay_grad else {}),
                        **{outs[0].name: dq, outs[1].name: dk})
     if s.heads_q != s.heads:
@@ -153,9 +153,8 @@ def launch_backward(fk: ForwardKernels, bk: BackwardKernels, q: torch.Tensor, k:
 
 
 def _run_state_gradients(bk: BackwardKernels, q: torch.Tensor, k: torch.Tensor,
-                         v: torch.Tensor, fwd: ForwardState, common: dict, do: torch.Tensor,
-                         dhs: torch.Tensor, dht: torch.Tensor | None, initial_grad: bool,
-                         w: torch.Tensor | None
+                         v: torch.Tensor, common: dict, do: torch.Tensor,
+                         dhs: torch.Tensor, dht: torch.Tensor | None, initial_grad: bool
                          ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(dv, dh0 or None, dw or None), writing dS leaving every chunk into `dhs`: the reverse
     single pass, or the reverse state pass then the dV kernel."""
@@ -170,14 +169,15 @@ def _run_state_gradients(bk: BackwardKernels, q: torch.Tensor, k: torch.Tensor,
         dwp = (torch.empty(nv, s.batch, s.heads, s.seqlen, dtype=torch.float32, device=dev)
                if bk.v_weight else None)
         bk.reverse(dht is not None, initial_grad)(
-            Q=q, K=k, dO=do, **fwd.slot_data, Seqs=common["Seqs"], Chunks=common["Chunks"],
-            dHs=dhs, dV=dv, **args, **({"V": v, "dW": dwp} if bk.v_weight else {}))
+            Q=q, K=k, dO=do, **common, dHs=dhs, dV=dv, **args,
+            **({"V": v, "dW": dwp} if bk.v_weight else {}))
         return dv, dh0, None if dwp is None else _tile_sum(dwp)
     dw = (torch.empty(s.batch, s.heads, s.seqlen, dtype=torch.float32, device=dev)
           if bk.v_weight else None)
-    bk.dstates(dht is not None, initial_grad)(Q=q, dO=do, **common, dHs=dhs, **args)
+    decays = {n: t for n, t in common.items() if n != "Wc"}  # the state pass weighs nothing
+    bk.dstates(dht is not None, initial_grad)(Q=q, dO=do, **decays, dHs=dhs, **args)
     bk.dv(Q=q, K=k, dO=do, **common, dHs=dhs, dV=dv,
-          **({"V": v, "W": w, "dW": dw} if bk.v_weight else {}))
+          **({"V": v, "dW": dw} if bk.v_weight else {}))
     return dv, dh0, dw
 
 

@@ -95,7 +95,7 @@ class ForwardState:
 
     tables: ChunkTables
     final: torch.Tensor | None
-    slot_data: dict[str, torch.Tensor]  # run_decays': the backward's state pass reads it too
+    slot_data: dict[str, torch.Tensor]  # run_decays': the backward's kernels read it too
     states: torch.Tensor | None = None  # the per-chunk states kept for the backward (Hs)
 
 
