@@ -38,6 +38,11 @@
 #     $OUT/linear-breakdown.json; BREAKDOWN_FILTER, space-separated patterns, default all
 #     cases; BREAKDOWN_IMPLS, default engine,fla, e.g. engine,engine@bwd=C64_K128_V64_s2_t256,fla:
 #     the engine at a named config too)
+#   kernel-probe:SUITE: arms (an implementation, optionally with module constants patched while
+#     it builds) timed in one process over rotated rounds on SUITE's cases, kernel times by
+#     torch.profiler (scripts/kernel_probe.py; $OUT/kernel-probe.json); PROBE_FILTER patterns,
+#     PROBE_ARMS e.g. "engine engine@engine.kernels.attention_bwd.plan:PERSISTENT_MAX_SQ=65536
+#     sdpa-cudnn", PROBE_MODE fwd, fwd+bwd (default) or bwd, PROBE_ROUNDS (default 6)
 #   clock-trace: a long kernel's repetition times beside the SM clock and power (NVML)
 #     (scripts/clock_trace.py; $OUT/clock-trace.json)
 set -uo pipefail
@@ -112,6 +117,14 @@ for step in "${steps[@]}"; do
     python scripts/gpu_precompile.py linear "${filters[@]}" 2>&1 | grep -v INFO | tail -3
     python scripts/linear_breakdown.py "$OUT/linear-breakdown.json" "${BREAKDOWN_FILTER:-*}" \
       ${BREAKDOWN_IMPLS:+"$BREAKDOWN_IMPLS"} 2>&1 | grep -v "INFO\|Warning" | tail -40
+  elif [ "${step%%:*}" = kernel-probe ]; then
+    # kernel-probe:SUITE: PROBE_FILTER (patterns), PROBE_ARMS (space-separated arms), PROBE_MODE
+    read -ra arms <<< "${PROBE_ARMS:-engine}"
+    args=()
+    for a in "${arms[@]}"; do args+=(--arm "$a"); done
+    python scripts/kernel_probe.py "$OUT/kernel-probe.json" "${step#*:}" "${PROBE_FILTER:-*}" \
+      "${args[@]}" --mode "${PROBE_MODE:-fwd+bwd}" --rounds "${PROBE_ROUNDS:-6}" 2>&1 \
+      | grep -v "INFO\|Warning" | tail -40
   elif [ "$step" = clock-trace ]; then
     python scripts/clock_trace.py "$OUT/clock-trace.json" 2>&1 | tail -5
   elif [ "$step" = tune-decode ]; then

@@ -1,0 +1,197 @@
+"""Same-process A/B of kernel variants on a suite's cases: what NOTES calls a probe. Each arm
+is an implementation, optionally with module constants patched while it builds its kernels
+(a plan's switch or bound), e.g. the persistent backward walk forced at 4k beside the default
+and cuDNN:
+
+    python scripts/kernel_probe.py OUT.json paper 'softmax/fa3-paper-d128/b4/*' --mode bwd \
+        --arm engine \
+        --arm 'engine@engine.kernels.attention_bwd.plan:PERSISTENT_MAX_SQ=65536' \
+        --arm sdpa-cudnn
+
+Each arm is prepared and called once with its patches applied (the engine builds its kernels
+on that first call; the patches are restored after it), and its outputs (or gradients) are
+compared with the first arm's in the common layout. Then every arm is timed in `--rounds`
+rounds whose order rotates, each a kernel-time measurement of `--calls` calls by
+torch.profiler (attnbench.kernel_profile: GPU time only, no host gaps). Modes as rows time
+them: fwd, fwd+bwd, and bwd (the backward alone, on one kept forward).
+
+The record, {case: {arm: {"median_us", "rounds_us", "kernels_us" (median per kernel),
+"rel_diff"}, "order": [[arm, ...] per round]}}, is rewritten atomically after each case, so a
+cut run keeps what it measured. A probe ranks variants in one process; rows from
+`attnbench run` remain the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import importlib
+import statistics
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from attnbench.impls import DeviceInfo, get_impl
+from attnbench.kernel_profile import kernel_times
+from attnbench.linear import make_linear_inputs
+from attnbench.runner import _attention_inputs, default_get_linear_variant, default_get_variant
+from attnbench.suites import load_suite
+from engine.tuning.tune_file import atomic_write_json
+
+MODES = ("fwd", "fwd+bwd", "bwd")
+TIMES = kernel_times  # tests replace it (no CUDA profiler on a CPU)
+
+
+class Arm(NamedTuple):
+    """An implementation and the module constants patched while it builds: (module, name,
+    value) each. (A NamedTuple, not a dataclass: tests load this script without registering
+    it as a module.)"""
+
+    label: str
+    impl: str
+    patches: tuple[tuple[str, str, object], ...] = ()
+
+
+def parse_arm(text: str) -> Arm:
+    """IMPL or IMPL@module.path:NAME=VALUE[@...] (VALUE a Python literal)."""
+    impl, *parts = text.split("@")
+    patches = []
+    for part in parts:
+        target, eq, value = part.partition("=")
+        module, colon, name = target.partition(":")
+        if not (impl and eq and colon and module and name):
+            raise ValueError(f"arm {text!r}: expected IMPL@module.path:NAME=VALUE, got {part!r}")
+        try:
+            patches.append((module, name, ast.literal_eval(value)))
+        except (ValueError, SyntaxError) as exc:
+            raise ValueError(f"arm {text!r}: {value!r} is not a Python literal") from exc
+    if not impl:
+        raise ValueError(f"arm {text!r}: no implementation named")
+    return Arm(text, impl, tuple(patches))
+
+
+@contextlib.contextmanager
+def patched(patches: tuple[tuple[str, str, object], ...]) -> Iterator[None]:
+    """The constants set for the block's duration, restored after it (also on an error)."""
+    saved = []
+    try:
+        for module, name, value in patches:
+            mod = importlib.import_module(module)
+            if not hasattr(mod, name):
+                raise ValueError(f"patch {module}:{name}: the module has no {name!r}")
+            saved.append((mod, name, getattr(mod, name)))
+            setattr(mod, name, value)
+        yield
+    finally:
+        for mod, name, old in reversed(saved):
+            setattr(mod, name, old)
+
+
+def case_inputs(case, device: DeviceInfo) -> tuple[object, dict, torch.Tensor]:
+    """(variant, inputs, output gradient) of a case, as its rows make them (seed 0)."""
+    if case.kind == "linear":
+        variant = default_get_linear_variant(case.variant)
+        inputs, grad = make_linear_inputs(case, variant, device.type, seed=0)
+        return variant, inputs, grad
+    variant = default_get_variant(case.variant)
+    inputs, grad = _attention_inputs(case, variant, device, 0)
+    return variant, inputs, grad
+
+
+def timed_call(p, case, mode: str, grad: torch.Tensor
+               ) -> tuple[Callable[[], object], Callable[[object], list[torch.Tensor]]]:
+    """(the call a row of `mode` times, its result in the common layout as a tensor list)."""
+    if mode == "fwd":
+        return p.timed_call("fwd"), lambda out: [p.to_common(out)]
+    g = p.from_common(grad)
+
+    def common(grads: tuple) -> list[torch.Tensor]:
+        return list(p.grads_to_common(grads if case.kind == "linear" else grads[:3]))
+
+    if mode == "fwd+bwd":
+        return p.timed_call("fwd+bwd", g), common
+    out = p.forward()  # the backward alone, on this one forward's graph
+    return (lambda: torch.autograd.grad(out, p.leaves, g, retain_graph=True)), common
+
+
+def rel_diff(got: list[torch.Tensor], want: list[torch.Tensor]) -> list[float]:
+    """max |got - want| / max |want| per tensor."""
+    return [((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+            for a, b in zip(got, want, strict=True)]
+
+
+def rotations(arms: list[Arm], rounds: int) -> list[list[Arm]]:
+    """Each round's order: the arms rotated by one more each round."""
+    return [arms[r % len(arms):] + arms[:r % len(arms)] for r in range(rounds)]
+
+
+def probe_case(case, arms: list[Arm], mode: str, rounds: int, calls: int,
+               device: DeviceInfo) -> dict:
+    """One case's record (module docstring)."""
+    variant, inputs, grad = case_inputs(case, device)
+    ready, outs = {}, {}
+    for arm in arms:
+        with patched(arm.patches):
+            p = get_impl(arm.impl).prepare(case, variant, inputs, mode != "fwd")
+            with p.context():
+                fn, common = timed_call(p, case, mode, grad)
+                outs[arm.label] = common(fn())
+        ready[arm.label] = (p, fn)
+    order = rotations(arms, rounds)
+    times: dict[str, list[dict]] = {a.label: [] for a in arms}
+    for round_arms in order:
+        for arm in round_arms:
+            p, fn = ready[arm.label]
+            with p.context():
+                times[arm.label].append(TIMES(fn, calls=calls))
+    record: dict = {a.label: summary(times[a.label], outs[a.label], outs[arms[0].label])
+                    for a in arms}
+    record["order"] = [[a.label for a in r] for r in order]
+    return record
+
+
+def summary(rounds: list[dict], got: list[torch.Tensor], want: list[torch.Tensor]) -> dict:
+    per: dict[str, list[float]] = {}
+    for r in rounds:
+        for name, us in r.get("kernels", {}).items():
+            per.setdefault(name, []).append(us)
+    totals = [r["kernels_us"] for r in rounds]
+    return {"median_us": statistics.median(totals), "rounds_us": totals,
+            "kernels_us": {n: statistics.median(v) for n, v in per.items()},
+            "rel_diff": rel_diff(got, want)}
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", type=Path, help="the record (JSON), rewritten after each case")
+    ap.add_argument("suite", help="a suite name (suites/NAME.toml)")
+    ap.add_argument("patterns", help="case patterns, space-separated (as attnbench run --filter)")
+    ap.add_argument("--arm", action="append", required=True, type=parse_arm,
+                    help="IMPL or IMPL@module.path:NAME=VALUE[@...]; the first is the reference")
+    ap.add_argument("--mode", choices=MODES, default="fwd+bwd")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--calls", type=int, default=5, help="calls per kernel-time measurement")
+    args = ap.parse_args(argv)
+    cases = load_suite(args.suite).filtered(args.patterns.split()).cases
+    if not cases:
+        ap.error(f"patterns {args.patterns!r}: no case of suite {args.suite!r} matches")
+    device = DeviceInfo("cuda", torch.cuda.get_device_name(), torch.cuda.get_device_capability())
+    record: dict = {}
+    for case in cases:
+        record[case.name] = probe_case(case, args.arm, args.mode, args.rounds, args.calls, device)
+        atomic_write_json(args.out, record)
+        first = record[case.name][args.arm[0].label]["median_us"]
+        for arm in args.arm:
+            r = record[case.name][arm.label]
+            print(f"{case.name} {args.mode} {arm.label}: {r['median_us']:.1f} us "
+                  f"({first / r['median_us']:.3f}x the first arm's speed), "
+                  f"rel_diff {max(r['rel_diff']):.1e}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

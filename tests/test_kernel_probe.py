@@ -1,0 +1,104 @@
+"""scripts/kernel_probe.py on a CPU: arms parsed and their patches applied only while they
+build, outputs compared, rounds rotated, the record written (the profiler replaced)."""
+
+import types
+
+import pytest
+import torch
+
+from attnbench.cases import Case
+from attnbench.impls import DeviceInfo
+from tests.script_module import load_script
+
+CPU = DeviceInfo("cpu")
+PLAN = "engine.kernels.attention_bwd.plan"
+
+
+@pytest.fixture
+def probe():
+    return load_script("kernel_probe")
+
+
+def case(**over) -> Case:
+    c = dict(suite="t", name="c", variant="softmax_causal", shape="s", batch=1, heads_q=2,
+             heads_kv=2, seqlen_q=33, seqlen_kv=33, head_dim=16, head_dim_v=16,
+             dtype="float32", kind="attention", modes=("fwd", "bwd"), impls=("reference",),
+             baseline="reference")
+    c.update(over)
+    return Case(**c)
+
+
+def test_arms_parse_with_their_patches(probe):
+    arm = probe.parse_arm(f"engine@{PLAN}:PERSISTENT_MAX_SQ=65536@{PLAN}:X='a'")
+    assert arm.impl == "engine" and arm.label.startswith("engine@")
+    assert arm.patches == ((PLAN, "PERSISTENT_MAX_SQ", 65536), (PLAN, "X", "a"))
+    assert probe.parse_arm("sdpa-cudnn") == probe.Arm("sdpa-cudnn", "sdpa-cudnn", ())
+    for bad, why in [("engine@PERSISTENT_MAX_SQ=1", "expected IMPL@module.path:NAME=VALUE"),
+                     (f"engine@{PLAN}:N", "expected IMPL@module.path:NAME=VALUE"),
+                     (f"engine@{PLAN}:N=abc", "'abc' is not a Python literal"),
+                     (f"@{PLAN}:N=1", "expected IMPL")]:
+        with pytest.raises(ValueError, match=why):
+            probe.parse_arm(bad)
+
+
+def test_patches_hold_only_inside_their_block(probe):
+    from engine.kernels.attention_bwd import plan
+
+    before = plan.PERSISTENT_MAX_SQ
+    with pytest.raises(RuntimeError), probe.patched(((PLAN, "PERSISTENT_MAX_SQ", 7),)):
+        assert plan.PERSISTENT_MAX_SQ == 7
+        raise RuntimeError
+    assert plan.PERSISTENT_MAX_SQ == before
+    with pytest.raises(ValueError, match="has no 'NOPE'"), \
+            probe.patched(((PLAN, "PERSISTENT_MAX_SQ", 7), (PLAN, "NOPE", 1))):
+        pass
+    assert plan.PERSISTENT_MAX_SQ == before
+
+
+def test_rounds_rotate_the_arms(probe):
+    arms = [probe.Arm(x, x) for x in "abc"]
+    order = [[a.label for a in r] for r in probe.rotations(arms, 4)]
+    assert order == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+
+
+@pytest.mark.parametrize("mode", ["fwd", "fwd+bwd", "bwd"])
+def test_a_case_probed_on_the_reference(probe, monkeypatch, mode):
+    # two arms of the same implementation, the second with a patch that must hold while it
+    # is prepared and called first and be gone when it is timed
+    from engine.kernels.attention_bwd import plan
+
+    seen = []
+
+    def times(fn, calls):
+        seen.append(plan.PERSISTENT_MAX_SQ)
+        out = fn()
+        assert all(torch.isfinite(t).all() for t in (out if isinstance(out, tuple) else (out,)))
+        return {"kernels_us": 10.0 + len(seen), "kernels": {"0:main": 5.0}}
+
+    real_prepare = probe.get_impl("reference").prepare
+    built = []
+
+    def prepare(self, *args):
+        built.append(plan.PERSISTENT_MAX_SQ)
+        return real_prepare(*args)
+
+    monkeypatch.setattr(probe, "TIMES", times)
+    monkeypatch.setattr(probe, "get_impl", lambda name: types.SimpleNamespace(
+        prepare=types.MethodType(prepare, object())))
+    arms = [probe.parse_arm("reference"), probe.parse_arm(f"reference@{PLAN}:PERSISTENT_MAX_SQ=9")]
+    rec = probe.probe_case(case(), arms, mode, rounds=3, calls=2, device=CPU)
+    default = plan.PERSISTENT_MAX_SQ
+    assert built == [default, 9] and seen == [default] * 6
+    assert rec["order"] == [[arms[0].label, arms[1].label], [arms[1].label, arms[0].label],
+                            [arms[0].label, arms[1].label]]
+    first, second = rec[arms[0].label], rec[arms[1].label]
+    assert first["rounds_us"] == [11.0, 14.0, 15.0] and first["median_us"] == 14.0
+    assert second["rounds_us"] == [12.0, 13.0, 16.0] and second["kernels_us"] == {"0:main": 5.0}
+    assert len(first["rel_diff"]) == (1 if mode == "fwd" else 3)
+    assert max(second["rel_diff"]) < 1e-6  # the same reference both ways
+
+
+def test_main_names_a_filter_that_matches_nothing(probe, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        probe.main([str(tmp_path / "o.json"), "paper", "nothing/*", "--arm", "engine"])
+    assert "no case of suite 'paper' matches" in capsys.readouterr().err
