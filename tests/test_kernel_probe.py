@@ -98,6 +98,13 @@ def test_a_case_probed_on_the_reference(probe, monkeypatch, mode):
     assert max(second["rel_diff"]) < 1e-6  # the same reference both ways
 
 
+def test_results_flatten_and_decode_cases_are_refused(probe):
+    a, b = torch.ones(2), torch.zeros(3)
+    assert probe.tensors((a, (b, None))) == [a, b] and probe.tensors(a) == [a]
+    with pytest.raises(ValueError, match="decode cases are not probed here"):
+        probe.case_inputs(case(kind="decode", seqlen_q=1), CPU)
+
+
 def test_main_names_a_filter_that_matches_nothing(probe, tmp_path, capsys):
     with pytest.raises(SystemExit):
         probe.main([str(tmp_path / "o.json"), "paper", "nothing/*", "--arm", "engine"])
