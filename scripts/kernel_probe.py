@@ -129,8 +129,8 @@ def tensors(x) -> list[torch.Tensor]:
 
 
 def rel_diff(got: list[torch.Tensor], want: list[torch.Tensor]) -> list[float]:
-    """max |got - want| / max |want| per tensor both have (an implementation may give fewer
-    gradients: fla's Mamba2 none for its own leaves' mapping)."""
+    """max |got - want| / max |want| per tensor both have (implementations may differ in how
+    many gradients they give: the learnable inputs')."""
     return [((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
             for a, b in zip(got, want, strict=False)]
 
