@@ -279,10 +279,13 @@ def _fake_kernels(monkeypatch, seen):
         assert (w is not None) == fk.folds.v_weight
         o, ht = core(q, k, v if w is None else v.float() * w.unsqueeze(-1), g, h0)
         o = (o * fk.folds.q_scale).to(q.dtype)
-        return o, ForwardState(None, ht if final else None, {})
+        # the decays and weights ride in the state, as the kernels' slot sums do (the backward
+        # is not given g or w)
+        carried = {"g": g, **({"w": w} if w is not None else {})}
+        return o, ForwardState(None, ht if final else None, carried)
 
-    def fake_backward(fk, bk, q, k, v, g, state, h0, do, dht, initial_grad, w=None,
-                      decay_grad=True):
+    def fake_backward(fk, bk, q, k, v, state, h0, do, dht, initial_grad, decay_grad=True):
+        g, w = state.slot_data["g"], state.slot_data.get("w")
         assert bk.v_weight == (w is not None) == fk.folds.v_weight and bk.folds == fk.folds
         seen.setdefault("decay_grad", []).append(decay_grad)
         names = ["q", "k", "v", "g", *(["w"] if w is not None else [])]
