@@ -37,8 +37,7 @@ import torch
 
 from attnbench.impls import DeviceInfo, get_impl
 from attnbench.kernel_profile import kernel_times
-from attnbench.linear import make_linear_inputs
-from attnbench.runner import _attention_inputs, default_get_linear_variant, default_get_variant
+from attnbench.runner import _CaseContext, default_get_linear_variant, default_get_variant
 from attnbench.suites import load_suite
 from engine.tuning.tune_file import atomic_write_json
 
@@ -91,21 +90,19 @@ def patched(patches: tuple[tuple[str, str, object], ...]) -> Iterator[None]:
             setattr(mod, name, old)
 
 
-def case_inputs(case, device: DeviceInfo) -> tuple[object, dict, torch.Tensor]:
-    """(variant, inputs, output gradient) of a case, as its rows make them (seed 0)."""
+def case_inputs(case, device: DeviceInfo) -> tuple[object, dict, torch.Tensor | None]:
+    """(variant, inputs, output gradient) of a case, as its rows make them (the runner's case
+    context, seed 0)."""
     if case.kind == "decode":
         raise ValueError(f"{case.name}: decode cases are not probed here "
                          "(scripts/decode_sweep.py times the decode kernels)")
-    if case.kind == "linear":
-        variant = default_get_linear_variant(case.variant)
-        inputs, grad = make_linear_inputs(case, variant, device.type, seed=0)
-        return variant, inputs, grad
-    variant = default_get_variant(case.variant)
-    inputs, grad = _attention_inputs(case, variant, device, 0)
-    return variant, inputs, grad
+    lookup = default_get_linear_variant if case.kind == "linear" else default_get_variant
+    variant = lookup(case.variant)
+    ctx = _CaseContext(case, variant, device, 0)
+    return variant, ctx.inputs, ctx.grad_out
 
 
-def timed_call(p, case, mode: str, grad: torch.Tensor
+def timed_call(p, case, mode: str, grad: torch.Tensor | None
                ) -> tuple[Callable[[], object], Callable[[object], list[torch.Tensor]]]:
     """(the call a row of `mode` times, its result in the common layout as a tensor list)."""
     if mode == "fwd":
