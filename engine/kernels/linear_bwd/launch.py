@@ -174,8 +174,8 @@ def _run_state_gradients(bk: BackwardKernels, q: torch.Tensor, k: torch.Tensor,
         return dv, dh0, None if dwp is None else _tile_sum(dwp)
     dw = (torch.empty(s.batch, s.heads, s.seqlen, dtype=torch.float32, device=dev)
           if bk.v_weight else None)
-    decays = {n: t for n, t in common.items() if n != "Wc"}  # the state pass weighs nothing
-    bk.dstates(dht is not None, initial_grad)(Q=q, dO=do, **decays, dHs=dhs, **args)
+    dstates = bk.dstates(dht is not None, initial_grad)  # pick: it takes no value weights
+    dstates.launch(*dstates.pick({"Q": q, "dO": do, **common, "dHs": dhs, **args}))
     bk.dv(Q=q, K=k, dO=do, **common, dHs=dhs, dV=dv,
           **({"V": v, "dW": dw} if bk.v_weight else {}))
     return dv, dh0, dw
