@@ -19,7 +19,7 @@ from engine.kernels.linear_bwd.codegen import (
     generate_dstates,
     generate_dv,
 )
-from engine.kernels.linear_bwd.plan import shared_heads_by_atomics
+from engine.kernels.linear_bwd.plan import backward_config_problems, shared_heads_by_atomics
 from engine.kernels.linear_bwd.reverse import generate_reverse
 from engine.kernels.linear_fwd.launch import (
     ForwardKernels,
@@ -108,7 +108,8 @@ def build_backward(shape: LinearShape, cfg: LinearConfig, folds: Folds = NO_FOLD
     """The backward kernels at `shape` and `cfg` (checked; its chunk must be the forward's)
     of a forward with `folds` (value weights: they read v and the weights; a q scale);
     `deterministic`: no atomics (plan.shared_heads_by_atomics)."""
-    check_config(cfg, shape.head_dim, shape.head_dim_v, elem_bytes(shape.dtype))
+    check_config(cfg, shape.head_dim, shape.head_dim_v, elem_bytes(shape.dtype),
+                 backward_config_problems)
     return BackwardKernels(shape, cfg, folds, shared_heads_by_atomics(shape, deterministic))
 
 

@@ -135,8 +135,10 @@ STATE_REGS = 64
 
 
 def config_problems(cfg: LinearConfig, head_dim: int, head_dim_v: int, elem_bytes: int = 2,
-                    spec=None) -> list[str]:
-    """Every reason `cfg` cannot run at these head dims (empty: valid)."""
+                    spec=None, state_threads: int | None = None) -> list[str]:
+    """Every reason `cfg` cannot run at these head dims (empty: valid); `state_threads`: the
+    threads that hold a single pass's state slice, where not the config's (the backward's
+    reverse single pass, linear_bwd.plan.backward_config_problems)."""
     out = []
     if cfg.chunk not in CHUNKS:
         out.append(f"chunk={cfg.chunk}: expected one of {CHUNKS}")
@@ -148,8 +150,9 @@ def config_problems(cfg: LinearConfig, head_dim: int, head_dim_v: int, elem_byte
         out.append(f"threads={cfg.threads}: expected 128 or 256")
     if cfg.num_stages not in (1, 2, 3):
         out.append(f"num_stages={cfg.num_stages}: expected 1, 2 or 3")
-    if cfg.single_pass and head_dim * cfg.block_V > STATE_REGS * cfg.threads:
-        out.append(f"single_pass: a [{head_dim}, {cfg.block_V}] fp32 state over {cfg.threads} "
+    holders = state_threads or cfg.threads
+    if cfg.single_pass and head_dim * cfg.block_V > STATE_REGS * holders:
+        out.append(f"single_pass: a [{head_dim}, {cfg.block_V}] fp32 state over {holders} "
                    f"threads is over {STATE_REGS} registers each")
     smem = _smem_bytes(cfg, head_dim, elem_bytes)
     if smem > SMEM_LIMIT_BYTES:
@@ -157,9 +160,9 @@ def config_problems(cfg: LinearConfig, head_dim: int, head_dim_v: int, elem_byte
     return out
 
 
-def check_config(cfg: LinearConfig, head_dim: int, head_dim_v: int, elem_bytes: int = 2
-                 ) -> None:
-    problems = config_problems(cfg, head_dim, head_dim_v, elem_bytes)
+def check_config(cfg: LinearConfig, head_dim: int, head_dim_v: int, elem_bytes: int = 2,
+                 problems_of=config_problems) -> None:
+    problems = problems_of(cfg, head_dim, head_dim_v, elem_bytes)
     if problems:
         raise ConfigError(f"LinearConfig {cfg.key()} at D={head_dim}, Dv={head_dim_v}: "
                           + "; ".join(problems))
