@@ -36,7 +36,12 @@ ONE = LinearConfig(block_K=64, single_pass=True, threads=256)  # the single-pass
 NARROW = LinearConfig(chunk=64, block_K=64, block_V=64, threads=128)
 # the single pass on 128 threads: the reverse single pass beside the narrow dQ/dK kernel
 NARROW_ONE = LinearConfig(block_K=64, single_pass=True, threads=128)
-# (dtype, (HQ, HK, H), (D, Dv), B, T, states, packed, config or None: the default)
+# beside the single pass at D 256 (backward_config_for_shape): the reverse single pass, whose
+# state slice its own 256 threads hold, with the dQ/dK kernel on 128 (linear_fwd.plan.
+# backward_config_problems)
+D256_PAIR = (ONE, NARROW_ONE)
+# (dtype, (HQ, HK, H), (D, Dv), B, T, states, packed, config: None (the default), one config
+# for both passes, or a (forward, backward) pair)
 CASES = ([(dt, h, d, 2, 200, True, False, None) for dt in (BF16, FP16) for h in HEADS
           for d in DIMS]
          + [(BF16, (4, 4, 4), d, 2, 256, False, False, None) for d in ((64, 64), (128, 128))]
@@ -59,7 +64,10 @@ CASES = ([(dt, h, d, 2, 200, True, False, None) for dt in (BF16, FP16) for h in 
          # the single pass at D 256, the default where its blocks fill the SMs
          + [(BF16, (4, 4, 4), (256, 512), 2, 200, True, False, ONE),
             (FP16, (1, 1, 4), (256, 256), 2, 200, True, False, ONE),
-            (BF16, (4, 4, 4), (256, 256), 1, PACKED[-1], True, True, ONE)])
+            (BF16, (4, 4, 4), (256, 256), 1, PACKED[-1], True, True, ONE)]
+         + [(BF16, (4, 4, 4), (256, 512), 2, 200, True, False, D256_PAIR),
+            (FP16, (2, 1, 4), (256, 256), 2, 200, True, False, D256_PAIR),
+            (BF16, (4, 4, 4), (256, 256), 1, PACKED[-1], True, True, D256_PAIR)])
 
 # Folds (a q scale and value weights) over both forward designs, packing, sharing, fp16, D 256
 FOLD_CASES = [(BF16, (1, 1, 4), (128, 64), 2, 200, True, False, None),
@@ -69,14 +77,20 @@ FOLD_CASES = [(BF16, (1, 1, 4), (128, 64), 2, 200, True, False, None),
               (BF16, (2, 1, 4), (128, 64), 2, 300, True, False, C128),
               (BF16, (4, 4, 4), (256, 256), 2, 200, False, False, None),
               (BF16, (1, 1, 4), (256, 256), 2, 200, True, False, ONE),
-              (BF16, (1, 1, 4), (128, 128), 2, 200, True, False, NARROW_ONE)]
+              (BF16, (1, 1, 4), (128, 128), 2, 200, True, False, NARROW_ONE),
+              (BF16, (4, 4, 4), (256, 256), 2, 200, True, False, D256_PAIR)]
 FOLDS = Folds(q_scale=0.37, v_weight=True)
 
 def case_id(c: tuple) -> str:
     dt, (hq, hk, h), (d, dv), b, t, states, packed, cfg = c
     return (f"{'bf16' if dt is BF16 else 'fp16'}-H{hq}x{hk}x{h}-D{d}x{dv}-B{b}-T{t}"
             + ("-states" if states else "") + ("-packed" if packed else "")
-            + (f"-{cfg.key()}" if cfg else ""))
+            + "".join(f"-{c.key()}" for c in _pair(cfg) if c))
+
+
+def _pair(cfg) -> tuple:
+    """(forward config, backward config) of a case's config field (None: the defaults)."""
+    return cfg if isinstance(cfg, tuple) else (cfg, None)
 
 
 def _inputs(case: tuple, device: str = "cuda") -> dict:
@@ -104,7 +118,7 @@ def _sources(case: tuple, folds: Folds = NO_FOLDS, deterministic: bool = False,
     v = torch.empty(b, h, t, dv, dtype=dt, device="meta")
     cache = linear_backend.LinearKernelCache(deterministic)
     shape = linear_backend.linear_shape(q, k, v, torch.empty(len(PACKED)) if packed else None)
-    fwd, bwd = linear_backend.configs(shape, cfg, None)
+    fwd, bwd = linear_backend.configs(shape, *_pair(cfg))
     fk, bk = cache.forward(shape, fwd, folds), cache.backward(shape, bwd, folds)
     # the forward's kernels, the backward's, and the state pass the backward reruns (none
     # where the forward keeps its states)
@@ -161,7 +175,7 @@ def _compare(case: tuple, q_scale: float = 1.0, weighted: bool = False,
     got = dict(zip(names, leaves, strict=True))
     o, ht = linear_backend.run(cache or linear_backend.LinearKernelCache(), got["q"], got["k"],
                                got["v"], got["g"], got.get("h0"), x["cu"], states,
-                               config=case[-1], q_scale=q_scale, v_weight=got.get("w"),
+                               *_pair(case[-1]), q_scale=q_scale, v_weight=got.get("w"),
                                save_states=save)
     rv = ref["v"] * ref["w"].unsqueeze(-1) if weighted else ref["v"]
     ro, rht = chunked(ref["q"] * q_scale, ref["k"], rv, ref["g"], ref.get("h0"), x["cu"])

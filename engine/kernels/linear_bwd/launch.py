@@ -19,7 +19,7 @@ from engine.kernels.linear_bwd.codegen import (
     generate_dstates,
     generate_dv,
 )
-from engine.kernels.linear_bwd.plan import backward_config_problems, shared_heads_by_atomics
+from engine.kernels.linear_bwd.plan import shared_heads_by_atomics
 from engine.kernels.linear_bwd.reverse import generate_reverse
 from engine.kernels.linear_fwd.launch import (
     ForwardKernels,
@@ -32,6 +32,7 @@ from engine.kernels.linear_fwd.plan import (
     Folds,
     LinearConfig,
     LinearShape,
+    backward_config_problems,
     check_config,
     runs_single_pass,
 )

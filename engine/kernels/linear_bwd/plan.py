@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine.dtypes import elem_bytes
-from engine.kernels.linear_fwd.plan import LinearConfig, LinearShape, config_problems
+from engine.kernels.linear_fwd.plan import LinearConfig, LinearShape
 from engine.plan.config import SMEM_LIMIT_BYTES
 
 
@@ -27,23 +27,6 @@ def heads_first(shape: LinearShape) -> bool:
     atomics gained 12% of forward+backward at B 8 x T 2k and nothing at T 4k and 8k
     (results/NOTES.md 147, 149)."""
     return shape.shares_heads
-
-
-# The reverse single pass runs two consumer warpgroups whatever its config's threads (the
-# config's threads are the dQ/dK kernel's): its serial chunk loop is the bound, as in the
-# forward's single pass; on one warpgroup (240 registers) it took 564 against 436 us at simple
-# GLA B 8 x T 4k (results/NOTES.md 158).
-REVERSE_THREADS = 256
-
-
-def backward_config_problems(cfg: LinearConfig, head_dim: int, head_dim_v: int,
-                             elem_bytes: int = 2, spec=None) -> list[str]:
-    """Every reason `cfg` cannot run as a training call's backward config: the forward's
-    rules, with a single pass's state slice held by the reverse single pass's REVERSE_THREADS
-    (the config's threads are the dQ/dK kernel's), so a 128-thread dQ/dK kernel can sit
-    beside the reverse pass at D 256."""
-    return config_problems(cfg, head_dim, head_dim_v, elem_bytes, spec,
-                           state_threads=REVERSE_THREADS)
 
 
 def dqk_value_stages(shape: LinearShape, cfg: LinearConfig) -> int:

@@ -2,8 +2,8 @@
 (where the backward's config has single_pass: plan.runs_single_pass), the mirror image of the
 forward's single pass (engine.kernels.linear_fwd.codegen.generate_fused).
 
-Grid Dv/block_V x sequences*heads, on plan.REVERSE_THREADS threads: each block walks its
-sequence's chunks from the last, its [D, block_V] slice of dS (the gradient of the state
+Grid Dv/block_V x sequences*heads, on linear_fwd.plan.REVERSE_THREADS threads: each block walks
+its sequence's chunks from the last, its [D, block_V] slice of dS (the gradient of the state
 leaving the chunk) in registers. Per chunk it stores dS (dHs, which the dQ/dK kernel reads),
 writes the chunk's dV tile, dV_c = exp(G_end - G) * (K_c dS) + ((K_c Q_c^T) * D_c^T) dO_c,
 from the same bf16 copy of dS the dV kernel would read, then steps
@@ -24,7 +24,6 @@ from engine.kernels.linear_bwd.codegen import (
     emit_weight_gradient,
     grad_params,
 )
-from engine.kernels.linear_bwd.plan import REVERSE_THREADS
 from engine.kernels.linear_fwd.codegen import (
     cast,
     emit_decay_load,
@@ -38,7 +37,13 @@ from engine.kernels.linear_fwd.codegen import (
     slot_buffers,
     state_param,
 )
-from engine.kernels.linear_fwd.plan import NO_FOLDS, Folds, LinearConfig, LinearShape
+from engine.kernels.linear_fwd.plan import (
+    NO_FOLDS,
+    REVERSE_THREADS,
+    Folds,
+    LinearConfig,
+    LinearShape,
+)
 
 
 def weight_grad_param(s: LinearShape, cfg: LinearConfig):

@@ -138,7 +138,7 @@ def config_problems(cfg: LinearConfig, head_dim: int, head_dim_v: int, elem_byte
                     spec=None, state_threads: int | None = None) -> list[str]:
     """Every reason `cfg` cannot run at these head dims (empty: valid); `state_threads`: the
     threads that hold a single pass's state slice, where not the config's (the backward's
-    reverse single pass, linear_bwd.plan.backward_config_problems)."""
+    reverse single pass, backward_config_problems)."""
     out = []
     if cfg.chunk not in CHUNKS:
         out.append(f"chunk={cfg.chunk}: expected one of {CHUNKS}")
@@ -158,6 +158,23 @@ def config_problems(cfg: LinearConfig, head_dim: int, head_dim_v: int, elem_byte
     if smem > SMEM_LIMIT_BYTES:
         out.append(f"shared memory {smem} B > {SMEM_LIMIT_BYTES} B")
     return out
+
+
+# The reverse single pass runs two consumer warpgroups whatever its config's threads (the
+# config's threads are the dQ/dK kernel's): its serial chunk loop is the bound, as in the
+# forward's single pass; on one warpgroup (240 registers) it took 564 against 436 us at simple
+# GLA B 8 x T 4k (results/NOTES.md 158).
+REVERSE_THREADS = 256
+
+
+def backward_config_problems(cfg: LinearConfig, head_dim: int, head_dim_v: int,
+                             elem_bytes: int = 2, spec=None) -> list[str]:
+    """Every reason `cfg` cannot run as a training call's backward config: the forward's
+    rules, with a single pass's state slice held by the reverse single pass's REVERSE_THREADS
+    (the config's threads are the dQ/dK kernel's), so a 128-thread dQ/dK kernel can sit
+    beside the reverse pass at D 256."""
+    return config_problems(cfg, head_dim, head_dim_v, elem_bytes, spec,
+                           state_threads=REVERSE_THREADS)
 
 
 def check_config(cfg: LinearConfig, head_dim: int, head_dim_v: int, elem_bytes: int = 2,
@@ -229,24 +246,20 @@ def backward_config_for_shape(shape: LinearShape, sm_count: int = 132) -> Linear
     """The training call's default backward config: config_for_shape's without the halved key
     tile of one_wave_block_k, which made the forward 1.12x faster at B 2 x T 16k but its
     forward+backward 0.97x (the backward's kernels at 64 key rows; results/NOTES.md 130).
-    Beside a single-pass forward: at D > 128, default_linear_config's 128 threads (on the
-    single pass's 256 the D 256 backward ran 1.17-1.19x slower; NOTES 132); at D <= 128 the
-    reverse single pass (linear_bwd.reverse: 436 against the two kernels' 549 us at simple GLA
-    B 8 x T 4k, 593 against 664 at Mamba2-2.7B B 8 x T 2k; NOTES 158) beside the dQ/dK kernel
-    at 64-row key tiles on 128 threads where no q or k head is shared (two or three blocks
-    per SM against one: 681 against 939 us at simple GLA B 8 x T 4k), and at the forward's
-    128 rows on 256 threads where they are (Mamba2: 1507 against 1664 us at B 8 x T 2k, 3023
-    against 3335 at T 4k). The backward's rerun of the state pass takes the forward's
-    config."""
+    Beside a single-pass forward, the reverse single pass (linear_bwd.reverse: 436 against the
+    two kernels' 549 us at simple GLA B 8 x T 4k, 593 against 664 at Mamba2-2.7B B 8 x T 2k,
+    NOTES 158; at D 256 5450 against 6239 us forward+backward at YOCO-13B B 8 x T 2k, NOTES
+    197) beside the dQ/dK kernel at 64-row key tiles on 128 threads where no q or k head is
+    shared (two or three blocks per SM against one: 681 against 939 us at simple GLA B 8 x
+    T 4k), and at the forward's 128 rows on 256 threads where they are (Mamba2: 1507 against
+    1664 us at B 8 x T 2k, 3023 against 3335 at T 4k). The backward's rerun of the state
+    pass takes the forward's config."""
     cfg = config_for_shape(shape, sm_count, whole_key_tile=True)
-    if not cfg.single_pass:
-        return cfg
-    if shape.head_dim > 128:
-        return default_linear_config(shape.head_dim, shape.head_dim_v, elem_bytes(shape.dtype))
-    if shape.shares_heads:
+    if not cfg.single_pass or shape.shares_heads:
         return cfg
     narrow = dataclasses.replace(cfg, block_K=min(64, cfg.block_K), threads=128)
-    if config_problems(narrow, shape.head_dim, shape.head_dim_v, elem_bytes(shape.dtype)):
+    if backward_config_problems(narrow, shape.head_dim, shape.head_dim_v,
+                                elem_bytes(shape.dtype)):
         return cfg
     return narrow
 
