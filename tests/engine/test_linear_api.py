@@ -545,24 +545,28 @@ def test_single_pass_default_with_a_block_per_sm(batch, heads, head_dim, head_di
         64, 64, 256, 2)
 
 
-def test_d256_training_keeps_the_backward_on_128_threads():
-    """Beside the single-pass forward at D 256 a training call's backward takes
-    default_linear_config's tiles (128 threads; NOTES 132); at D 128 the reverse single pass
+def test_training_beside_the_single_pass_runs_the_reverse_pass_and_a_narrow_dqk_kernel():
+    """Beside the single-pass forward a training call's backward is the reverse single pass
     with the dQ/dK kernel at 64-row key tiles on 128 threads (its blocks per SM; NOTES 149,
-    158), or at the forward's own config where q or k heads are shared (Mamba2: NOTES 158);
-    beside the two kernels the forward's config with its whole key tile."""
+    158), at D 256 too, where the reverse pass's own 256 threads hold its state slice (NOTES
+    197; the forward's rule would refuse a 128-thread single pass there), or at the forward's
+    own config where q or k heads are shared (Mamba2: NOTES 158); beside the two kernels the
+    forward's config with its whole key tile."""
     from engine.kernels.linear_fwd.plan import (
         LinearShape,
         backward_config_for_shape,
+        backward_config_problems,
         config_for_shape,
-        default_linear_config,
+        config_problems,
     )
 
     yoco = LinearShape(batch=8, heads_q=40, heads_k=40, heads=40, seqlen=2048, head_dim=256,
                        head_dim_v=256, dtype="bfloat16")
-    bwd = backward_config_for_shape(yoco)
-    assert config_for_shape(yoco).single_pass and bwd == default_linear_config(256, 256)
-    assert bwd.threads == 128 and bwd.chunk == config_for_shape(yoco).chunk
+    fwd, bwd = config_for_shape(yoco), backward_config_for_shape(yoco)
+    assert fwd.single_pass and bwd == dataclasses.replace(fwd, block_K=64, threads=128)
+    assert any("registers" in p for p in config_problems(bwd, 256, 256))
+    assert not backward_config_problems(bwd, 256, 256)
+    assert any("registers" in p for p in backward_config_problems(bwd, 512, 256))
     fla = dataclasses.replace(yoco, heads_q=16, heads_k=16, heads=16, head_dim=128,
                               head_dim_v=128)
     fwd = config_for_shape(fla)
