@@ -307,6 +307,36 @@ def test_linear_kernels_compile_for_sm90a(tmp_path, monkeypatch):
     assert not errors, "\n".join(e[:500] for e in errors.values())
 
 
+def test_state_pass_asks_for_two_blocks_per_sm_without_spills(tmp_path, monkeypatch):
+    """linear_fwd.plan.STATE_PASS_BLOCKS_PER_SM (1 by default: the sources as before) at 2:
+    the state pass's launch bounds ask for two blocks, which ptxas meets without spills (80
+    registers against 168; results/NOTES.md 200), where two blocks' shared memory fits the
+    SM; at 128-position chunks with two stages (129 KB a block) it stays at one."""
+    import torch
+
+    from engine.kernels.linear_fwd import plan
+    from engine.kernels.linear_fwd.plan import NO_FOLDS, LinearConfig
+    from engine.runtime import linear_backend
+    from engine.runtime.compile import lowered_cuda
+
+    monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
+    meta = [torch.empty(2, h, 300, d, dtype=torch.bfloat16, device="meta")
+            for h, d in ((1, 128), (1, 128), (4, 64))]
+    shape = linear_backend.linear_shape(*meta, None)
+    cfg, wide = LinearConfig(block_K=128, threads=256), LinearConfig(128, 128, 64, 2, 256)
+    before = linear_backend.LinearKernelCache().forward(shape, cfg, NO_FOLDS).states(
+        True, True).source
+    assert "annotate_min_blocks_per_sm" not in before
+    monkeypatch.setattr(plan, "STATE_PASS_BLOCKS_PER_SM", 2)
+    assert plan.state_pass_blocks_per_sm(shape, wide) == 1
+    src = linear_backend.LinearKernelCache().forward(shape, cfg, NO_FOLDS).states(
+        True, True).source
+    assert src.replace("        T.annotate_min_blocks_per_sm(2)\n", "") == before
+    cuda = lowered_cuda(src)
+    assert "__launch_bounds__(384, 2)" in cuda
+    assert _spill_store_bytes(cuda, tmp_path) == 0
+
+
 @pytest.mark.parametrize("name,config", [
     ("softmax_causal", KernelConfig(128, 176, 2, 256, schedule="pingpong")),
     ("document", KernelConfig(128, 128, 2, 256, schedule="overlap")),  # the mask once

@@ -19,7 +19,13 @@ from __future__ import annotations
 
 from engine.codegen.params import GeneratedKernel, KernelParam, param
 from engine.codegen.source import SourceWriter, write_header
-from engine.kernels.linear_fwd.plan import NO_FOLDS, Folds, LinearConfig, LinearShape
+from engine.kernels.linear_fwd.plan import (
+    NO_FOLDS,
+    Folds,
+    LinearConfig,
+    LinearShape,
+    state_pass_blocks_per_sm,
+)
 
 
 def head_text(heads: int, of: int, h: str = "h") -> str:
@@ -172,6 +178,9 @@ def generate_states(s: LinearShape, cfg: LinearConfig, initial: bool, final: boo
     hk = head_text(s.heads_k, s.heads)
     grid, tile = state_pass_tiles(s, cfg)
     with w.indented(), w.block(f"with T.Kernel({grid}, threads={cfg.threads}) as (iv, ik, nh):"):
+        blocks = state_pass_blocks_per_sm(s, cfg)
+        if blocks > 1:
+            w.line(f"T.annotate_min_blocks_per_sm({blocks})")
         emit_sequence(w, s)
         w.lines([f'K_s = T.alloc_shared(({C}, {BK}), "{dt}")',
                  f'V_s = T.alloc_shared(({C}, {BV}), "{dt}")',

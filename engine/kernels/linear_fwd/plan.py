@@ -116,11 +116,33 @@ class LinearShape(LinearProblem):
                 f"D{self.head_dim}x{self.head_dim_v}_{self.dtype}_n{self.sequences}")
 
 
+def state_pass_smem_bytes(cfg: LinearConfig, elem: int) -> int:
+    """The state pass's shared memory: each pipeline stage's k and v tiles and decay sums, the
+    decayed v tile and the state tile it stores from."""
+    C, K, V = cfg.chunk, cfg.block_K, cfg.block_V
+    return cfg.num_stages * (C * (K + V) * elem + 4 * C) + (C * V + K * V) * elem
+
+
+# Thread blocks per SM the state pass asks ptxas to make room for (__launch_bounds__'s second
+# argument, T.annotate_min_blocks_per_sm). At 1, its 384 threads (TileLang's producer
+# warpgroup beside the 256) take 168 registers, so one block holds an SM through its serial
+# chunk loop; at 2, 80 registers and no spills (ptxas at Mamba2-2.7B, simple GLA and YOCO-13B
+# shapes; results/NOTES.md 200). Not yet measured on a GPU: 1 keeps the sources as they were.
+STATE_PASS_BLOCKS_PER_SM = 1
+
+
+def state_pass_blocks_per_sm(shape: LinearShape, cfg: LinearConfig) -> int:
+    """STATE_PASS_BLOCKS_PER_SM, at most as many blocks as the SM's shared memory holds (each
+    also keeps 1 KB the hardware reserves)."""
+    per_block = state_pass_smem_bytes(cfg, elem_bytes(shape.dtype)) + 1024
+    return max(1, min(STATE_PASS_BLOCKS_PER_SM, SMEM_LIMIT_BYTES // per_block))
+
+
 def _smem_bytes(cfg: LinearConfig, head_dim: int, elem: int) -> int:
     """The largest of the kernels' shared tiles (the output and gradient kernels hold whole
     [chunk, D] q and k tiles beside [chunk, block_V] and [D, block_V] ones)."""
     C, D, V = cfg.chunk, head_dim, cfg.block_V
-    states = cfg.num_stages * C * (cfg.block_K + V) * elem + cfg.block_K * V * elem
+    states = state_pass_smem_bytes(cfg, elem)
     output = (2 * C * D + 2 * C * V + D * V + C * C) * elem + 4 * C
     grads = (2 * C * D + 2 * C * V + 2 * D * V + C * C) * elem + 4 * C
     single = ((2 * C * D + C * V) * cfg.num_stages + 3 * C * V + D * V + C * C) * elem + 12 * C
