@@ -8,7 +8,8 @@ and cuDNN:
         --arm 'engine@engine.kernels.attention_bwd.plan:PERSISTENT_MAX_SQ=65536' \
         --arm sdpa-cudnn
 
-Each arm is prepared and called once with its patches applied (the engine builds its kernels
+An arm may also set a linear module's configs (`engine@fwd=KEY@bwd=KEY`; attnbench.arms). Each
+arm is prepared and called once with its patches applied (the engine builds its kernels
 on that first call; the patches are restored after it), and its outputs (or gradients) are
 compared with the first arm's in the common layout. Then every arm is timed in `--rounds`
 rounds whose order rotates, each a kernel-time measurement of `--calls` calls by
@@ -24,17 +25,14 @@ cut run keeps what it measured. A probe ranks variants in one process; rows from
 from __future__ import annotations
 
 import argparse
-import ast
-import contextlib
-import importlib
 import statistics
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
+from attnbench.arms import Arm, parse_arm, patched, set_configs
 from attnbench.impls import DeviceInfo, get_impl
 from attnbench.kernel_profile import kernel_times
 from attnbench.runner import _CaseContext, default_get_linear_variant, default_get_variant
@@ -43,51 +41,6 @@ from engine.tuning.tune_file import atomic_write_json
 
 MODES = ("fwd", "fwd+bwd", "bwd")
 TIMES = kernel_times  # tests replace it (no CUDA profiler on a CPU)
-
-
-class Arm(NamedTuple):
-    """An implementation and the module constants patched while it builds: (module, name,
-    value) each. (A NamedTuple, not a dataclass: tests load this script without registering
-    it as a module.)"""
-
-    label: str
-    impl: str
-    patches: tuple[tuple[str, str, object], ...] = ()
-
-
-def parse_arm(text: str) -> Arm:
-    """IMPL or IMPL@module.path:NAME=VALUE[@...] (VALUE a Python literal)."""
-    impl, *parts = text.split("@")
-    patches = []
-    for part in parts:
-        target, eq, value = part.partition("=")
-        module, colon, name = target.partition(":")
-        if not (impl and eq and colon and module and name):
-            raise ValueError(f"arm {text!r}: expected IMPL@module.path:NAME=VALUE, got {part!r}")
-        try:
-            patches.append((module, name, ast.literal_eval(value)))
-        except (ValueError, SyntaxError) as exc:
-            raise ValueError(f"arm {text!r}: {value!r} is not a Python literal") from exc
-    if not impl:
-        raise ValueError(f"arm {text!r}: no implementation named")
-    return Arm(text, impl, tuple(patches))
-
-
-@contextlib.contextmanager
-def patched(patches: tuple[tuple[str, str, object], ...]) -> Iterator[None]:
-    """The constants set for the block's duration, restored after it (also on an error)."""
-    saved = []
-    try:
-        for module, name, value in patches:
-            mod = importlib.import_module(module)
-            if not hasattr(mod, name):
-                raise ValueError(f"patch {module}:{name}: the module has no {name!r}")
-            saved.append((mod, name, getattr(mod, name)))
-            setattr(mod, name, value)
-        yield
-    finally:
-        for mod, name, old in reversed(saved):
-            setattr(mod, name, old)
 
 
 def case_inputs(case, device: DeviceInfo) -> tuple[object, dict, torch.Tensor | None]:
@@ -145,6 +98,7 @@ def probe_case(case, arms: list[Arm], mode: str, rounds: int, calls: int,
     for arm in arms:
         with patched(arm.patches):
             p = get_impl(arm.impl).prepare(case, variant, inputs, mode != "fwd")
+            set_configs(p, arm.configs)
             with p.context():
                 fn, common = timed_call(p, case, mode, grad)
                 outs[arm.label] = common(fn())
@@ -179,7 +133,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("suite", help="a suite name (suites/NAME.toml)")
     ap.add_argument("patterns", help="case patterns, space-separated (as attnbench run --filter)")
     ap.add_argument("--arm", action="append", required=True, type=parse_arm,
-                    help="IMPL or IMPL@module.path:NAME=VALUE[@...]; the first is the reference")
+                    help="IMPL[@module.path:NAME=VALUE][@fwd=KEY][@bwd=KEY] (attnbench.arms); "
+                         "the first is the reference")
     ap.add_argument("--mode", choices=MODES, default="fwd+bwd")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--calls", type=int, default=5, help="calls per kernel-time measurement")

@@ -307,34 +307,42 @@ def test_linear_kernels_compile_for_sm90a(tmp_path, monkeypatch):
     assert not errors, "\n".join(e[:500] for e in errors.values())
 
 
-def test_state_pass_asks_for_two_blocks_per_sm_without_spills(tmp_path, monkeypatch):
-    """linear_fwd.plan.STATE_PASS_BLOCKS_PER_SM (1 by default: the sources as before) at 2:
-    the state pass's launch bounds ask for two blocks, which ptxas meets without spills (80
-    registers against 168; results/NOTES.md 200), where two blocks' shared memory fits the
-    SM; at 128-position chunks with two stages (129 KB a block) it stays at one."""
+def test_chunk_loop_kernels_ask_for_two_blocks_per_sm_without_spills(tmp_path, monkeypatch):
+    """linear_fwd.plan.CHUNK_LOOP_BLOCKS_PER_SM (1 by default: the sources as before) at 2:
+    the state pass, the single pass and the reverse single pass ask for two blocks in their
+    launch bounds, which ptxas meets without spills (80 registers against 168; results/NOTES.md
+    200), where two blocks' shared memory fits the SM (here one pipeline stage); with two
+    stages the single pass (129 KB a block at D 128) stays at one."""
+    import dataclasses
+
     import torch
 
     from engine.kernels.linear_fwd import plan
-    from engine.kernels.linear_fwd.plan import NO_FOLDS, LinearConfig
+    from engine.kernels.linear_fwd.plan import LinearConfig
     from engine.runtime import linear_backend
     from engine.runtime.compile import lowered_cuda
 
     monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
     meta = [torch.empty(2, h, 300, d, dtype=torch.bfloat16, device="meta")
-            for h, d in ((1, 128), (1, 128), (4, 64))]
+            for h, d in ((4, 128), (4, 128), (4, 64))]
+    cfg = LinearConfig(block_K=128, num_stages=1, threads=256, single_pass=True)
+
+    def sources() -> list[str]:
+        return linear_backend.kernel_sources(linear_backend.LinearKernelCache(), *meta,
+                                             config=cfg, modes=("fwd", "bwd"))
+    before = sources()
+    assert not any("annotate_min_blocks_per_sm" in src for src in before)
+    monkeypatch.setattr(plan, "CHUNK_LOOP_BLOCKS_PER_SM", 2)
     shape = linear_backend.linear_shape(*meta, None)
-    cfg, wide = LinearConfig(block_K=128, threads=256), LinearConfig(128, 128, 64, 2, 256)
-    before = linear_backend.LinearKernelCache().forward(shape, cfg, NO_FOLDS).states(
-        True, True).source
-    assert "annotate_min_blocks_per_sm" not in before
-    monkeypatch.setattr(plan, "STATE_PASS_BLOCKS_PER_SM", 2)
-    assert plan.state_pass_blocks_per_sm(shape, wide) == 1
-    src = linear_backend.LinearKernelCache().forward(shape, cfg, NO_FOLDS).states(
-        True, True).source
-    assert src.replace("        T.annotate_min_blocks_per_sm(2)\n", "") == before
-    cuda = lowered_cuda(src)
-    assert "__launch_bounds__(384, 2)" in cuda
-    assert _spill_store_bytes(cuda, tmp_path) == 0
+    assert plan.blocks_per_sm("single", shape, dataclasses.replace(cfg, num_stages=2)) == 1
+    changed = [src for src in sources() if src not in before]
+    kinds = [src.split("\n", 1)[0].split(": ", 1)[1].split(" B2")[0] for src in changed]
+    assert kinds == ["single pass", "state pass", "reverse single pass"], kinds
+    for src in changed:
+        assert src.replace("        T.annotate_min_blocks_per_sm(2)\n", "") in before
+        cuda = lowered_cuda(src)
+        assert "__launch_bounds__(384, 2)" in cuda
+        assert _spill_store_bytes(cuda, tmp_path) == 0
 
 
 @pytest.mark.parametrize("name,config", [

@@ -36,7 +36,7 @@ def test_arms_parse_with_their_patches(probe):
     for bad, why in [("engine@PERSISTENT_MAX_SQ=1", "expected IMPL@module.path:NAME=VALUE"),
                      (f"engine@{PLAN}:N", "expected IMPL@module.path:NAME=VALUE"),
                      (f"engine@{PLAN}:N=abc", "'abc' is not a Python literal"),
-                     (f"@{PLAN}:N=1", "expected IMPL")]:
+                     (f"@{PLAN}:N=1", "no implementation named")]:
         with pytest.raises(ValueError, match=why):
             probe.parse_arm(bad)
 

@@ -445,27 +445,29 @@ def test_breakdown_runs_each_impl_as_its_rows_do(monkeypatch):
 def test_breakdown_runs_the_engine_at_a_named_config():
     # `engine@bwd=KEY`: the engine's module with that backward config beside its defaults;
     # an implementation without a module, or a malformed spec, is refused
+    from attnbench.arms import parse_arm, set_configs
     from engine.kernels.linear_fwd.plan import LinearConfig
 
-    mod = _breakdown_module()
     narrow = LinearConfig(64, 64, 64, 2, 128)
-    assert mod.impl_spec("engine") == ("engine", {})
-    assert mod.impl_spec("engine@bwd=C64_K64_V64_s2_t128") == (
-        "engine", {"backward_config": narrow})
-    assert mod.impl_spec("engine@fwd=C64_K128_V64_s2_t256_1p@bwd=C64_K64_V64_s2_t128") == (
-        "engine", {"config": LinearConfig(64, 128, 64, 2, 256, True),
-                   "backward_config": narrow})
+    assert parse_arm("engine").configs == ()
+    assert parse_arm("engine@bwd=C64_K64_V64_s2_t128").configs == (
+        ("backward_config", narrow),)
+    arm = parse_arm("engine@fwd=C64_K128_V64_s2_t256_1p@bwd=C64_K64_V64_s2_t128"
+                    "@engine.kernels.linear_fwd.plan:CHUNK_LOOP_BLOCKS_PER_SM=2")
+    assert arm.configs == (("config", LinearConfig(64, 128, 64, 2, 256, True)),
+                           ("backward_config", narrow))
+    assert arm.patches == (("engine.kernels.linear_fwd.plan", "CHUNK_LOOP_BLOCKS_PER_SM", 2),)
     for bad in ("engine@bwd", "engine@back=C64_K64_V64_s2_t128", "engine@bwd=C64"):
         with pytest.raises(ValueError, match="expected"):
-            mod.impl_spec(bad)
+            parse_arm(bad)
     c = case("mamba2", dtype="float32")
     variant = LINEAR_VARIANTS["mamba2"]
     inputs, _ = linear.make_linear_inputs(c, variant, "cpu", 0)
     p = get_impl("engine").prepare(c, variant, inputs, True)
-    mod.set_configs(p, {"backward_config": narrow})
+    set_configs(p, (("backward_config", narrow),))
     assert p.extra["module"].backward_config == narrow and p.extra["module"].config is None
     with pytest.raises(ValueError, match="exposes no module"):
-        mod.set_configs(Prepared(forward=lambda: None), {"config": narrow})
+        set_configs(Prepared(forward=lambda: None), (("config", narrow),))
 
 
 def test_saved_states_impl_builds_the_module_that_keeps_them():

@@ -26,6 +26,7 @@ from engine.kernels.linear_bwd.codegen import (
 )
 from engine.kernels.linear_fwd.codegen import (
     cast,
+    emit_blocks_per_sm,
     emit_decay_load,
     emit_rows,
     emit_sequence,
@@ -70,6 +71,7 @@ def generate_reverse(s: LinearShape, cfg: LinearConfig, final_grad: bool, initia
     cols = f"iv * {BV}:(iv + 1) * {BV}"
     grid = f"{s.head_dim_v // BV}, {s.num_seqs * s.heads}"
     with w.indented(), w.block(f"with T.Kernel({grid}, threads={REVERSE_THREADS}) as (iv, nh):"):
+        emit_blocks_per_sm(w, "reverse", s, cfg)
         emit_sequence(w, s)
         w.lines(_buffers(C, D, BV, dt, folds))
         w.line(f"T.copy(dHt[n, h, :, {cols}], state)" if final_grad else "T.clear(state)")

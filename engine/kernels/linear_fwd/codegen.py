@@ -24,7 +24,7 @@ from engine.kernels.linear_fwd.plan import (
     Folds,
     LinearConfig,
     LinearShape,
-    state_pass_blocks_per_sm,
+    blocks_per_sm,
 )
 
 
@@ -71,6 +71,14 @@ def state_pass_tiles(s: LinearShape, cfg: LinearConfig) -> tuple[str, str]:
     BK, BV = cfg.block_K, cfg.block_V
     return (f"{s.head_dim_v // BV}, {s.head_dim // BK}, {s.num_seqs * s.heads}",
             f"ik * {BK}:(ik + 1) * {BK}, iv * {BV}:(iv + 1) * {BV}")
+
+
+def emit_blocks_per_sm(w: SourceWriter, kernel: str, s: LinearShape, cfg: LinearConfig) -> None:
+    """The launch bounds' blocks per SM of a chunk-loop kernel, where plan.blocks_per_sm asks
+    for more than one (nothing at one: the sources as before)."""
+    blocks = blocks_per_sm(kernel, s, cfg)
+    if blocks > 1:
+        w.line(f"T.annotate_min_blocks_per_sm({blocks})")
 
 
 def emit_sequence(w: SourceWriter, s: LinearShape) -> None:
@@ -178,9 +186,7 @@ def generate_states(s: LinearShape, cfg: LinearConfig, initial: bool, final: boo
     hk = head_text(s.heads_k, s.heads)
     grid, tile = state_pass_tiles(s, cfg)
     with w.indented(), w.block(f"with T.Kernel({grid}, threads={cfg.threads}) as (iv, ik, nh):"):
-        blocks = state_pass_blocks_per_sm(s, cfg)
-        if blocks > 1:
-            w.line(f"T.annotate_min_blocks_per_sm({blocks})")
+        emit_blocks_per_sm(w, "states", s, cfg)
         emit_sequence(w, s)
         w.lines([f'K_s = T.alloc_shared(({C}, {BK}), "{dt}")',
                  f'V_s = T.alloc_shared(({C}, {BV}), "{dt}")',
@@ -308,6 +314,7 @@ def generate_fused(s: LinearShape, cfg: LinearConfig, initial: bool, final: bool
     grid = f"{s.head_dim_v // BV}, {s.num_seqs * s.heads}"
     cols = f"iv * {BV}:(iv + 1) * {BV}"
     with w.indented(), w.block(f"with T.Kernel({grid}, threads={cfg.threads}) as (iv, nh):"):
+        emit_blocks_per_sm(w, "single", s, cfg)
         emit_sequence(w, s)
         w.lines([f'Q_s = T.alloc_shared(({C}, {D}), "{dt}")',
                  f'K_s = T.alloc_shared(({C}, {D}), "{dt}")',

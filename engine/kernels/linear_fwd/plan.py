@@ -123,33 +123,48 @@ def state_pass_smem_bytes(cfg: LinearConfig, elem: int) -> int:
     return cfg.num_stages * (C * (K + V) * elem + 4 * C) + (C * V + K * V) * elem
 
 
-# Thread blocks per SM the state pass asks ptxas to make room for (__launch_bounds__'s second
-# argument, T.annotate_min_blocks_per_sm). At 1, its 384 threads (TileLang's producer
-# warpgroup beside the 256) take 168 registers, so one block holds an SM through its serial
-# chunk loop; at 2, 80 registers and no spills (ptxas at Mamba2-2.7B, simple GLA and YOCO-13B
-# shapes; results/NOTES.md 200). Not yet measured on a GPU: 1 keeps the sources as they were.
-STATE_PASS_BLOCKS_PER_SM = 1
+def single_pass_smem_bytes(cfg: LinearConfig, head_dim: int, elem: int) -> int:
+    """The forward's single pass: each stage's q, k and v tiles beside the chunk's tiles."""
+    C, D, V = cfg.chunk, head_dim, cfg.block_V
+    return ((2 * C * D + C * V) * cfg.num_stages + 3 * C * V + D * V + C * C) * elem + 12 * C
 
 
-def state_pass_blocks_per_sm(shape: LinearShape, cfg: LinearConfig) -> int:
-    """STATE_PASS_BLOCKS_PER_SM, at most as many blocks as the SM's shared memory holds (each
-    also keeps 1 KB the hardware reserves)."""
-    per_block = state_pass_smem_bytes(cfg, elem_bytes(shape.dtype)) + 1024
-    return max(1, min(STATE_PASS_BLOCKS_PER_SM, SMEM_LIMIT_BYTES // per_block))
+def reverse_pass_smem_bytes(cfg: LinearConfig, head_dim: int, elem: int) -> int:
+    """The backward's reverse single pass: it pipelines dO and (with value weights) v beside
+    q and k."""
+    C, D, V = cfg.chunk, head_dim, cfg.block_V
+    return ((2 * C * D + 2 * C * V) * cfg.num_stages + 2 * C * V + D * V + C * C) * elem + 8 * C
+
+
+# Thread blocks per SM that the serial chunk-loop kernels ask ptxas to make room for
+# (__launch_bounds__'s second argument, T.annotate_min_blocks_per_sm): the state pass, the
+# forward's single pass and the backward's reverse single pass, each where that many blocks'
+# shared memory fits. At 1 their 384 threads (TileLang's producer warpgroup beside the 256)
+# take 168 registers, so one block holds an SM through its chunk loop; at 2, 80 registers and
+# no spills (ptxas at Mamba2-2.7B, simple GLA and YOCO-13B shapes; results/NOTES.md 200). Not
+# yet measured on a GPU: 1 keeps the sources as they were.
+CHUNK_LOOP_BLOCKS_PER_SM = 1
+
+
+def blocks_per_sm(kernel: str, shape: LinearShape, cfg: LinearConfig) -> int:
+    """CHUNK_LOOP_BLOCKS_PER_SM for `kernel` ("states", "single" or "reverse"), at most as
+    many blocks as the SM's shared memory holds (each also keeps 1 KB the hardware
+    reserves)."""
+    e, D = elem_bytes(shape.dtype), shape.head_dim
+    smem = {"states": state_pass_smem_bytes(cfg, e), "single": single_pass_smem_bytes(cfg, D, e),
+            "reverse": reverse_pass_smem_bytes(cfg, D, e)}[kernel]
+    return max(1, min(CHUNK_LOOP_BLOCKS_PER_SM, SMEM_LIMIT_BYTES // (smem + 1024)))
 
 
 def _smem_bytes(cfg: LinearConfig, head_dim: int, elem: int) -> int:
     """The largest of the kernels' shared tiles (the output and gradient kernels hold whole
     [chunk, D] q and k tiles beside [chunk, block_V] and [D, block_V] ones)."""
     C, D, V = cfg.chunk, head_dim, cfg.block_V
-    states = state_pass_smem_bytes(cfg, elem)
     output = (2 * C * D + 2 * C * V + D * V + C * C) * elem + 4 * C
     grads = (2 * C * D + 2 * C * V + 2 * D * V + C * C) * elem + 4 * C
-    single = ((2 * C * D + C * V) * cfg.num_stages + 3 * C * V + D * V + C * C) * elem + 12 * C
-    # the reverse single pass pipelines dO and (with value weights) v beside q and k
-    reverse = ((2 * C * D + 2 * C * V) * cfg.num_stages + 2 * C * V + D * V + C * C) * elem \
-        + 8 * C
-    return max(states, output, grads, max(single, reverse) if cfg.single_pass else 0)
+    passes = (single_pass_smem_bytes(cfg, D, elem), reverse_pass_smem_bytes(cfg, D, elem))
+    return max(state_pass_smem_bytes(cfg, elem), output, grads,
+               max(passes) if cfg.single_pass else 0)
 
 
 # The single pass's state slice: at most this many fp32 registers per thread.
