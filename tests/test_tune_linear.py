@@ -247,7 +247,7 @@ def test_linear_objective_on_the_cpu():
 
 @pytest.mark.parametrize("sizes, heads", [
     (dict(batch=8, heads_q=40, heads_kv=40, seqlen_q=2048, seqlen_kv=2048, head_dim=256,
-          head_dim_v=256), 40),   # single-pass forward, 128-thread backward
+          head_dim_v=256), 40),   # single-pass forward, reverse pass + 128-thread dQ/dK
     (dict(batch=2, heads_q=16, heads_kv=16, seqlen_q=16384, seqlen_kv=16384, head_dim=128,
           head_dim_v=128), 16),  # 64-row forward key tile, 128-row backward
 ])
