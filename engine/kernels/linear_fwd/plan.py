@@ -205,12 +205,12 @@ REVERSE_THREADS = 256
 
 
 def backward_config_problems(cfg: LinearConfig, head_dim: int, head_dim_v: int,
-                             elem_bytes: int = 2, spec=None) -> list[str]:
+                             elem_bytes: int = 2) -> list[str]:
     """Every reason `cfg` cannot run as a training call's backward config: the forward's
     rules, with a single pass's state slice held by the reverse single pass's REVERSE_THREADS
     (the config's threads are the dQ/dK kernel's), so a 128-thread dQ/dK kernel can sit
     beside the reverse pass at D 256."""
-    return config_problems(cfg, head_dim, head_dim_v, elem_bytes, spec,
+    return config_problems(cfg, head_dim, head_dim_v, elem_bytes,
                            state_threads=REVERSE_THREADS)
 
 
