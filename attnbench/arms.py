@@ -13,10 +13,14 @@ from __future__ import annotations
 import ast
 import contextlib
 import importlib
+import time
 from collections.abc import Iterator
 from typing import NamedTuple
 
+from attnbench.linear import STATE, decay_needs_grad
 from engine.kernels.linear_fwd.plan import LinearConfig
+from engine.linear_api import LinearAttentionEngine
+from engine.runtime.precompile import precompile
 
 CONFIG_ATTRS = {"fwd": "config", "bwd": "backward_config"}  # LinearAttentionEngine's
 
@@ -76,8 +80,35 @@ def set_configs(p, configs: tuple[tuple[str, LinearConfig], ...]) -> None:
     if not configs:
         return
     module = p.extra.get("module")
-    if module is None:
-        raise ValueError(f"{[a for a, _ in configs]}: this implementation exposes no module "
-                         "to set")
+    if not isinstance(module, LinearAttentionEngine):
+        raise ValueError(f"{[a for a, _ in configs]}: set on a LinearAttentionEngine, and this "
+                         f"implementation exposes {type(module).__name__}")
     for attr, cfg in configs:
         setattr(module, attr, cfg)
+
+
+def arm_sources(p, case, variant, inputs: dict, mode: str) -> list[str]:
+    """The engine kernels a prepared arm's first call in `mode` builds (read under its
+    patches, so that every arm's compile together: compile_together); none for an
+    implementation without a module or on the reference executor."""
+    mod = p.extra.get("module")
+    if mod is None or mod.backend_name == "reference":
+        return []
+    modes = ("fwd",) if mode == "fwd" else ("fwd", "bwd")
+    if case.kind != "linear":
+        return mod.kernel_sources(modes)
+    state = STATE in inputs  # a continuation: from a state, returning the final one
+    return mod.kernel_sources(modes, initial_state=state, final_state=state,
+                              decay_grad=decay_needs_grad(variant))
+
+
+def compile_together(sources: list[str]) -> None:
+    """Compile the arms' kernels in parallel worker processes: TileLang's disk cache then
+    serves each arm's first call, which would otherwise compile them one at a time."""
+    if not sources:
+        return
+    t = time.perf_counter()
+    errors = precompile(sources)
+    failed = f", {len(errors)} failed (their first call says why)" if errors else ""
+    print(f"compiled {len(set(sources))} kernels in {time.perf_counter() - t:.0f} s{failed}",
+          flush=True)

@@ -9,9 +9,10 @@ and cuDNN:
         --arm sdpa-cudnn
 
 An arm may also set a linear module's configs (`engine@fwd=KEY@bwd=KEY`; attnbench.arms). Each
-arm is prepared and called once with its patches applied (the engine builds its kernels
-on that first call; the patches are restored after it), and its outputs (or gradients) are
-compared with the first arm's in the common layout. Then every arm is timed in `--rounds`
+arm is prepared with its patches applied, every arm's engine kernels are compiled together
+in worker processes, and each arm is called once with its patches applied (the patches are
+restored after it); its outputs (or gradients) are compared with the first arm's in the
+common layout. Then every arm is timed in `--rounds`
 rounds whose order rotates, each a kernel-time measurement of `--calls` calls by
 torch.profiler (attnbench.kernel_profile: GPU time only, no host gaps). Modes as rows time
 them: fwd, fwd+bwd, and bwd (the backward alone, on one kept forward).
@@ -32,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from attnbench.arms import Arm, parse_arm, patched, set_configs
+from attnbench.arms import Arm, arm_sources, compile_together, parse_arm, patched, set_configs
 from attnbench.impls import DeviceInfo, get_impl
 from attnbench.kernel_profile import kernel_times
 from attnbench.runner import _CaseContext, default_get_linear_variant, default_get_variant
@@ -94,11 +95,18 @@ def probe_case(case, arms: list[Arm], mode: str, rounds: int, calls: int,
                device: DeviceInfo) -> dict:
     """One case's record (module docstring)."""
     variant, inputs, grad = case_inputs(case, device)
-    ready, outs = {}, {}
+    prepared, sources = {}, []
     for arm in arms:
         with patched(arm.patches):
             p = get_impl(arm.impl).prepare(case, variant, inputs, mode != "fwd")
             set_configs(p, arm.configs)
+            sources += arm_sources(p, case, variant, inputs, mode)
+        prepared[arm.label] = p
+    compile_together(sources)
+    ready, outs = {}, {}
+    for arm in arms:
+        p = prepared[arm.label]
+        with patched(arm.patches):
             with p.context():
                 fn, common = timed_call(p, case, mode, grad)
                 outs[arm.label] = common(fn())

@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from attnbench.arms import parse_arm, patched, set_configs
+from attnbench.arms import arm_sources, compile_together, parse_arm, patched, set_configs
 from attnbench.impls import get_impl
 from attnbench.kernel_profile import kernel_times
 from attnbench.linear import make_linear_inputs
@@ -37,21 +37,24 @@ def breakdown(case, impls: list[str], device: str = "cuda") -> dict:
     variant = default_get_linear_variant(case.variant)
     inputs, grad_out = make_linear_inputs(case, variant, device, seed=0)
     out: dict = {}
-    for name in impls:
-        arm = parse_arm(name)
-        impl = get_impl(arm.impl)
-        reason = impl.unavailable()
+    arms = {name: parse_arm(name) for name in impls}
+    ready = {}
+    for name, arm in arms.items():
+        reason = get_impl(arm.impl).unavailable()
         if reason is not None:
             out[name] = {"skipped": reason}
             continue
         for mode in MODES:
             with patched(arm.patches):
-                p = impl.prepare(case, variant, inputs, mode != "fwd")
+                p = get_impl(arm.impl).prepare(case, variant, inputs, mode != "fwd")
                 set_configs(p, arm.configs)
-                with p.context():
-                    g = None if mode == "fwd" else p.from_common(grad_out)
-                    out.setdefault(name, {})[mode] = TIMES(p.timed_call(mode, g))
-            print(case.name, name, mode, out[name][mode]["kernels_us"], flush=True)
+                ready[name, mode] = (p, arm_sources(p, case, variant, inputs, mode))
+    compile_together([s for _, srcs in ready.values() for s in srcs])
+    for (name, mode), (p, _) in ready.items():
+        with patched(arms[name].patches), p.context():
+            g = None if mode == "fwd" else p.from_common(grad_out)
+            out.setdefault(name, {})[mode] = TIMES(p.timed_call(mode, g))
+        print(case.name, name, mode, out[name][mode]["kernels_us"], flush=True)
     return out
 
 

@@ -109,3 +109,27 @@ def test_main_names_a_filter_that_matches_nothing(probe, tmp_path, capsys):
     with pytest.raises(SystemExit):
         probe.main([str(tmp_path / "o.json"), "paper", "nothing/*", "--arm", "engine"])
     assert "no case of suite 'paper' matches" in capsys.readouterr().err
+
+
+
+def test_the_arms_kernels_compile_together_under_their_patches(probe, monkeypatch):
+    # the engine's linear arms: each arm's sources read under its own patch, all handed to
+    # one parallel compile before any arm's first call (stopped there: no GPU to call them)
+    lin = "engine.kernels.linear_fwd.plan"
+    compiled = []
+
+    def precompile(srcs):
+        compiled.append(list(srcs))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("attnbench.arms.precompile", precompile)
+    c = case(variant="simple_gla", kind="linear", heads=2, head_dim=64, head_dim_v=64,
+             seqlen_q=128, seqlen_kv=128, dtype="bfloat16", modes=("fwd", "fwd+bwd"))
+    arms = [probe.parse_arm("engine"), probe.parse_arm("reference"),
+            probe.parse_arm(f"engine@{lin}:CHUNK_LOOP_BLOCKS_PER_SM=2")]
+    with pytest.raises(KeyboardInterrupt):
+        probe.probe_case(c, arms, "fwd+bwd", rounds=1, calls=1, device=CPU)
+    (srcs,) = compiled
+    marked = [s for s in srcs if "annotate_min_blocks_per_sm(2)" in s]
+    assert marked and len(srcs) > len(marked)  # the patched arm's, beside the default's
+    assert "annotate_min_blocks_per_sm" not in srcs[0]  # the first arm's, unpatched

@@ -466,7 +466,7 @@ def test_breakdown_runs_the_engine_at_a_named_config():
     p = get_impl("engine").prepare(c, variant, inputs, True)
     set_configs(p, (("backward_config", narrow),))
     assert p.extra["module"].backward_config == narrow and p.extra["module"].config is None
-    with pytest.raises(ValueError, match="exposes no module"):
+    with pytest.raises(ValueError, match="exposes NoneType"):
         set_configs(Prepared(forward=lambda: None), (("config", narrow),))
 
 

@@ -160,7 +160,8 @@ class _EngineBase(Impl):
         def forward():
             return mod(q=q, k=k, v=v, **others)
 
-        return Prepared(forward=forward, leaves=(q, k, v, *learnable_leaves(variant, others)))
+        return Prepared(forward=forward, leaves=(q, k, v, *learnable_leaves(variant, others)),
+                        extra={"module": mod})
 
 
 class EngineImpl(_EngineBase):
