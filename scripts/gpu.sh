@@ -117,7 +117,8 @@ for step in "${steps[@]}"; do
     for p in "${pats[@]}"; do filters+=(--filter "$p"); done
     python scripts/gpu_precompile.py linear "${filters[@]}" 2>&1 | grep -v INFO | tail -3
     python scripts/linear_breakdown.py "$OUT/linear-breakdown.json" "${BREAKDOWN_FILTER:-*}" \
-      ${BREAKDOWN_IMPLS:+"$BREAKDOWN_IMPLS"} 2>&1 | grep -v "INFO\|Warning" | tail -40
+      ${BREAKDOWN_IMPLS:+"$BREAKDOWN_IMPLS"} 2>&1 | grep --line-buffered -v "INFO\|Warning" \
+      | tee "$OUT/linear-breakdown.log" | tail -40
   elif [ "${step%%:*}" = kernel-probe ]; then
     # kernel-probe:SUITE: PROBE_FILTER (patterns), PROBE_ARMS (space-separated arms), PROBE_MODE
     read -ra arms <<< "${PROBE_ARMS:-engine}"
@@ -125,7 +126,7 @@ for step in "${steps[@]}"; do
     for a in "${arms[@]}"; do args+=(--arm "$a"); done
     python scripts/kernel_probe.py "$OUT/kernel-probe.json" "${step#*:}" "${PROBE_FILTER:-*}" \
       "${args[@]}" --mode "${PROBE_MODE:-fwd+bwd}" --rounds "${PROBE_ROUNDS:-6}" 2>&1 \
-      | grep -v "INFO\|Warning" | tail -40
+      | grep --line-buffered -v "INFO\|Warning" | tee "$OUT/kernel-probe.log" | tail -40
   elif [ "$step" = clock-trace ]; then
     python scripts/clock_trace.py "$OUT/clock-trace.json" 2>&1 | tail -5
   elif [ "$step" = tune-decode ]; then

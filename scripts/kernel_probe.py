@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -105,12 +106,13 @@ def probe_case(case, arms: list[Arm], mode: str, rounds: int, calls: int,
     compile_together(sources)
     ready, outs = {}, {}
     for arm in arms:
-        p = prepared[arm.label]
+        p, t = prepared[arm.label], time.perf_counter()
         with patched(arm.patches):
             with p.context():
                 fn, common = timed_call(p, case, mode, grad)
                 outs[arm.label] = common(fn())
         ready[arm.label] = (p, fn)
+        print(f"{case.name} {arm.label}: first call {time.perf_counter() - t:.1f} s", flush=True)
     order = rotations(arms, rounds)
     times: dict[str, list[dict]] = {a.label: [] for a in arms}
     for round_arms in order:
