@@ -35,12 +35,13 @@
 #     $OUT/decode-sweep.json; SWEEP_FILTER, SWEEP_CONFIGS)
 #   linear-breakdown: each linear case's kernels' GPU time, engine and fla, forward and
 #     forward+backward, as its rows run them (scripts/linear_breakdown.py;
-#     $OUT/linear-breakdown.json; BREAKDOWN_FILTER, space-separated patterns, default all
+#     $OUT/linear-breakdown.json and .log; BREAKDOWN_FILTER, space-separated patterns, default all
 #     cases; BREAKDOWN_IMPLS, default engine,fla, e.g. engine,engine@bwd=C64_K128_V64_s2_t256,fla:
 #     the engine at a named config too; arms as kernel-probe's, constants patched included)
 #   kernel-probe:SUITE: arms (an implementation, optionally with module constants patched while
 #     it builds) timed in one process over rotated rounds on SUITE's cases, kernel times by
-#     torch.profiler (scripts/kernel_probe.py; $OUT/kernel-probe.json); PROBE_FILTER patterns,
+#     torch.profiler (scripts/kernel_probe.py; $OUT/kernel-probe.json, its log line by line in
+#     $OUT/kernel-probe.log: a call cut by a timeout keeps it); PROBE_FILTER patterns,
 #     PROBE_ARMS e.g. "engine engine@engine.kernels.attention_bwd.plan:PERSISTENT_MAX_SQ=65536
 #     sdpa-cudnn" (a linear arm may set configs too: engine@fwd=KEY@bwd=KEY; attnbench.arms),
 #     PROBE_MODE fwd, fwd+bwd (default) or bwd, PROBE_ROUNDS (default 6)

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from attnbench.arms import Arm, arm_sources, compile_together, parse_arm, patched, set_configs
+from attnbench.deadline import deadline
 from attnbench.impls import DeviceInfo, get_impl
 from attnbench.kernel_profile import kernel_times
 from attnbench.runner import _CaseContext, default_get_linear_variant, default_get_variant
@@ -43,6 +44,9 @@ from engine.tuning.tune_file import atomic_write_json
 
 MODES = ("fwd", "fwd+bwd", "bwd")
 TIMES = kernel_times  # tests replace it (no CUDA profiler on a CPU)
+# Deadlines (attnbench.deadline): an arm's first call (its kernels loaded, compiled already)
+# and one round's timing; past them a kernel is taken to hang and the script exits.
+FIRST_CALL_S, ROUND_S = 180.0, 120.0
 
 
 def case_inputs(case, device: DeviceInfo) -> tuple[object, dict, torch.Tensor | None]:
@@ -107,10 +111,12 @@ def probe_case(case, arms: list[Arm], mode: str, rounds: int, calls: int,
     ready, outs = {}, {}
     for arm in arms:
         p, t = prepared[arm.label], time.perf_counter()
-        with patched(arm.patches):
+        with patched(arm.patches), deadline(FIRST_CALL_S, f"{case.name} {arm.label}'s first call"):
             with p.context():
                 fn, common = timed_call(p, case, mode, grad)
                 outs[arm.label] = common(fn())
+            if torch.cuda.is_initialized():  # a kernel that hangs, caught by the deadline
+                torch.cuda.synchronize()
         ready[arm.label] = (p, fn)
         print(f"{case.name} {arm.label}: first call {time.perf_counter() - t:.1f} s", flush=True)
     order = rotations(arms, rounds)
@@ -118,7 +124,7 @@ def probe_case(case, arms: list[Arm], mode: str, rounds: int, calls: int,
     for round_arms in order:
         for arm in round_arms:
             p, fn = ready[arm.label]
-            with p.context():
+            with p.context(), deadline(ROUND_S, f"{case.name} {arm.label}'s timing"):
                 times[arm.label].append(TIMES(fn, calls=calls))
     record: dict = {a.label: summary(times[a.label], outs[a.label], outs[arms[0].label])
                     for a in arms}

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from attnbench.arms import arm_sources, compile_together, parse_arm, patched, set_configs
+from attnbench.deadline import deadline
 from attnbench.impls import get_impl
 from attnbench.kernel_profile import kernel_times
 from attnbench.linear import make_linear_inputs
@@ -30,6 +31,7 @@ from engine.tuning.tune_file import atomic_write_json
 
 MODES = ("fwd", "fwd+bwd")
 TIMES = kernel_times  # tests replace it (no CUDA profiler on a CPU)
+DEADLINE_S = 300.0  # one arm's mode, kernels loaded: past it a kernel is taken to hang
 
 
 def breakdown(case, impls: list[str], device: str = "cuda") -> dict:
@@ -51,7 +53,8 @@ def breakdown(case, impls: list[str], device: str = "cuda") -> dict:
                 ready[name, mode] = (p, arm_sources(p, case, variant, inputs, mode))
     compile_together([s for _, srcs in ready.values() for s in srcs])
     for (name, mode), (p, _) in ready.items():
-        with patched(arms[name].patches), p.context():
+        with patched(arms[name].patches), p.context(), \
+                deadline(DEADLINE_S, f"{case.name} {name} {mode}"):
             g = None if mode == "fwd" else p.from_common(grad_out)
             out.setdefault(name, {})[mode] = TIMES(p.timed_call(mode, g))
         print(case.name, name, mode, out[name][mode]["kernels_us"], flush=True)

@@ -3,6 +3,7 @@ at its default config (TileLang lowers and compiles with no GPU present)."""
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -311,7 +312,8 @@ def test_chunk_loop_kernels_ask_for_two_blocks_per_sm_without_spills(tmp_path, m
     """linear_fwd.plan.CHUNK_LOOP_BLOCKS_PER_SM (1 by default: the sources as before) at 2:
     the state pass, the single pass and the reverse single pass ask for two blocks in their
     launch bounds, which ptxas meets without spills (80 registers against 168; results/NOTES.md
-    200), where two blocks' shared memory fits the SM (here one pipeline stage); with two
+    200), with their consumers' registers after the reallocation within the blocks' share
+    (NOTES 202), where two blocks' shared memory fits the SM (here one pipeline stage); with two
     stages the single pass (129 KB a block at D 128) stays at one."""
     import dataclasses
 
@@ -338,11 +340,19 @@ def test_chunk_loop_kernels_ask_for_two_blocks_per_sm_without_spills(tmp_path, m
     changed = [src for src in sources() if src not in before]
     kinds = [src.split("\n", 1)[0].split(": ", 1)[1].split(" B2")[0] for src in changed]
     assert kinds == ["single pass", "state pass", "reverse single pass"], kinds
+    added = ("        T.annotate_min_blocks_per_sm(2)\n"
+             "        T.annotate_producer_reg_dealloc(24)\n"
+             "        T.annotate_consumer_reg_alloc(112)\n")
     for src in changed:
-        assert src.replace("        T.annotate_min_blocks_per_sm(2)\n", "") in before
+        assert src.replace(added, "") in before
         cuda = lowered_cuda(src)
         assert "__launch_bounds__(384, 2)" in cuda
         assert _spill_store_bytes(cuda, tmp_path) == 0
+        # setmaxnreg.inc waits for the registers: two blocks' warpgroups, after TileLang's
+        # reallocation, must fit the SM's 64 Ki together (at its default 240 they hung)
+        (producer,) = map(int, re.findall(r"warpgroup_reg_dealloc<(\d+)>", cuda))
+        (consumer,) = map(int, re.findall(r"warpgroup_reg_alloc<(\d+)>", cuda))
+        assert 2 * (128 * producer + 256 * consumer) <= 64 * 1024
 
 
 @pytest.mark.parametrize("name,config", [

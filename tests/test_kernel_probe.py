@@ -133,3 +133,22 @@ def test_the_arms_kernels_compile_together_under_their_patches(probe, monkeypatc
     marked = [s for s in srcs if "annotate_min_blocks_per_sm(2)" in s]
     assert marked and len(srcs) > len(marked)  # the patched arm's, beside the default's
     assert "annotate_min_blocks_per_sm" not in srcs[0]  # the first arm's, unpatched
+
+
+def test_a_deadline_ends_only_a_block_that_runs_past_it(monkeypatch, capsys):
+    # a kernel that never ends blocks the main thread in CUDA: the deadline's timer thread
+    # ends the process with the block named (os._exit replaced here to record it)
+    import threading
+    import time
+
+    from attnbench import deadline as dl
+
+    exited = threading.Event()
+    monkeypatch.setattr(dl.os, "_exit", lambda status: exited.set())
+    with dl.deadline(0.05, "quick"):
+        pass
+    time.sleep(0.2)
+    assert not exited.is_set()  # the quick block's timer was cancelled
+    with dl.deadline(0.05, "case X arm Y's first call"):
+        assert exited.wait(5.0)
+    assert "case X arm Y's first call: not finished after 0 s" in capsys.readouterr().err

@@ -41,11 +41,20 @@ WS_PRODUCER_REGS = 24
 WS_CONSUMER_REGS = 240
 
 
-def consumer_register_cap(threads: int) -> int:
+REGISTERS_PER_SM = 64 * 1024
+
+
+def consumer_register_cap(threads: int, blocks: int = 1) -> int:
     """Registers per consumer thread under TileLang's warp specialisation (a producer warpgroup
-    of 24 registers per thread beside the consumers, within 64 Ki registers per SM): what the
-    warp-specialised kernels set with `set_max_nreg`."""
-    return WS_CONSUMER_REGS if threads <= 256 else 160
+    of 24 registers per thread beside the consumers, within 64 Ki registers per SM shared by
+    `blocks` resident blocks): what the warp-specialised kernels set with `set_max_nreg`.
+    setmaxnreg.inc waits until the SM has the registers, so blocks that together ask for more
+    than it holds wait on each other for ever."""
+    cap = WS_CONSUMER_REGS if threads <= 256 else 160
+    if blocks == 1:
+        return cap
+    share = (REGISTERS_PER_SM // blocks - WS_PRODUCER_THREADS * WS_PRODUCER_REGS) // threads
+    return min(cap, share // 8 * 8)  # setmaxnreg takes multiples of 8
 
 
 def warp_partition(

@@ -25,7 +25,9 @@ from engine.kernels.linear_fwd.plan import (
     LinearConfig,
     LinearShape,
     blocks_per_sm,
+    consumer_registers,
 )
+from engine.plan.config import WS_PRODUCER_REGS
 
 
 def head_text(heads: int, of: int, h: str = "h") -> str:
@@ -74,11 +76,14 @@ def state_pass_tiles(s: LinearShape, cfg: LinearConfig) -> tuple[str, str]:
 
 
 def emit_blocks_per_sm(w: SourceWriter, kernel: str, s: LinearShape, cfg: LinearConfig) -> None:
-    """The launch bounds' blocks per SM of a chunk-loop kernel, where plan.blocks_per_sm asks
-    for more than one (nothing at one: the sources as before)."""
+    """The launch bounds' blocks per SM of a chunk-loop kernel and its registers after
+    TileLang's reallocation, where plan.blocks_per_sm asks for more than one block (nothing at
+    one: the sources as before)."""
     blocks = blocks_per_sm(kernel, s, cfg)
     if blocks > 1:
-        w.line(f"T.annotate_min_blocks_per_sm({blocks})")
+        w.lines([f"T.annotate_min_blocks_per_sm({blocks})",
+                 f"T.annotate_producer_reg_dealloc({WS_PRODUCER_REGS})",
+                 f"T.annotate_consumer_reg_alloc({consumer_registers(kernel, s, cfg)})"])
 
 
 def emit_sequence(w: SourceWriter, s: LinearShape) -> None:

@@ -17,7 +17,12 @@ import re
 from dataclasses import dataclass
 
 from engine.dtypes import elem_bytes
-from engine.plan.config import SMEM_LIMIT_BYTES, ConfigError, config_from_dict
+from engine.plan.config import (
+    SMEM_LIMIT_BYTES,
+    ConfigError,
+    config_from_dict,
+    consumer_register_cap,
+)
 from engine.problem import LinearProblem
 
 CHUNKS = (64, 128)
@@ -154,6 +159,14 @@ def blocks_per_sm(kernel: str, shape: LinearShape, cfg: LinearConfig) -> int:
     smem = {"states": state_pass_smem_bytes(cfg, e), "single": single_pass_smem_bytes(cfg, D, e),
             "reverse": reverse_pass_smem_bytes(cfg, D, e)}[kernel]
     return max(1, min(CHUNK_LOOP_BLOCKS_PER_SM, SMEM_LIMIT_BYTES // (smem + 1024)))
+
+
+def consumer_registers(kernel: str, shape: LinearShape, cfg: LinearConfig) -> int:
+    """The registers a chunk-loop kernel's consumer threads take after TileLang's reallocation,
+    at blocks_per_sm blocks: their share of the SM beside the producer warpgroups (TileLang's
+    240 would hang two resident blocks)."""
+    threads = REVERSE_THREADS if kernel == "reverse" else cfg.threads
+    return consumer_register_cap(threads, blocks_per_sm(kernel, shape, cfg))
 
 
 def _smem_bytes(cfg: LinearConfig, head_dim: int, elem: int) -> int:
