@@ -27,12 +27,16 @@ def case_id(c: tuple) -> str:
     return f"{name}-{'bf16' if dt is BF16 else 'fp16'}-B{B}-H{Hq}x{Hkv}-S{Sq}x{Skv}-D{D}x{Dv}"
 
 
-def selected_params(request, param: str) -> set:
-    """The values of parameter `param` among the session's selected tests of the requesting
-    module: a precompile fixture compiles only what will run (under pytest -k, say)."""
-    return {item.callspec.params[param] for item in request.session.items
+def selected_params(request, param: str, *more: str) -> set:
+    """The values of parameter `param` (with `more`: tuples of those parameters' values) among
+    the session's selected tests of the requesting module that have them: a precompile
+    fixture compiles only what will run (under pytest -k, say)."""
+    names = (param, *more)
+    return {item.callspec.params[param] if not more
+            else tuple(item.callspec.params[n] for n in names)
+            for item in request.session.items
             if item.module is request.module and hasattr(item, "callspec")
-            and param in item.callspec.params}
+            and all(n in item.callspec.params for n in names)}
 
 
 # The grid of the single-spec GPU tests (DSL math, tables, q/k/v mods): dtype x GQA 1/4 x D,

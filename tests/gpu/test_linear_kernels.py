@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from attnbench.arms import patched
 from engine.kernels.linear_fwd.launch import single_pass
 from engine.kernels.linear_fwd.plan import NO_FOLDS, Folds, LinearConfig
 from engine.reference.executor import rel_err
@@ -81,6 +82,20 @@ FOLD_CASES = [(BF16, (1, 1, 4), (128, 64), 2, 200, True, False, None),
               (BF16, (4, 4, 4), (256, 256), 2, 200, True, False, D256_PAIR)]
 FOLDS = Folds(q_scale=0.37, v_weight=True)
 
+# The plan's switches that are off by default (engine.kernels.linear_fwd.plan), each on over
+# the kernels it changes: the state passes' state stored from registers (the forward's, rerun
+# by the backward, and the two-kernel backward's reverse state pass), and the chunk-loop
+# kernels at two blocks per SM (the single passes where one pipeline stage lets two fit)
+PLAN = "engine.kernels.linear_fwd.plan"
+SWITCHES = {"registers": ((PLAN, "STATE_STORE", "registers"),),
+            "two-blocks": ((PLAN, "CHUNK_LOOP_BLOCKS_PER_SM", 2),),
+            "both": ((PLAN, "STATE_STORE", "registers"), (PLAN, "CHUNK_LOOP_BLOCKS_PER_SM", 2))}
+ONE_S1 = LinearConfig(block_K=64, num_stages=1, single_pass=True, threads=256)
+SWITCH_CASES = [(BF16, (4, 4, 4), (128, 128), 2, 300, True, False, C128),
+                (FP16, (1, 1, 4), (128, 64), 1, PACKED[-1], True, True, C128),
+                (BF16, (4, 4, 4), (256, 256), 2, 200, True, False, D256_PAIR),
+                (BF16, (2, 1, 4), (128, 128), 2, 200, True, False, ONE_S1)]
+
 def case_id(c: tuple) -> str:
     dt, (hq, hk, h), (d, dv), b, t, states, packed, cfg = c
     return (f"{'bf16' if dt is BF16 else 'fp16'}-H{hq}x{hk}x{h}-D{d}x{dv}-B{b}-T{t}"
@@ -146,6 +161,10 @@ def _precompiled(request):
     srcs += [s for c in SHARED_CASES if c in selected_params(request, "case") for s in
              (*_sources(c), *_sources(c, deterministic=True))]
     srcs += [s for c, folds in SAVED_CASES if c in chosen for s in _sources(c, folds, save=True)]
+    switched = selected_params(request, "case", "switch")
+    for switch, patches in SWITCHES.items():
+        with patched(patches):
+            srcs += [s for c in SWITCH_CASES if (c, switch) in switched for s in _sources(c)]
     for err in precompile(list(dict.fromkeys(srcs))).values():
         print("precompile failed:", err[:300])
 
@@ -161,6 +180,13 @@ def test_folded_kernels_match_reference(case):
     q * D^-0.5, Mamba2's v * dt) against the reference of q_scale * q and w * v, with the
     weights' gradient."""
     _compare(case, q_scale=FOLDS.q_scale, weighted=True)
+
+
+@pytest.mark.parametrize("case", SWITCH_CASES, ids=case_id)
+@pytest.mark.parametrize("switch", SWITCHES)
+def test_plan_switches_match_reference(case, switch):
+    with patched(SWITCHES[switch]):
+        _compare(case)
 
 
 def _compare(case: tuple, q_scale: float = 1.0, weighted: bool = False,

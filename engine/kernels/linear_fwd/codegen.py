@@ -26,6 +26,7 @@ from engine.kernels.linear_fwd.plan import (
     LinearShape,
     blocks_per_sm,
     consumer_registers,
+    state_store_staging,
 )
 from engine.plan.config import WS_PRODUCER_REGS
 
@@ -84,6 +85,20 @@ def emit_blocks_per_sm(w: SourceWriter, kernel: str, s: LinearShape, cfg: Linear
         w.lines([f"T.annotate_min_blocks_per_sm({blocks})",
                  f"T.annotate_producer_reg_dealloc({WS_PRODUCER_REGS})",
                  f"T.annotate_consumer_reg_alloc({consumer_registers(kernel, s, cfg)})"])
+
+
+def state_store_buffer(BK: int, BV: int, dt: str) -> str:
+    """The [BK, BV] tile a state pass stages each chunk's state in (plan.state_store_staging):
+    S_s in shared memory, or S_r in registers."""
+    if state_store_staging() == "registers":
+        return f'S_r = T.alloc_fragment(({BK}, {BV}), "{dt}")'
+    return f'S_s = T.alloc_shared(({BK}, {BV}), "{dt}")'
+
+
+def emit_state_store(w: SourceWriter, dest: str) -> None:
+    """A state pass's store of its fp32 state `acc` to `dest` through state_store_buffer."""
+    staged = "S_r" if state_store_staging() == "registers" else "S_s"
+    w.lines([f"T.copy(acc, {staged})", f"T.copy({staged}, {dest})"])
 
 
 def emit_sequence(w: SourceWriter, s: LinearShape) -> None:
@@ -196,15 +211,14 @@ def generate_states(s: LinearShape, cfg: LinearConfig, initial: bool, final: boo
         w.lines([f'K_s = T.alloc_shared(({C}, {BK}), "{dt}")',
                  f'V_s = T.alloc_shared(({C}, {BV}), "{dt}")',
                  f'Vd_s = T.alloc_shared(({C}, {BV}), "{dt}")',
-                 f'S_s = T.alloc_shared(({BK}, {BV}), "{dt}")',
+                 state_store_buffer(BK, BV, dt),
                  *slot_buffers(C, folds),
                  f'acc = T.alloc_fragment(({BK}, {BV}), "float32")'])
         w.line(f"T.copy(H0[n, h, {tile}], acc)" if initial else "T.clear(acc)")
         rows = f"bos + c * {C}:bos + (c + 1) * {C}"
         with w.block(f"for c in T.Pipelined(T.ceildiv(seqlen, {C}), "
                      f"num_stages={cfg.num_stages}):"):
-            w.line("T.copy(acc, S_s)")
-            w.line(f"T.copy(S_s, Hs[slot0 + c, h, {tile}])")
+            emit_state_store(w, f"Hs[slot0 + c, h, {tile}]")
             w.line(f"T.copy(K[b, {hk}, {rows}, ik * {BK}:(ik + 1) * {BK}], K_s)")
             w.line(f"T.copy(V[b, h, {rows}, iv * {BV}:(iv + 1) * {BV}], V_s)")
             emit_decay_load(w, "slot0 + c", folds)

@@ -121,11 +121,27 @@ class LinearShape(LinearProblem):
                 f"D{self.head_dim}x{self.head_dim_v}_{self.dtype}_n{self.sequences}")
 
 
+# How the state passes (the forward's, and the backward's reverse state pass) write each
+# chunk's state: "shared", staged in shared memory for a TMA store whose read TileLang waits
+# for at once, between two barriers of the chunk's serial chain (results/NOTES.md 203); or
+# "registers", stored by each thread from its fragment, no barrier and no wait. Not yet
+# measured on a GPU: "shared" keeps the sources as they were.
+STATE_STORE = "shared"
+
+
+def state_store_staging() -> str:
+    """Where the state passes stage a chunk's state before storing it (STATE_STORE)."""
+    if STATE_STORE not in ("shared", "registers"):
+        raise ValueError(f"STATE_STORE={STATE_STORE!r}: expected 'shared' or 'registers'")
+    return STATE_STORE
+
+
 def state_pass_smem_bytes(cfg: LinearConfig, elem: int) -> int:
     """The state pass's shared memory: each pipeline stage's k and v tiles and decay sums, the
-    decayed v tile and the state tile it stores from."""
+    decayed v tile and (staged in shared memory) the state tile it stores from."""
     C, K, V = cfg.chunk, cfg.block_K, cfg.block_V
-    return cfg.num_stages * (C * (K + V) * elem + 4 * C) + (C * V + K * V) * elem
+    staged = K * V if state_store_staging() == "shared" else 0
+    return cfg.num_stages * (C * (K + V) * elem + 4 * C) + (C * V + staged) * elem
 
 
 def single_pass_smem_bytes(cfg: LinearConfig, head_dim: int, elem: int) -> int:
