@@ -83,18 +83,21 @@ FOLD_CASES = [(BF16, (1, 1, 4), (128, 64), 2, 200, True, False, None),
 FOLDS = Folds(q_scale=0.37, v_weight=True)
 
 # The plan's switches that are off by default (engine.kernels.linear_fwd.plan), each on over
-# the kernels it changes: the state passes' state stored from registers (the forward's, rerun
-# by the backward, and the two-kernel backward's reverse state pass), and the chunk-loop
-# kernels at two blocks per SM (the single passes where one pipeline stage lets two fit)
+# the kernels it changes: states stored from registers (the forward's state pass, rerun by
+# the backward, the two-kernel backward's reverse state pass, the single pass keeping its
+# states, the reverse single pass), and the chunk-loop kernels at two blocks per SM (the
+# single passes where one pipeline stage lets two fit). (case, the forward keeps its states)
 PLAN = "engine.kernels.linear_fwd.plan"
 SWITCHES = {"registers": ((PLAN, "STATE_STORE", "registers"),),
             "two-blocks": ((PLAN, "CHUNK_LOOP_BLOCKS_PER_SM", 2),),
             "both": ((PLAN, "STATE_STORE", "registers"), (PLAN, "CHUNK_LOOP_BLOCKS_PER_SM", 2))}
 ONE_S1 = LinearConfig(block_K=64, num_stages=1, single_pass=True, threads=256)
-SWITCH_CASES = [(BF16, (4, 4, 4), (128, 128), 2, 300, True, False, C128),
-                (FP16, (1, 1, 4), (128, 64), 1, PACKED[-1], True, True, C128),
-                (BF16, (4, 4, 4), (256, 256), 2, 200, True, False, D256_PAIR),
-                (BF16, (2, 1, 4), (128, 128), 2, 200, True, False, ONE_S1)]
+SWITCH_CASES = [((BF16, (4, 4, 4), (128, 128), 2, 300, True, False, C128), False),
+                ((FP16, (1, 1, 4), (128, 64), 1, PACKED[-1], True, True, C128), False),
+                ((BF16, (4, 4, 4), (256, 256), 2, 200, True, False, D256_PAIR), False),
+                ((BF16, (4, 4, 4), (256, 256), 2, 200, True, False, D256_PAIR), True),
+                ((BF16, (2, 1, 4), (128, 128), 2, 200, True, False, ONE_S1), False),
+                ((FP16, (1, 1, 4), (128, 64), 1, PACKED[-1], True, True, ONE_S1), True)]
 
 def case_id(c: tuple) -> str:
     dt, (hq, hk, h), (d, dv), b, t, states, packed, cfg = c
@@ -164,7 +167,8 @@ def _precompiled(request):
     switched = selected_params(request, "case", "switch")
     for switch, patches in SWITCHES.items():
         with patched(patches):
-            srcs += [s for c in SWITCH_CASES if (c, switch) in switched for s in _sources(c)]
+            srcs += [s for c, save in SWITCH_CASES if ((c, save), switch) in switched
+                     for s in _sources(c, save=save)]
     for err in precompile(list(dict.fromkeys(srcs))).values():
         print("precompile failed:", err[:300])
 
@@ -182,11 +186,12 @@ def test_folded_kernels_match_reference(case):
     _compare(case, q_scale=FOLDS.q_scale, weighted=True)
 
 
-@pytest.mark.parametrize("case", SWITCH_CASES, ids=case_id)
+@pytest.mark.parametrize("case", SWITCH_CASES,
+                         ids=lambda c: case_id(c[0]) + ("-kept" if c[1] else ""))
 @pytest.mark.parametrize("switch", SWITCHES)
 def test_plan_switches_match_reference(case, switch):
     with patched(SWITCHES[switch]):
-        _compare(case)
+        _compare(case[0], save=case[1])
 
 
 def _compare(case: tuple, q_scale: float = 1.0, weighted: bool = False,

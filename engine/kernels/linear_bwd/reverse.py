@@ -26,7 +26,9 @@ from engine.kernels.linear_bwd.codegen import (
 )
 from engine.kernels.linear_fwd.codegen import (
     cast,
+    chunk_loop_store_buffers,
     emit_blocks_per_sm,
+    emit_chunk_loop_store,
     emit_decay_load,
     emit_rows,
     emit_sequence,
@@ -78,7 +80,7 @@ def generate_reverse(s: LinearShape, cfg: LinearConfig, final_grad: bool, initia
         w.line(f"nc: T.int32 = T.ceildiv(seqlen, {C})")
         with w.block(f"for i in T.Pipelined(nc, num_stages={cfg.num_stages}):"):
             _emit_chunk_loads(w, s, C, cols, folds)
-            w.line(f"T.copy(S_s, dHs[slot0 + c, h, :, {cols}])")
+            emit_chunk_loop_store(w, f"dHs[slot0 + c, h, :, {cols}]")
             _emit_dv_tile(w, C, BV, dt, folds)
             _emit_state_step(w, C, D, BV, dt, folds)
         if initial_grad:
@@ -97,7 +99,8 @@ def _buffers(C: int, D: int, BV: int, dt: str, folds: Folds) -> list[str]:
            *slot_buffers(C, folds),
            f'At = T.alloc_fragment(({C}, {C}), "float32")',
            f'acc = T.alloc_fragment(({C}, {BV}), "float32")',
-           f'state = T.alloc_fragment(({D}, {BV}), "float32")']
+           f'state = T.alloc_fragment(({D}, {BV}), "float32")',
+           *chunk_loop_store_buffers(D, BV, dt)]
     if folds.v_weight:
         out += [f'V_s = T.alloc_shared(({C}, {BV}), "{dt}")',
                 f'prod = T.alloc_fragment(({C}, {BV}), "float32")',

@@ -101,6 +101,23 @@ def emit_state_store(w: SourceWriter, dest: str) -> None:
     w.lines([f"T.copy(acc, {staged})", f"T.copy({staged}, {dest})"])
 
 
+def chunk_loop_store_buffers(D: int, BV: int, dt: str) -> list[str]:
+    """A single pass's extra tile for the states it stores: none where they leave from S_s
+    (its bf16 copy of the state, which its gemms read), S_r where from registers."""
+    if state_store_staging() == "registers":
+        return [f'S_r = T.alloc_fragment(({D}, {BV}), "{dt}")']
+    return []
+
+
+def emit_chunk_loop_store(w: SourceWriter, dest: str) -> None:
+    """A single pass's store of its state to `dest`: from S_s by a TMA store (which TileLang
+    waits for at once), or from the fp32 `state` by each thread (plan.state_store_staging)."""
+    if state_store_staging() == "registers":
+        w.lines(["T.copy(state, S_r)", f"T.copy(S_r, {dest})"])
+    else:
+        w.line(f"T.copy(S_s, {dest})")
+
+
 def emit_sequence(w: SourceWriter, s: LinearShape) -> None:
     """The block's sequence and head (grid z: sequence * heads + head), from Seqs."""
     w.lines([f"n: T.int32 = nh // {s.heads}", f"h: T.int32 = nh % {s.heads}",
@@ -345,7 +362,8 @@ def generate_fused(s: LinearShape, cfg: LinearConfig, initial: bool, final: bool
                  *slot_buffers(C, folds),
                  f'A = T.alloc_fragment(({C}, {C}), "float32")',
                  f'acc = T.alloc_fragment(({C}, {BV}), "float32")',
-                 f'state = T.alloc_fragment(({D}, {BV}), "float32")'])
+                 f'state = T.alloc_fragment(({D}, {BV}), "float32")',
+                 *(chunk_loop_store_buffers(D, BV, dt) if save else [])])
         w.line(f"T.copy(H0[n, h, :, {cols}], state)" if initial else "T.clear(state)")
         rows = f"bos + c * {C}:bos + (c + 1) * {C}"
         with w.block(f"for c in T.Pipelined(T.ceildiv(seqlen, {C}), "
@@ -356,7 +374,7 @@ def generate_fused(s: LinearShape, cfg: LinearConfig, initial: bool, final: bool
             emit_decay_load(w, "slot0 + c", folds)
             w.line("T.copy(state, S_s)")
             if save:
-                w.line(f"T.copy(S_s, Hs[slot0 + c, h, :, {cols}])")
+                emit_chunk_loop_store(w, f"Hs[slot0 + c, h, :, {cols}]")
             w.lines(["row0: T.int32 = bos + c * " + str(C),
                      f"nrows: T.int32 = T.min(seqlen - c * {C}, {C})"])
             emit_intra(w, C, dt, folds)

@@ -121,11 +121,13 @@ class LinearShape(LinearProblem):
                 f"D{self.head_dim}x{self.head_dim_v}_{self.dtype}_n{self.sequences}")
 
 
-# How the state passes (the forward's, and the backward's reverse state pass) write each
-# chunk's state: "shared", staged in shared memory for a TMA store whose read TileLang waits
-# for at once, between two barriers of the chunk's serial chain (results/NOTES.md 203); or
-# "registers", stored by each thread from its fragment, no barrier and no wait. Not yet
-# measured on a GPU: "shared" keeps the sources as they were.
+# How the chunk-loop kernels write each chunk's state (the state pass and the backward's
+# reverse state pass, the single pass keeping its states, the reverse single pass):
+# "shared", by a TMA store from a shared tile, whose read TileLang waits for at once inside
+# the chunk's serial chain (the state passes' tile staged between two barriers for it alone;
+# results/NOTES.md 203); or "registers", stored by each thread from its fp32 fragment cast to
+# the state's dtype, no barrier and no wait. Not yet measured on a GPU: "shared" keeps the
+# sources as they were.
 STATE_STORE = "shared"
 
 
