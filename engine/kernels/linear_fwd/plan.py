@@ -132,7 +132,7 @@ STATE_STORE = "shared"
 
 
 def state_store_staging() -> str:
-    """Where the state passes stage a chunk's state before storing it (STATE_STORE)."""
+    """Where the chunk-loop kernels store a chunk's state from (STATE_STORE)."""
     if STATE_STORE not in ("shared", "registers"):
         raise ValueError(f"STATE_STORE={STATE_STORE!r}: expected 'shared' or 'registers'")
     return STATE_STORE
