@@ -42,13 +42,14 @@ def breakdown(case, impls: list[str], device: str = "cuda") -> dict:
     arms = {name: parse_arm(name) for name in impls}
     ready = {}
     for name, arm in arms.items():
-        reason = get_impl(arm.impl).unavailable()
+        impl = get_impl(arm.impl)
+        reason = impl.unavailable()
         if reason is not None:
             out[name] = {"skipped": reason}
             continue
         for mode in MODES:
             with patched(arm.patches):
-                p = get_impl(arm.impl).prepare(case, variant, inputs, mode != "fwd")
+                p = impl.prepare(case, variant, inputs, mode != "fwd")
                 set_configs(p, arm.configs)
                 ready[name, mode] = (p, arm_sources(p, case, variant, inputs, mode))
     compile_together([s for _, srcs in ready.values() for s in srcs])

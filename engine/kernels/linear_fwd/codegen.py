@@ -84,38 +84,28 @@ def emit_blocks_per_sm(w: SourceWriter, kernel: str, s: LinearShape, cfg: Linear
     if blocks > 1:
         w.lines([f"T.annotate_min_blocks_per_sm({blocks})",
                  f"T.annotate_producer_reg_dealloc({WS_PRODUCER_REGS})",
-                 f"T.annotate_consumer_reg_alloc({consumer_registers(kernel, s, cfg)})"])
+                 f"T.annotate_consumer_reg_alloc({consumer_registers(kernel, cfg, blocks)})"])
 
 
-def state_store_buffer(BK: int, BV: int, dt: str) -> str:
-    """The [BK, BV] tile a state pass stages each chunk's state in (plan.state_store_staging):
-    S_s in shared memory, or S_r in registers."""
+def state_store_buffers(rows: int, BV: int, dt: str, shared_copy: bool) -> list[str]:
+    """The [rows, BV] tile a chunk-loop kernel stores each chunk's state from
+    (plan.state_store_staging): S_r in registers, or S_s in shared memory, none to add where
+    the kernel keeps S_s, its bf16 copy of the state, for its gemms (`shared_copy`)."""
     if state_store_staging() == "registers":
-        return f'S_r = T.alloc_fragment(({BK}, {BV}), "{dt}")'
-    return f'S_s = T.alloc_shared(({BK}, {BV}), "{dt}")'
+        return [f'S_r = T.alloc_fragment(({rows}, {BV}), "{dt}")']
+    return [] if shared_copy else [f'S_s = T.alloc_shared(({rows}, {BV}), "{dt}")']
 
 
-def emit_state_store(w: SourceWriter, dest: str) -> None:
-    """A state pass's store of its fp32 state `acc` to `dest` through state_store_buffer."""
-    staged = "S_r" if state_store_staging() == "registers" else "S_s"
-    w.lines([f"T.copy(acc, {staged})", f"T.copy({staged}, {dest})"])
-
-
-def chunk_loop_store_buffers(D: int, BV: int, dt: str) -> list[str]:
-    """A single pass's extra tile for the states it stores: none where they leave from S_s
-    (its bf16 copy of the state, which its gemms read), S_r where from registers."""
+def emit_state_store(w: SourceWriter, state: str, dest: str, shared_copy: bool) -> None:
+    """The store of the fp32 fragment `state` to `dest` through state_store_buffers: from S_r
+    by each thread, or from S_s by a TMA store (which TileLang waits for at once; S_s written
+    first unless the kernel already holds the state there, `shared_copy`)."""
     if state_store_staging() == "registers":
-        return [f'S_r = T.alloc_fragment(({D}, {BV}), "{dt}")']
-    return []
-
-
-def emit_chunk_loop_store(w: SourceWriter, dest: str) -> None:
-    """A single pass's store of its state to `dest`: from S_s by a TMA store (which TileLang
-    waits for at once), or from the fp32 `state` by each thread (plan.state_store_staging)."""
-    if state_store_staging() == "registers":
-        w.lines(["T.copy(state, S_r)", f"T.copy(S_r, {dest})"])
-    else:
-        w.line(f"T.copy(S_s, {dest})")
+        w.lines([f"T.copy({state}, S_r)", f"T.copy(S_r, {dest})"])
+        return
+    if not shared_copy:
+        w.line(f"T.copy({state}, S_s)")
+    w.line(f"T.copy(S_s, {dest})")
 
 
 def emit_sequence(w: SourceWriter, s: LinearShape) -> None:
@@ -228,14 +218,14 @@ def generate_states(s: LinearShape, cfg: LinearConfig, initial: bool, final: boo
         w.lines([f'K_s = T.alloc_shared(({C}, {BK}), "{dt}")',
                  f'V_s = T.alloc_shared(({C}, {BV}), "{dt}")',
                  f'Vd_s = T.alloc_shared(({C}, {BV}), "{dt}")',
-                 state_store_buffer(BK, BV, dt),
+                 *state_store_buffers(BK, BV, dt, shared_copy=False),
                  *slot_buffers(C, folds),
                  f'acc = T.alloc_fragment(({BK}, {BV}), "float32")'])
         w.line(f"T.copy(H0[n, h, {tile}], acc)" if initial else "T.clear(acc)")
         rows = f"bos + c * {C}:bos + (c + 1) * {C}"
         with w.block(f"for c in T.Pipelined(T.ceildiv(seqlen, {C}), "
                      f"num_stages={cfg.num_stages}):"):
-            emit_state_store(w, f"Hs[slot0 + c, h, {tile}]")
+            emit_state_store(w, "acc", f"Hs[slot0 + c, h, {tile}]", shared_copy=False)
             w.line(f"T.copy(K[b, {hk}, {rows}, ik * {BK}:(ik + 1) * {BK}], K_s)")
             w.line(f"T.copy(V[b, h, {rows}, iv * {BV}:(iv + 1) * {BV}], V_s)")
             emit_decay_load(w, "slot0 + c", folds)
@@ -363,7 +353,7 @@ def generate_fused(s: LinearShape, cfg: LinearConfig, initial: bool, final: bool
                  f'A = T.alloc_fragment(({C}, {C}), "float32")',
                  f'acc = T.alloc_fragment(({C}, {BV}), "float32")',
                  f'state = T.alloc_fragment(({D}, {BV}), "float32")',
-                 *(chunk_loop_store_buffers(D, BV, dt) if save else [])])
+                 *(state_store_buffers(D, BV, dt, shared_copy=True) if save else [])])
         w.line(f"T.copy(H0[n, h, :, {cols}], state)" if initial else "T.clear(state)")
         rows = f"bos + c * {C}:bos + (c + 1) * {C}"
         with w.block(f"for c in T.Pipelined(T.ceildiv(seqlen, {C}), "
@@ -374,7 +364,7 @@ def generate_fused(s: LinearShape, cfg: LinearConfig, initial: bool, final: bool
             emit_decay_load(w, "slot0 + c", folds)
             w.line("T.copy(state, S_s)")
             if save:
-                emit_chunk_loop_store(w, f"Hs[slot0 + c, h, :, {cols}]")
+                emit_state_store(w, "state", f"Hs[slot0 + c, h, :, {cols}]", shared_copy=True)
             w.lines(["row0: T.int32 = bos + c * " + str(C),
                      f"nrows: T.int32 = T.min(seqlen - c * {C}, {C})"])
             emit_intra(w, C, dt, folds)

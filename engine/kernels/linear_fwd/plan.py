@@ -179,12 +179,12 @@ def blocks_per_sm(kernel: str, shape: LinearShape, cfg: LinearConfig) -> int:
     return max(1, min(CHUNK_LOOP_BLOCKS_PER_SM, SMEM_LIMIT_BYTES // (smem + 1024)))
 
 
-def consumer_registers(kernel: str, shape: LinearShape, cfg: LinearConfig) -> int:
+def consumer_registers(kernel: str, cfg: LinearConfig, blocks: int) -> int:
     """The registers a chunk-loop kernel's consumer threads take after TileLang's reallocation,
-    at blocks_per_sm blocks: their share of the SM beside the producer warpgroups (TileLang's
-    240 would hang two resident blocks)."""
+    at `blocks` blocks (blocks_per_sm): their share of the SM beside the producer warpgroups
+    (TileLang's 240 would hang two resident blocks)."""
     threads = REVERSE_THREADS if kernel == "reverse" else cfg.threads
-    return consumer_register_cap(threads, blocks_per_sm(kernel, shape, cfg))
+    return consumer_register_cap(threads, blocks)
 
 
 def _smem_bytes(cfg: LinearConfig, head_dim: int, elem: int) -> int:
