@@ -342,17 +342,18 @@ def test_chunk_loop_kernels_ask_for_two_blocks_per_sm_without_spills(tmp_path, m
     assert kinds == ["single pass", "state pass", "reverse single pass"], kinds
     added = ("        T.annotate_min_blocks_per_sm(2)\n"
              "        T.annotate_producer_reg_dealloc(24)\n"
-             "        T.annotate_consumer_reg_alloc(112)\n")
+             "        T.annotate_consumer_reg_alloc(104)\n")
     for src in changed:
         assert src.replace(added, "") in before
         cuda = lowered_cuda(src)
         assert "__launch_bounds__(384, 2)" in cuda
         assert _spill_store_bytes(cuda, tmp_path) == 0
-        # setmaxnreg.inc waits for the registers: two blocks' warpgroups, after TileLang's
-        # reallocation, must fit the SM's 64 Ki together (at its default 240 they hung)
+        # setmaxnreg.inc waits for registers from the block's own pool: after TileLang's
+        # reallocation its warpgroups must fit what it launched with, 384 x 80 (at the default
+        # 240 they hung, and at 112, which fits the SM but not the block: NOTES 202, 205)
         (producer,) = map(int, re.findall(r"warpgroup_reg_dealloc<(\d+)>", cuda))
         (consumer,) = map(int, re.findall(r"warpgroup_reg_alloc<(\d+)>", cuda))
-        assert 2 * (128 * producer + 256 * consumer) <= 64 * 1024
+        assert 128 * producer + 256 * consumer <= 384 * 80
 
 
 @pytest.mark.parametrize("blocks", [1, 2])

@@ -46,14 +46,18 @@ REGISTERS_PER_SM = 64 * 1024
 
 def consumer_register_cap(threads: int, blocks: int = 1) -> int:
     """Registers per consumer thread under TileLang's warp specialisation (a producer warpgroup
-    of 24 registers per thread beside the consumers, within 64 Ki registers per SM shared by
-    `blocks` resident blocks): what the warp-specialised kernels set with `set_max_nreg`.
-    setmaxnreg.inc waits until the SM has the registers, so blocks that together ask for more
-    than it holds wait on each other for ever."""
+    of 24 registers per thread beside `threads` consumer threads, `blocks` blocks resident on
+    an SM): what the warp-specialised kernels set with `set_max_nreg`. setmaxnreg draws on a
+    pool per CTA (PTX ISA), filled with what the block launched with (the launch bounds' share
+    of the SM's 64 Ki, in multiples of 8 a thread) and what its producers release: a consumer
+    asking for more waits for ever (TileLang's 240 at two blocks: results/NOTES.md 202, 205).
+    At one block the share reproduces TileLang's 240 (256 threads) and 160 (384)."""
     cap = WS_CONSUMER_REGS if threads <= 256 else 160
     if blocks == 1:
         return cap
-    share = (REGISTERS_PER_SM // blocks - WS_PRODUCER_THREADS * WS_PRODUCER_REGS) // threads
+    total = threads + WS_PRODUCER_THREADS
+    launch = REGISTERS_PER_SM // (blocks * total) // 8 * 8
+    share = (launch * total - WS_PRODUCER_THREADS * WS_PRODUCER_REGS) // threads
     return min(cap, share // 8 * 8)  # setmaxnreg takes multiples of 8
 
 

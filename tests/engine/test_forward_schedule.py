@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import pytest
 import torch
 
 from engine.plan.config import KernelConfig
@@ -168,3 +169,18 @@ def test_key_order_visits_every_block_once():
         assert e - s == max(len(run) for run in re.split("[01]", row))
         rest = [_walk(order.rest_kb("k"), l, s, e - s, k) for k in range(max(e - s, 1), h - l)]
         assert rest == walk[max(e - s, 1):]
+
+
+@pytest.mark.parametrize("threads,blocks,regs", [(256, 1, 240), (384, 1, 160), (256, 2, 104),
+                                                 (128, 2, 232), (384, 2, 72)])
+def test_consumer_registers_fit_the_blocks_own_pool(threads, blocks, regs):
+    """setmaxnreg draws on a pool per CTA: the consumers' registers after the reallocation,
+    beside the producer warpgroup's 24, fit what the block launched with (its share of the
+    SM's 64 Ki under its launch bounds, in multiples of 8), and at one block they are
+    TileLang's own 240 and 160."""
+    from engine.plan.config import consumer_register_cap
+
+    cap = consumer_register_cap(threads, blocks)
+    launch = 65536 // (blocks * (threads + 128)) // 8 * 8
+    assert cap == regs and cap % 8 == 0
+    assert 128 * 24 + threads * cap <= (threads + 128) * launch
