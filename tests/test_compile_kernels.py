@@ -309,7 +309,7 @@ def test_linear_kernels_compile_for_sm90a(tmp_path, monkeypatch):
 
 
 def test_chunk_loop_kernels_ask_for_two_blocks_per_sm_without_spills(tmp_path, monkeypatch):
-    """linear_fwd.plan.CHUNK_LOOP_BLOCKS_PER_SM (1 by default: the sources as before) at 2:
+    """linear_fwd.plan.CHUNK_LOOP_BLOCKS_PER_SM at 2 (the default; at 1 the sources as before):
     the state pass, the single pass and the reverse single pass ask for two blocks in their
     launch bounds, which ptxas meets without spills (80 registers against 168; results/NOTES.md
     200), with their consumers' registers after the reallocation within the blocks' share
@@ -332,6 +332,7 @@ def test_chunk_loop_kernels_ask_for_two_blocks_per_sm_without_spills(tmp_path, m
     def sources() -> list[str]:
         return linear_backend.kernel_sources(linear_backend.LinearKernelCache(), *meta,
                                              config=cfg, modes=("fwd", "bwd"))
+    monkeypatch.setattr(plan, "CHUNK_LOOP_BLOCKS_PER_SM", 1)
     before = sources()
     assert not any("annotate_min_blocks_per_sm" in src for src in before)
     monkeypatch.setattr(plan, "CHUNK_LOOP_BLOCKS_PER_SM", 2)

@@ -163,10 +163,11 @@ def reverse_pass_smem_bytes(cfg: LinearConfig, head_dim: int, elem: int) -> int:
 # (__launch_bounds__'s second argument, T.annotate_min_blocks_per_sm): the state pass, the
 # forward's single pass and the backward's reverse single pass, each where that many blocks'
 # shared memory fits. At 1 their 384 threads (TileLang's producer warpgroup beside the 256)
-# take 168 registers, so one block holds an SM through its chunk loop; at 2, 80 registers and
-# no spills (ptxas at Mamba2-2.7B, simple GLA and YOCO-13B shapes; results/NOTES.md 200). Not
-# yet measured on a GPU: 1 keeps the sources as they were.
-CHUNK_LOOP_BLOCKS_PER_SM = 1
+# take 168 registers, so one block holds an SM through its chunk loop; at 2, 80 (consumers
+# 104 after the reallocation: consumer_registers) and no spills. On the H200 the state pass
+# rerun by the backward took 176 against 232 us at Mamba2-2.7B B 8 x T 2k and 595 against
+# 892 at YOCO-13B's D 256 (results/NOTES.md 205).
+CHUNK_LOOP_BLOCKS_PER_SM = 2
 
 
 def blocks_per_sm(kernel: str, shape: LinearShape, cfg: LinearConfig) -> int:
@@ -288,9 +289,24 @@ def one_wave_block_k(shape: LinearShape, cfg: LinearConfig, sm_count: int) -> in
     return bk
 
 
-@functools.lru_cache(maxsize=256)  # a pure function of the shape, asked on every call
-def config_for_shape(shape: LinearShape, sm_count: int = 132, whole_key_tile: bool = False
-                     ) -> LinearConfig:
+def config_for_shape(shape: LinearShape, sm_count: int = 132) -> LinearConfig:
+    """The forward's default: _chunk_config's, its single pass at one pipeline stage where
+    that lets two blocks share an SM (CHUNK_LOOP_BLOCKS_PER_SM): 416 against 526 us at
+    Mamba2-2.7B B 8 x T 2k on the H200 (results/NOTES.md 205)."""
+    return _forward_config(shape, sm_count, CHUNK_LOOP_BLOCKS_PER_SM)
+
+
+@functools.lru_cache(maxsize=256)  # asked on every call; `blocks` keys a patched constant
+def _forward_config(shape: LinearShape, sm_count: int, blocks: int) -> LinearConfig:
+    cfg = _chunk_config(shape, sm_count)
+    one = dataclasses.replace(cfg, num_stages=1)
+    if cfg.single_pass and blocks_per_sm("single", shape, one) > blocks_per_sm("single", shape, cfg):
+        return one
+    return cfg
+
+
+def _chunk_config(shape: LinearShape, sm_count: int = 132, whole_key_tile: bool = False
+                  ) -> LinearConfig:
     """The default at this shape (results/NOTES.md 132): with at least one single-pass block
     per SM (sequences x heads x value tiles), the single pass (256 threads: its serial chunk
     loop is the bound, and two warpgroups shorten each step; at D 256 too, where it keeps no
@@ -311,9 +327,9 @@ def config_for_shape(shape: LinearShape, sm_count: int = 132, whole_key_tile: bo
 
 
 def backward_config_for_shape(shape: LinearShape, sm_count: int = 132) -> LinearConfig:
-    """The training call's default backward config: config_for_shape's without the halved key
-    tile of one_wave_block_k, which made the forward 1.12x faster at B 2 x T 16k but its
-    forward+backward 0.97x (the backward's kernels at 64 key rows; results/NOTES.md 130).
+    """The training call's default backward config: _chunk_config's (its pipeline stages)
+    without the halved key tile of one_wave_block_k, which made the forward 1.12x faster at
+    B 2 x T 16k but its forward+backward 0.97x (the backward's kernels at 64 key rows; results/NOTES.md 130).
     Beside a single-pass forward, the reverse single pass (linear_bwd.reverse: 436 against the
     two kernels' 549 us at simple GLA B 8 x T 4k, 593 against 664 at Mamba2-2.7B B 8 x T 2k,
     NOTES 158; at D 256 5450 against 6239 us forward+backward at YOCO-13B B 8 x T 2k, NOTES
@@ -322,7 +338,7 @@ def backward_config_for_shape(shape: LinearShape, sm_count: int = 132) -> Linear
     T 4k), and at the forward's 128 rows on 256 threads where they are (Mamba2: 1507 against
     1664 us at B 8 x T 2k, 3023 against 3335 at T 4k). The backward's rerun of the state
     pass takes the forward's config."""
-    cfg = config_for_shape(shape, sm_count, whole_key_tile=True)
+    cfg = _chunk_config(shape, sm_count, whole_key_tile=True)
     if not cfg.single_pass or shape.shares_heads:
         return cfg
     narrow = dataclasses.replace(cfg, block_K=min(64, cfg.block_K), threads=128)
