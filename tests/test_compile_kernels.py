@@ -357,49 +357,6 @@ def test_chunk_loop_kernels_ask_for_two_blocks_per_sm_without_spills(tmp_path, m
         assert 128 * producer + 256 * consumer <= 384 * 80
 
 
-@pytest.mark.parametrize("blocks", [1, 2])
-@pytest.mark.parametrize("single", [False, True])
-def test_chunk_loops_store_states_from_registers(blocks, single, tmp_path, monkeypatch):
-    """linear_fwd.plan.STATE_STORE = "registers" (off by default: results/NOTES.md 203): the
-    kernels that store a state each chunk (the two kernels' state pass and reverse state
-    pass; the single pass keeping its states and the reverse single pass) store it from
-    their registers (no TMA store and its wait), alone or at two blocks per SM, and ptxas
-    compiles them without spills; nothing else changes."""
-    from engine.kernels.linear_fwd import plan
-    from engine.kernels.linear_fwd.plan import LinearConfig
-    from engine.runtime import linear_backend
-    from engine.runtime.compile import lowered_cuda
-
-    monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
-    monkeypatch.setattr(plan, "CHUNK_LOOP_BLOCKS_PER_SM", blocks)
-    meta = [torch.empty(2, h, 300, d, dtype=torch.bfloat16, device="meta")
-            for h, d in ((4, 128), (4, 128), (4, 128))]
-    cfg = LinearConfig(chunk=64, block_K=128, block_V=64, num_stages=1, threads=256,
-                       single_pass=single)
-
-    def sources() -> list[str]:
-        return linear_backend.kernel_sources(linear_backend.LinearKernelCache(), *meta,
-                                             config=cfg, modes=("fwd", "bwd"),
-                                             save_states=single)
-    before = sources()
-    monkeypatch.setattr(plan, "STATE_STORE", "registers")
-    after = sources()
-    changed = [src for src in after if src not in before]
-    kinds = [src.split("\n", 1)[0].split(": ", 1)[1].split(" B2")[0] for src in changed]
-    assert kinds == (["single pass", "reverse single pass"] if single
-                     else ["state pass", "reverse state pass"]), kinds
-    assert len(after) == len(before)
-    for src in changed:
-        assert "S_r = T.alloc_fragment((128, 64)" in src
-        assert ("S_s" in src) == single  # a single pass's gemms still read the state from it
-        cuda = lowered_cuda(src)
-        assert "tma_store" not in cuda
-        assert _spill_store_bytes(cuda, tmp_path) == 0
-    monkeypatch.setattr(plan, "STATE_STORE", "global")
-    with pytest.raises(ValueError, match="STATE_STORE='global': expected 'shared' or"):
-        sources()
-
-
 @pytest.mark.parametrize("name,config", [
     ("softmax_causal", KernelConfig(128, 176, 2, 256, schedule="pingpong")),
     ("document", KernelConfig(128, 128, 2, 256, schedule="overlap")),  # the mask once

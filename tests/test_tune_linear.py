@@ -145,13 +145,17 @@ def test_tune_file_lookup_and_pick(tmp_path, engine_gpu):
     pick = linear_tuning.pick
     assert pick(SHAPE, None, None, tuned, False) == (TUNED, None)
     assert pick(SHAPE, None, None, tuned, True) == (TRAIN, TRAIN)
-    # untuned: the default pair (Mamba2's shared heads: the single pass's own config, given
-    # as None, the forward's; a non-shared shape: 64 key rows on 128 threads)
-    assert backward_config_for_shape(SHAPE) == config_for_shape(SHAPE)
-    assert pick(SHAPE, None, None, linear_tuning.Tuned(), True) == (config_for_shape(SHAPE), None)
+    # untuned: the default pair (Mamba2's shared heads: the single pass's own config at two
+    # stages, the forward's at one where that lets two blocks share an SM, NOTES 205; a
+    # non-shared shape: 64 key rows on 128 threads)
+    fwd = config_for_shape(SHAPE)
+    assert fwd.num_stages == 1
+    assert backward_config_for_shape(SHAPE) == dataclasses.replace(fwd, num_stages=2)
+    assert pick(SHAPE, None, None, linear_tuning.Tuned(), True) == (
+        fwd, backward_config_for_shape(SHAPE))
     own = dataclasses.replace(SHAPE, heads_q=SHAPE.heads, heads_k=SHAPE.heads)
     assert pick(own, None, None, linear_tuning.Tuned(), True) == (
-        config_for_shape(own), dataclasses.replace(config_for_shape(own), block_K=64, threads=128))
+        config_for_shape(own), dataclasses.replace(fwd, block_K=64, threads=128, num_stages=2))
     mine = LinearConfig(chunk=64)
     assert pick(SHAPE, mine, None, tuned, True) == (mine, TRAIN)  # same chunk: its backward
     assert pick(SHAPE, TUNED, None, tuned, True) == (TUNED, None)  # another chunk: the forward's

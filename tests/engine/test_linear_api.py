@@ -529,20 +529,27 @@ def test_two_kernel_default_keeps_the_state_pass_in_one_wave(batch, heads, head_
     assert not cfg.single_pass and cfg.block_K == block_K
 
 
-@pytest.mark.parametrize("batch, heads, head_dim, head_dim_v", [
-    (8, 16, 128, 128),  # 256 single-pass blocks
-    (8, 40, 256, 256),  # YOCO-13B: 1280
-    (1, 32, 256, 512),  # RetNet-6.7B: 256
+@pytest.mark.parametrize("batch, heads, head_dim, head_dim_v, stages", [
+    (8, 16, 128, 128, 1),  # 256 single-pass blocks; at one stage two share an SM
+    (8, 40, 256, 256, 2),  # YOCO-13B: 1280; one a block at one stage too
+    (1, 32, 256, 512, 2),  # RetNet-6.7B: 256
 ])
-def test_single_pass_default_with_a_block_per_sm(batch, heads, head_dim, head_dim_v):
-    """The single pass wherever its blocks fill the SMs, at D 256 too (NOTES 132)."""
+def test_single_pass_default_with_a_block_per_sm(batch, heads, head_dim, head_dim_v, stages,
+                                                 monkeypatch):
+    """The single pass wherever its blocks fill the SMs, at D 256 too (NOTES 132), at one
+    pipeline stage where that lets two blocks share an SM (NOTES 205) and two otherwise, or
+    at one block per SM; the backward's default keeps two."""
+    from engine.kernels.linear_fwd import plan
     from engine.kernels.linear_fwd.plan import LinearShape, config_for_shape
 
     shape = LinearShape(batch=batch, heads_q=heads, heads_k=heads, heads=heads, seqlen=4096,
                         head_dim=head_dim, head_dim_v=head_dim_v, dtype="bfloat16")
     cfg = config_for_shape(shape, 132)
     assert cfg.single_pass and (cfg.chunk, cfg.block_V, cfg.threads, cfg.num_stages) == (
-        64, 64, 256, 2)
+        64, 64, 256, stages)
+    assert plan.backward_config_for_shape(shape, 132).num_stages == 2
+    monkeypatch.setattr(plan, "CHUNK_LOOP_BLOCKS_PER_SM", 1)
+    assert config_for_shape(shape, 132).num_stages == 2
 
 
 def test_training_beside_the_single_pass_runs_the_reverse_pass_and_a_narrow_dqk_kernel():
@@ -571,10 +578,11 @@ def test_training_beside_the_single_pass_runs_the_reverse_pass_and_a_narrow_dqk_
                               head_dim_v=128)
     fwd = config_for_shape(fla)
     assert fwd.single_pass and backward_config_for_shape(fla) == dataclasses.replace(
-        fwd, block_K=64, threads=128)
+        fwd, block_K=64, threads=128, num_stages=2)  # the forward's at one stage: NOTES 205
     mamba2 = dataclasses.replace(fla, heads_q=1, heads_k=1, heads=80, head_dim_v=64)
     assert config_for_shape(mamba2).single_pass
-    assert backward_config_for_shape(mamba2) == config_for_shape(mamba2)
+    assert backward_config_for_shape(mamba2) == dataclasses.replace(config_for_shape(mamba2),
+                                                                    num_stages=2)
     low = dataclasses.replace(fla, batch=2, seqlen=16384)  # two kernels at 64 key rows
     assert not config_for_shape(low).single_pass and config_for_shape(low).block_K == 64
     assert backward_config_for_shape(low) == dataclasses.replace(config_for_shape(low),

@@ -83,15 +83,10 @@ FOLD_CASES = [(BF16, (1, 1, 4), (128, 64), 2, 200, True, False, None),
 FOLDS = Folds(q_scale=0.37, v_weight=True)
 
 # The plan's switches away from its defaults (engine.kernels.linear_fwd.plan), each over the
-# kernels it changes: states stored from registers (the forward's state pass, rerun by the
-# backward, the two-kernel backward's reverse state pass, the single pass keeping its states,
-# the reverse single pass), and the chunk-loop kernels at one block per SM (two by default
-# where their shared memory fits). (case, the forward keeps its states)
+# kernels it changes: the chunk-loop kernels at one block per SM (two by default where their
+# shared memory fits). (case, the forward keeps its states)
 PLAN = "engine.kernels.linear_fwd.plan"
-SWITCHES = {"registers": ((PLAN, "STATE_STORE", "registers"),),
-            "one-block": ((PLAN, "CHUNK_LOOP_BLOCKS_PER_SM", 1),),
-            "registers-one-block": ((PLAN, "STATE_STORE", "registers"),
-                                    (PLAN, "CHUNK_LOOP_BLOCKS_PER_SM", 1))}
+SWITCHES = {"one-block": ((PLAN, "CHUNK_LOOP_BLOCKS_PER_SM", 1),)}
 ONE_S1 = LinearConfig(block_K=64, num_stages=1, single_pass=True, threads=256)
 SWITCH_CASES = [((BF16, (4, 4, 4), (128, 128), 2, 300, True, False, C128), False),
                 ((FP16, (1, 1, 4), (128, 64), 1, PACKED[-1], True, True, C128), False),

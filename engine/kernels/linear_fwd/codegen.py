@@ -26,7 +26,6 @@ from engine.kernels.linear_fwd.plan import (
     LinearShape,
     blocks_per_sm,
     consumer_registers,
-    state_store_staging,
 )
 from engine.plan.config import WS_PRODUCER_REGS
 
@@ -88,21 +87,17 @@ def emit_blocks_per_sm(w: SourceWriter, kernel: str, s: LinearShape, cfg: Linear
 
 
 def state_store_buffers(rows: int, BV: int, dt: str, shared_copy: bool) -> list[str]:
-    """The [rows, BV] tile a chunk-loop kernel stores each chunk's state from
-    (plan.state_store_staging): S_r in registers, or S_s in shared memory, none to add where
-    the kernel keeps S_s, its bf16 copy of the state, for its gemms (`shared_copy`)."""
-    if state_store_staging() == "registers":
-        return [f'S_r = T.alloc_fragment(({rows}, {BV}), "{dt}")']
+    """The [rows, BV] shared tile S_s a chunk-loop kernel stores each chunk's state from by a
+    TMA store; none to add where the kernel keeps S_s, its copy of the state, for its gemms
+    (`shared_copy`). (Stored by each thread from its registers instead, the state passes
+    took 16-47% longer on the H200: results/NOTES.md 205.)"""
     return [] if shared_copy else [f'S_s = T.alloc_shared(({rows}, {BV}), "{dt}")']
 
 
 def emit_state_store(w: SourceWriter, state: str, dest: str, shared_copy: bool) -> None:
-    """The store of the fp32 fragment `state` to `dest` through state_store_buffers: from S_r
-    by each thread, or from S_s by a TMA store (which TileLang waits for at once; S_s written
-    first unless the kernel already holds the state there, `shared_copy`)."""
-    if state_store_staging() == "registers":
-        w.lines([f"T.copy({state}, S_r)", f"T.copy(S_r, {dest})"])
-        return
+    """The store of the fp32 fragment `state` to `dest` from S_s (state_store_buffers), by a
+    TMA store that TileLang waits for at once; S_s written first unless the kernel already
+    holds the state there (`shared_copy`)."""
     if not shared_copy:
         w.line(f"T.copy({state}, S_s)")
     w.line(f"T.copy(S_s, {dest})")

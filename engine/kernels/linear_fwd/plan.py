@@ -121,29 +121,11 @@ class LinearShape(LinearProblem):
                 f"D{self.head_dim}x{self.head_dim_v}_{self.dtype}_n{self.sequences}")
 
 
-# How the chunk-loop kernels write each chunk's state (the state pass and the backward's
-# reverse state pass, the single pass keeping its states, the reverse single pass):
-# "shared", by a TMA store from a shared tile, whose read TileLang waits for at once inside
-# the chunk's serial chain (the state passes' tile staged between two barriers for it alone;
-# results/NOTES.md 203); or "registers", stored by each thread from its fp32 fragment cast to
-# the state's dtype, no barrier and no wait. Not yet measured on a GPU: "shared" keeps the
-# sources as they were.
-STATE_STORE = "shared"
-
-
-def state_store_staging() -> str:
-    """Where the chunk-loop kernels store a chunk's state from (STATE_STORE)."""
-    if STATE_STORE not in ("shared", "registers"):
-        raise ValueError(f"STATE_STORE={STATE_STORE!r}: expected 'shared' or 'registers'")
-    return STATE_STORE
-
-
 def state_pass_smem_bytes(cfg: LinearConfig, elem: int) -> int:
     """The state pass's shared memory: each pipeline stage's k and v tiles and decay sums, the
-    decayed v tile and (staged in shared memory) the state tile it stores from."""
+    decayed v tile and the state tile it stores from."""
     C, K, V = cfg.chunk, cfg.block_K, cfg.block_V
-    staged = K * V if state_store_staging() == "shared" else 0
-    return cfg.num_stages * (C * (K + V) * elem + 4 * C) + (C * V + staged) * elem
+    return cfg.num_stages * (C * (K + V) * elem + 4 * C) + (C * V + K * V) * elem
 
 
 def single_pass_smem_bytes(cfg: LinearConfig, head_dim: int, elem: int) -> int:
