@@ -8,7 +8,10 @@ noted when another process holds it. Per case: check each implementation's capab
 implementation: prepare it (layout changes, compile; not timed), check accuracy on one untimed
 call, time the call (see `attnbench.timing`), and build the row. A crashing implementation is an
 `error` row with the exception text and the run goes on. The case's rows are appended to the
-result file as soon as the case finishes, so an interrupted run keeps every finished case.
+result file as soon as the case finishes, so an interrupted run keeps every finished case. An
+implementation that has not finished after `impl_timeout_s` (a kernel that never ends: its
+synchronisation never returns) ends the run with status 124, after its case's rows so far, an
+error row for it and skipped rows for the implementations after it are written.
 
 Noise: a timing whose interquartile spread exceeds the noise threshold (default 5% of the
 median) is taken again after a pause, up to `attempts` in all; the row keeps the tightest
@@ -46,6 +49,7 @@ reference do not count; the implementation's own copies of the inputs do).
 
 from __future__ import annotations
 
+import functools
 import gc
 import inspect
 import math
@@ -59,6 +63,7 @@ from pathlib import Path
 import torch
 
 from attnbench import metrics, timing
+from attnbench.deadline import deadline
 from attnbench.decode import build_module, case_traffic, decode_reference, make_decode_inputs
 from attnbench.envinfo import environment
 from attnbench.gpustate import GpuMonitor, monitor_for
@@ -98,6 +103,10 @@ class RunOptions:
     # skip the cases the day file already holds from a run of this commit and seed (a suite
     # longer than one sitting finishes over several)
     resume: bool = False
+    # an implementation's preparing and measuring past this many seconds ends the run (a
+    # kernel that never ends holds its synchronisation for ever), its case's rows written
+    # first: Runner._write_unfinished. None: no limit.
+    impl_timeout_s: float | None = 1800.0
 
 
 @dataclass
@@ -296,12 +305,31 @@ class Runner:
                 m: self._status("skipped", r) for m, r in modes.items() if r is not None
             }
             if todo:
-                results.update(self._run_impl(self.impls[name], ctx, todo))
+                with deadline(self.options.impl_timeout_s, f"{case.name} {name}",
+                              functools.partial(self._write_unfinished, case, variant, name,
+                                                rows)):
+                    results.update(self._run_impl(self.impls[name], ctx, todo))
                 if self.sleep_s:
                     time.sleep(self.sleep_s)  # let clocks and temperature settle
             rows.extend(self._row(case, variant, name, m, results[m]) for m in case.modes)
         _fill_speedups(rows, case.baseline)
         return rows
+
+    def _write_unfinished(self, case: Case, variant, hung: str, rows: list[dict],
+                          message: str) -> None:
+        """At an implementation's deadline (the run is about to end): append the case's rows
+        so far, an error row per mode of `hung`, and a skipped row per mode of each
+        implementation after it, so that --resume goes on with the next case."""
+        done = {r["impl"] for r in rows}
+        rows = list(rows)
+        for name in case.impls:
+            if name not in done:
+                res = (self._status("error", f"{message}; the run ended here") if name == hung
+                       else self._status("skipped", f"not run: {hung} did not finish"))
+                rows.extend(self._row(case, variant, name, m, res) for m in case.modes)
+        _fill_speedups(rows, case.baseline)
+        append_rows(self.path, rows, on_repair=self.log)
+        self.log(f"{case.name}: {message}; its rows so far written to {self.path}")
 
     def _run_impl(self, impl: Impl, ctx: _CaseContext, modes: list[str]) -> dict[str, dict]:
         """Rows of the `modes` of one implementation; a refusal that names some modes only

@@ -27,6 +27,8 @@
 #   RUN_RESUME=1: suites start from today's result file in results/runs (committed from an
 #     earlier call cut short) and skip the cases it holds from this commit (attnbench run
 #     --resume): a suite longer than one call finishes over several
+#   IMPL_TIMEOUT=S: a suite's implementation still compiling or measuring one case after S s
+#     (default 300) ends the suite's run, its case's rows written (attnbench run --impl-timeout)
 #   TEST_FILTER=EXPR: the tests steps run only the tests pytest -k EXPR selects
 #   host-overhead: the module's per-call host time against its kernel's launch and time
 #     (scripts/host_overhead.py; $OUT/host-overhead.json); host-overhead-decode: its decode part
@@ -149,8 +151,10 @@ for step in "${steps[@]}"; do
       args+=(--resume)
     fi
     python scripts/gpu_precompile.py "$suite" "${pre[@]}" 2>&1 | grep -v INFO | tail -5
-    python -m attnbench run suite "$suite" "${args[@]}" --out "$OUT/runs" 2>&1 | grep -v INFO \
-      > "$OUT/$suite.log"
+    # an implementation past IMPL_TIMEOUT s on one case (a kernel that never ends) ends the run
+    # with its case's rows written, well inside the device call's own limit
+    python -m attnbench run suite "$suite" "${args[@]}" --out "$OUT/runs" \
+      --impl-timeout "${IMPL_TIMEOUT:-300}" 2>&1 | grep --line-buffered -v INFO > "$OUT/$suite.log"
     tail -4 "$OUT/$suite.log"
   fi
   echo "== $step: $(( $(date +%s) - start ))s"

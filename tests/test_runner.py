@@ -265,6 +265,49 @@ def test_resume_skips_the_cases_the_day_file_holds(variants, tmp_path, monkeypat
         assert fresh["base"].calls == 2, sha
 
 
+def test_an_implementation_past_its_deadline_writes_its_case_then_ends_the_run(
+        variants, tmp_path, monkeypatch, request):
+    """A kernel that never ends blocks the run in CUDA: at impl_timeout_s the deadline's thread
+    appends the case's rows so far, an error row for the hung implementation and skipped rows
+    for those after it, then ends the process (os._exit recorded here; the hung call then
+    raises to stand for the end); --resume goes on with the next case."""
+    import threading
+
+    from attnbench import deadline as dl
+    from attnbench.envinfo import environment
+
+    monkeypatch.setenv("ATTNBENCH_GIT_SHA", "abc123")
+    environment.cache_clear()
+    request.addfinalizer(environment.cache_clear)
+    ended = threading.Event()
+    monkeypatch.setattr(dl.os, "_exit", lambda status: ended.set())
+
+    class Hangs(FakeImpl):
+        def prepare(self, case, variant, inputs, needs_grad):
+            self.calls += 1
+            assert ended.wait(10.0)  # "hung" until the deadline's thread has written
+            raise SystemExit(124)
+
+    impls = {"base": FakeImpl("base"), "stuck": Hangs("stuck"), "after": FakeImpl("after")}
+    suite = small_suite(impls, "base", modes=("fwd",))
+    runner = make_runner(suite, impls, variants, tmp_path, impl_timeout_s=0.2)
+    with pytest.raises(SystemExit):
+        runner.run()
+    rows = read_results(runner.path)
+    first = suite.cases[0].name
+    assert set(rows["case"]) == {first}
+    got = dict(zip(rows["impl"], zip(rows["status"], rows["reason"], strict=True), strict=True))
+    assert got["base"][0] == "ok" and impls["after"].calls == 0
+    assert got["stuck"][0] == "error"
+    assert f"{first} stuck: not finished after 0 s" in got["stuck"][1]
+    assert got["after"] == ("skipped", "not run: stuck did not finish")
+
+    ended.clear()
+    again = {"base": FakeImpl("base"), "stuck": FakeImpl("stuck"), "after": FakeImpl("after")}
+    make_runner(suite, again, variants, tmp_path, resume=True).run()
+    assert again["base"].calls == again["after"].calls == 1  # only the second case measured
+
+
 @pytest.mark.parametrize("name", ["alibi", "document_prefix", "sliding_window"])
 def test_reference_by_rows_matches_the_whole_reference(monkeypatch, name):
     """A variant too large to materialise (the models suite's Mistral at 32k asked for 128 GiB)

@@ -57,6 +57,7 @@ def test_bad_arguments_are_one_line_errors_from_the_entry_point():
     (["--noise-threshold", "inf"], ["--noise-threshold"]),
     (["--attempts", "0"], ["--attempts"]),
     (["--retry-pause", "-1"], ["--retry-pause"]),
+    (["--impl-timeout", "-1"], ["--impl-timeout"]),
     (["--filter", ""], ["--filter"]),
     (["--seed", "-1"], ["--seed"]),
     (["--repeat", "0"], ["--repeat"]),

@@ -52,6 +52,11 @@ def add_parser(subparsers) -> None:
     s.add_argument("--retry-pause", type=float, default=None, metavar="S",
                    help="seconds to pause before re-measuring a noisy row (default 1 on CUDA, "
                    "0 on a CPU)")
+    s.add_argument("--impl-timeout", type=float, default=1800.0, metavar="S",
+                   help="end the run (status 124) when one implementation's compile and "
+                   "measurement of a case take longer than S seconds, a kernel that never "
+                   "ends, after writing its case's rows so far and an error row for it "
+                   "(default 1800; 0: no limit)")
     s.add_argument("--resume", action="store_true",
                    help="skip the cases today's result file already holds from a run of this "
                    "commit and seed (finish a suite over several sittings)")
@@ -94,6 +99,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
     need(args.attempts >= 1, "--attempts", "an integer >= 1", args.attempts)
     need(seconds(args.retry_pause), "--retry-pause", "a number of seconds >= 0",
          args.retry_pause)
+    need(seconds(args.impl_timeout), "--impl-timeout", "a number of seconds >= 0 (0: no limit)",
+         args.impl_timeout)
     empty = [p for p in args.filter if not p.strip()]
     need(not empty, "--filter", "a non-empty PATTERN", repr(empty[0]) if empty else "")
 
@@ -126,7 +133,8 @@ def run_suite_command(args: argparse.Namespace) -> int:
         runner = Runner(suite, RunOptions(
             device=args.device, repeats=args.repeat, warmup=args.warmup, seed=args.seed,
             sleep_s=args.sleep, out_dir=args.out, noise_threshold=args.noise_threshold,
-            attempts=args.attempts, retry_pause_s=args.retry_pause, resume=args.resume))
+            attempts=args.attempts, retry_pause_s=args.retry_pause, resume=args.resume,
+            impl_timeout_s=args.impl_timeout or None))
         if args.dry_run:
             print_cases(suite, console)
             print_skips(runner, console)
