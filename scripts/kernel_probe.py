@@ -8,7 +8,9 @@ and cuDNN:
         --arm 'engine@engine.kernels.attention_bwd.plan:PERSISTENT_MAX_SQ=65536' \
         --arm sdpa-cudnn
 
-An arm may also set a linear module's configs (`engine@fwd=KEY@bwd=KEY`; attnbench.arms). Each
+An arm may also set a linear module's configs (`engine@fwd=KEY@bwd=KEY`; attnbench.arms); where
+they do not fit a case (a ConfigError), the arm sits that case out, its record {"refused":
+reason} (the first arm, the reference, may not). Each
 arm is prepared with its patches applied, every arm's engine kernels are compiled together
 in worker processes, and each arm is called once with its patches applied (the patches are
 restored after it); its outputs (or gradients) are compared with the first arm's in the
@@ -40,6 +42,7 @@ from attnbench.impls import DeviceInfo, get_impl
 from attnbench.kernel_profile import kernel_times
 from attnbench.runner import _CaseContext, default_get_linear_variant, default_get_variant
 from attnbench.suites import load_suite
+from engine.plan.config import ConfigError
 from engine.tuning.tune_file import atomic_write_json
 
 MODES = ("fwd", "fwd+bwd", "bwd")
@@ -100,13 +103,21 @@ def probe_case(case, arms: list[Arm], mode: str, rounds: int, calls: int,
                device: DeviceInfo) -> dict:
     """One case's record (module docstring)."""
     variant, inputs, grad = case_inputs(case, device)
-    prepared, sources = {}, []
+    prepared, sources, refused = {}, [], {}
     for arm in arms:
         with patched(arm.patches):
             p = get_impl(arm.impl).prepare(case, variant, inputs, mode != "fwd")
-            set_configs(p, arm.configs)
-            sources += arm_sources(p, case, variant, inputs, mode)
+            try:
+                set_configs(p, arm.configs)
+                sources += arm_sources(p, case, variant, inputs, mode)
+            except ConfigError as exc:  # a config that does not fit this case: the arm sits out
+                if arm is arms[0]:
+                    raise  # the reference every other arm is compared with
+                refused[arm.label] = str(exc)
+                print(f"{case.name} {arm.label}: refused here: {exc}", flush=True)
+                continue
         prepared[arm.label] = p
+    arms = [a for a in arms if a.label not in refused]
     compile_together(sources)
     ready, outs = {}, {}
     for arm in arms:
@@ -128,6 +139,7 @@ def probe_case(case, arms: list[Arm], mode: str, rounds: int, calls: int,
                 times[arm.label].append(TIMES(fn, calls=calls))
     record: dict = {a.label: summary(times[a.label], outs[a.label], outs[arms[0].label])
                     for a in arms}
+    record.update({label: {"refused": why} for label, why in refused.items()})
     record["order"] = [[a.label for a in r] for r in order]
     return record
 
@@ -166,6 +178,8 @@ def main(argv: list[str]) -> int:
         first = record[case.name][args.arm[0].label]["median_us"]
         for arm in args.arm:
             r = record[case.name][arm.label]
+            if "refused" in r:
+                continue  # said when it was refused
             print(f"{case.name} {args.mode} {arm.label}: {r['median_us']:.1f} us "
                   f"({first / r['median_us']:.3f}x the first arm's speed), "
                   f"rel_diff {max(r['rel_diff']):.1e}", flush=True)

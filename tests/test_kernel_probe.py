@@ -153,3 +153,24 @@ def test_a_deadline_ends_only_a_block_that_runs_past_it(monkeypatch, capsys):
     with dl.deadline(0.05, "case X arm Y's first call"):
         assert exited.wait(5.0)
     assert "case X arm Y's first call: not finished after 0 s" in capsys.readouterr().err
+
+
+def test_an_arm_whose_config_does_not_fit_the_case_sits_it_out(probe, monkeypatch, capsys):
+    # 128 key rows at D 64: that arm is refused here and named; the rest compile together
+    compiled = []
+
+    def precompile(srcs):
+        compiled.append(list(srcs))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("attnbench.arms.precompile", precompile)
+    c = case(variant="simple_gla", kind="linear", heads=2, head_dim=64, head_dim_v=64,
+             seqlen_q=128, seqlen_kv=128, dtype="bfloat16", modes=("fwd", "fwd+bwd"))
+    wide = "engine@fwd=C64_K128_V64_s1_t256_1p"
+    arms = [probe.parse_arm("engine"), probe.parse_arm(wide)]
+    with pytest.raises(KeyboardInterrupt):
+        probe.probe_case(c, arms, "fwd+bwd", rounds=1, calls=1, device=CPU)
+    assert f"c {wide}: refused here: " in capsys.readouterr().out
+    assert compiled[0] and not any("K128" in s.split("\n", 1)[0] for s in compiled[0])
+    with pytest.raises(Exception, match="block_K=128"):  # the reference arm may not sit out
+        probe.probe_case(c, arms[::-1], "fwd+bwd", rounds=1, calls=1, device=CPU)
