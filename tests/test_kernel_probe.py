@@ -112,19 +112,28 @@ def test_main_names_a_filter_that_matches_nothing(probe, tmp_path, capsys):
 
 
 
-def test_the_arms_kernels_compile_together_under_their_patches(probe, monkeypatch):
-    # the engine's linear arms: each arm's sources read under its own patch, all handed to
-    # one parallel compile before any arm's first call (stopped there: no GPU to call them)
-    lin = "engine.kernels.linear_fwd.plan"
-    compiled = []
+# A small simple GLA case for the linear arms, and a compile that records the sources handed
+# to it and stops the probe there (no GPU to call the kernels).
+LINEAR = case(variant="simple_gla", kind="linear", heads=2, head_dim=64, head_dim_v=64,
+              seqlen_q=128, seqlen_kv=128, dtype="bfloat16", modes=("fwd", "fwd+bwd"))
+
+
+def _stopped_at_compile(monkeypatch) -> list[list[str]]:
+    compiled: list[list[str]] = []
 
     def precompile(srcs):
         compiled.append(list(srcs))
         raise KeyboardInterrupt
 
     monkeypatch.setattr("attnbench.arms.precompile", precompile)
-    c = case(variant="simple_gla", kind="linear", heads=2, head_dim=64, head_dim_v=64,
-             seqlen_q=128, seqlen_kv=128, dtype="bfloat16", modes=("fwd", "fwd+bwd"))
+    return compiled
+
+
+def test_the_arms_kernels_compile_together_under_their_patches(probe, monkeypatch):
+    # the engine's linear arms: each arm's sources read under its own patch, all handed to
+    # one parallel compile before any arm's first call (stopped there: no GPU to call them)
+    lin = "engine.kernels.linear_fwd.plan"
+    compiled, c = _stopped_at_compile(monkeypatch), LINEAR
     arms = [probe.parse_arm("engine"), probe.parse_arm("reference"),
             probe.parse_arm(f"engine@{lin}:CHUNK_LOOP_BLOCKS_PER_SM=1")]
     with pytest.raises(KeyboardInterrupt):
@@ -157,15 +166,7 @@ def test_a_deadline_ends_only_a_block_that_runs_past_it(monkeypatch, capsys):
 
 def test_an_arm_whose_config_does_not_fit_the_case_sits_it_out(probe, monkeypatch, capsys):
     # 128 key rows at D 64: that arm is refused here and named; the rest compile together
-    compiled = []
-
-    def precompile(srcs):
-        compiled.append(list(srcs))
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr("attnbench.arms.precompile", precompile)
-    c = case(variant="simple_gla", kind="linear", heads=2, head_dim=64, head_dim_v=64,
-             seqlen_q=128, seqlen_kv=128, dtype="bfloat16", modes=("fwd", "fwd+bwd"))
+    compiled, c = _stopped_at_compile(monkeypatch), LINEAR
     wide = "engine@fwd=C64_K128_V64_s1_t256_1p"
     arms = [probe.parse_arm("engine"), probe.parse_arm(wide)]
     with pytest.raises(KeyboardInterrupt):
