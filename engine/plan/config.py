@@ -42,6 +42,7 @@ WS_CONSUMER_REGS = 240
 
 
 REGISTERS_PER_SM = 64 * 1024
+MAX_REGISTERS_PER_THREAD = 255
 
 
 def consumer_register_cap(threads: int, blocks: int = 1) -> int:
@@ -51,14 +52,11 @@ def consumer_register_cap(threads: int, blocks: int = 1) -> int:
     pool per CTA (PTX ISA), filled with what the block launched with (the launch bounds' share
     of the SM's 64 Ki, in multiples of 8 a thread) and what its producers release: a consumer
     asking for more waits for ever (TileLang's 240 at two blocks: results/NOTES.md 202, 205).
-    At one block the share reproduces TileLang's 240 (256 threads) and 160 (384)."""
-    cap = WS_CONSUMER_REGS if threads <= 256 else 160
-    if blocks == 1:
-        return cap
+    At one block this gives TileLang's own 240 (256 threads) and 160 (384)."""
     total = threads + WS_PRODUCER_THREADS
-    launch = REGISTERS_PER_SM // (blocks * total) // 8 * 8
+    launch = min(MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM // (blocks * total)) // 8 * 8
     share = (launch * total - WS_PRODUCER_THREADS * WS_PRODUCER_REGS) // threads
-    return min(cap, share // 8 * 8)  # setmaxnreg takes multiples of 8
+    return min(WS_CONSUMER_REGS, share // 8 * 8)  # setmaxnreg takes multiples of 8
 
 
 def warp_partition(

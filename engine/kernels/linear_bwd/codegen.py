@@ -34,7 +34,6 @@ from engine.kernels.linear_fwd.codegen import (
     emit_decay_load,
     emit_rows,
     emit_sequence,
-    emit_state_store,
     forward_table_params,
     head_text,
     input_params,
@@ -43,7 +42,6 @@ from engine.kernels.linear_fwd.codegen import (
     slot_buffers,
     state_param,
     state_pass_tiles,
-    state_store_buffers,
     weighted,
 )
 from engine.kernels.linear_fwd.plan import NO_FOLDS, Folds, LinearConfig, LinearShape
@@ -89,7 +87,7 @@ def generate_dstates(s: LinearShape, cfg: LinearConfig, final_grad: bool, initia
         w.lines([f'Q_s = T.alloc_shared(({C}, {BK}), "{dt}")',
                  f'dO_s = T.alloc_shared(({C}, {BV}), "{dt}")',
                  f'Qd_s = T.alloc_shared(({C}, {BK}), "{dt}")',
-                 *state_store_buffers(BK, BV, dt, shared_copy=False),
+                 f'S_s = T.alloc_shared(({BK}, {BV}), "{dt}")',
                  *slot_buffers(C),
                  f'acc = T.alloc_fragment(({BK}, {BV}), "float32")'])
         w.line(f"T.copy(dHt[n, h, {tile}], acc)" if final_grad else "T.clear(acc)")
@@ -97,7 +95,8 @@ def generate_dstates(s: LinearShape, cfg: LinearConfig, final_grad: bool, initia
         with w.block(f"for i in T.Pipelined(nc, num_stages={cfg.num_stages}):"):
             w.line("c: T.int32 = nc - 1 - i")
             rows = f"bos + c * {C}:bos + (c + 1) * {C}"
-            emit_state_store(w, "acc", f"dHs[slot0 + c, h, {tile}]", shared_copy=False)
+            w.line("T.copy(acc, S_s)")
+            w.line(f"T.copy(S_s, dHs[slot0 + c, h, {tile}])")
             w.line(f"T.copy(Q[b, {hq}, {rows}, ik * {BK}:(ik + 1) * {BK}], Q_s)")
             w.line(f"T.copy(dO[b, h, {rows}, iv * {BV}:(iv + 1) * {BV}], dO_s)")
             emit_decay_load(w, "slot0 + c")

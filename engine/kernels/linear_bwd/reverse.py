@@ -30,7 +30,6 @@ from engine.kernels.linear_fwd.codegen import (
     emit_decay_load,
     emit_rows,
     emit_sequence,
-    emit_state_store,
     forward_table_params,
     head_text,
     input_params,
@@ -38,7 +37,6 @@ from engine.kernels.linear_fwd.codegen import (
     scaled,
     slot_buffers,
     state_param,
-    state_store_buffers,
 )
 from engine.kernels.linear_fwd.plan import (
     NO_FOLDS,
@@ -80,7 +78,7 @@ def generate_reverse(s: LinearShape, cfg: LinearConfig, final_grad: bool, initia
         w.line(f"nc: T.int32 = T.ceildiv(seqlen, {C})")
         with w.block(f"for i in T.Pipelined(nc, num_stages={cfg.num_stages}):"):
             _emit_chunk_loads(w, s, C, cols, folds)
-            emit_state_store(w, "state", f"dHs[slot0 + c, h, :, {cols}]", shared_copy=True)
+            w.line(f"T.copy(S_s, dHs[slot0 + c, h, :, {cols}])")
             _emit_dv_tile(w, C, BV, dt, folds)
             _emit_state_step(w, C, D, BV, dt, folds)
         if initial_grad:
@@ -99,8 +97,7 @@ def _buffers(C: int, D: int, BV: int, dt: str, folds: Folds) -> list[str]:
            *slot_buffers(C, folds),
            f'At = T.alloc_fragment(({C}, {C}), "float32")',
            f'acc = T.alloc_fragment(({C}, {BV}), "float32")',
-           f'state = T.alloc_fragment(({D}, {BV}), "float32")',
-           *state_store_buffers(D, BV, dt, shared_copy=True)]
+           f'state = T.alloc_fragment(({D}, {BV}), "float32")']
     if folds.v_weight:
         out += [f'V_s = T.alloc_shared(({C}, {BV}), "{dt}")',
                 f'prod = T.alloc_fragment(({C}, {BV}), "float32")',

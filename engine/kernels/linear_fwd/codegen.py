@@ -86,23 +86,6 @@ def emit_blocks_per_sm(w: SourceWriter, kernel: str, s: LinearShape, cfg: Linear
                  f"T.annotate_consumer_reg_alloc({consumer_registers(kernel, cfg, blocks)})"])
 
 
-def state_store_buffers(rows: int, BV: int, dt: str, shared_copy: bool) -> list[str]:
-    """The [rows, BV] shared tile S_s a chunk-loop kernel stores each chunk's state from by a
-    TMA store; none to add where the kernel keeps S_s, its copy of the state, for its gemms
-    (`shared_copy`). (Stored by each thread from its registers instead, the state passes
-    took 16-47% longer on the H200: results/NOTES.md 205.)"""
-    return [] if shared_copy else [f'S_s = T.alloc_shared(({rows}, {BV}), "{dt}")']
-
-
-def emit_state_store(w: SourceWriter, state: str, dest: str, shared_copy: bool) -> None:
-    """The store of the fp32 fragment `state` to `dest` from S_s (state_store_buffers), by a
-    TMA store that TileLang waits for at once; S_s written first unless the kernel already
-    holds the state there (`shared_copy`)."""
-    if not shared_copy:
-        w.line(f"T.copy({state}, S_s)")
-    w.line(f"T.copy(S_s, {dest})")
-
-
 def emit_sequence(w: SourceWriter, s: LinearShape) -> None:
     """The block's sequence and head (grid z: sequence * heads + head), from Seqs."""
     w.lines([f"n: T.int32 = nh // {s.heads}", f"h: T.int32 = nh % {s.heads}",
@@ -213,14 +196,17 @@ def generate_states(s: LinearShape, cfg: LinearConfig, initial: bool, final: boo
         w.lines([f'K_s = T.alloc_shared(({C}, {BK}), "{dt}")',
                  f'V_s = T.alloc_shared(({C}, {BV}), "{dt}")',
                  f'Vd_s = T.alloc_shared(({C}, {BV}), "{dt}")',
-                 *state_store_buffers(BK, BV, dt, shared_copy=False),
+                 f'S_s = T.alloc_shared(({BK}, {BV}), "{dt}")',
                  *slot_buffers(C, folds),
                  f'acc = T.alloc_fragment(({BK}, {BV}), "float32")'])
         w.line(f"T.copy(H0[n, h, {tile}], acc)" if initial else "T.clear(acc)")
         rows = f"bos + c * {C}:bos + (c + 1) * {C}"
         with w.block(f"for c in T.Pipelined(T.ceildiv(seqlen, {C}), "
                      f"num_stages={cfg.num_stages}):"):
-            emit_state_store(w, "acc", f"Hs[slot0 + c, h, {tile}]", shared_copy=False)
+            # by a TMA store from S_s: stored thread by thread from registers, the state
+            # passes took 16-47% longer on the H200 (results/NOTES.md 205)
+            w.line("T.copy(acc, S_s)")
+            w.line(f"T.copy(S_s, Hs[slot0 + c, h, {tile}])")
             w.line(f"T.copy(K[b, {hk}, {rows}, ik * {BK}:(ik + 1) * {BK}], K_s)")
             w.line(f"T.copy(V[b, h, {rows}, iv * {BV}:(iv + 1) * {BV}], V_s)")
             emit_decay_load(w, "slot0 + c", folds)
@@ -347,8 +333,7 @@ def generate_fused(s: LinearShape, cfg: LinearConfig, initial: bool, final: bool
                  *slot_buffers(C, folds),
                  f'A = T.alloc_fragment(({C}, {C}), "float32")',
                  f'acc = T.alloc_fragment(({C}, {BV}), "float32")',
-                 f'state = T.alloc_fragment(({D}, {BV}), "float32")',
-                 *(state_store_buffers(D, BV, dt, shared_copy=True) if save else [])])
+                 f'state = T.alloc_fragment(({D}, {BV}), "float32")'])
         w.line(f"T.copy(H0[n, h, :, {cols}], state)" if initial else "T.clear(state)")
         rows = f"bos + c * {C}:bos + (c + 1) * {C}"
         with w.block(f"for c in T.Pipelined(T.ceildiv(seqlen, {C}), "
@@ -359,7 +344,7 @@ def generate_fused(s: LinearShape, cfg: LinearConfig, initial: bool, final: bool
             emit_decay_load(w, "slot0 + c", folds)
             w.line("T.copy(state, S_s)")
             if save:
-                emit_state_store(w, "state", f"Hs[slot0 + c, h, :, {cols}]", shared_copy=True)
+                w.line(f"T.copy(S_s, Hs[slot0 + c, h, :, {cols}])")
             w.lines(["row0: T.int32 = bos + c * " + str(C),
                      f"nrows: T.int32 = T.min(seqlen - c * {C}, {C})"])
             emit_intra(w, C, dt, folds)
