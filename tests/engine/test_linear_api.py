@@ -538,7 +538,9 @@ def test_single_pass_default_with_a_block_per_sm(batch, heads, head_dim, head_di
                                                  monkeypatch):
     """The single pass wherever its blocks fill the SMs, at D 256 too (NOTES 132), at one
     pipeline stage where that lets two blocks share an SM (NOTES 205) and two otherwise, or
-    at one block per SM; the backward's default keeps two."""
+    at one block per SM; the backward's default keeps two (its dQ/dK kernel's), its reverse
+    single pass the forward's rule (NOTES 209)."""
+    from engine.kernels.linear_bwd.plan import reverse_config
     from engine.kernels.linear_fwd import plan
     from engine.kernels.linear_fwd.plan import LinearShape, config_for_shape
 
@@ -547,9 +549,12 @@ def test_single_pass_default_with_a_block_per_sm(batch, heads, head_dim, head_di
     cfg = config_for_shape(shape, 132)
     assert cfg.single_pass and (cfg.chunk, cfg.block_V, cfg.threads, cfg.num_stages) == (
         64, 64, 256, stages)
-    assert plan.backward_config_for_shape(shape, 132).num_stages == 2
+    bwd = plan.backward_config_for_shape(shape, 132)
+    assert bwd.num_stages == 2
+    assert reverse_config(shape, bwd) == dataclasses.replace(bwd, num_stages=stages)
     monkeypatch.setattr(plan, "CHUNK_LOOP_BLOCKS_PER_SM", 1)
     assert config_for_shape(shape, 132).num_stages == 2
+    assert reverse_config(shape, bwd) == bwd
 
 
 def test_training_beside_the_single_pass_runs_the_reverse_pass_and_a_narrow_dqk_kernel():

@@ -19,7 +19,7 @@ from engine.kernels.linear_bwd.codegen import (
     generate_dstates,
     generate_dv,
 )
-from engine.kernels.linear_bwd.plan import shared_heads_by_atomics
+from engine.kernels.linear_bwd.plan import reverse_config, shared_heads_by_atomics
 from engine.kernels.linear_bwd.reverse import generate_reverse
 from engine.kernels.linear_fwd.launch import (
     ForwardKernels,
@@ -72,8 +72,8 @@ class BackwardKernels:
     def reverse(self, final_grad: bool, initial_grad: bool) -> Kernel:
         key = (final_grad, initial_grad)
         if key not in self._reverse:
-            self._reverse[key] = Kernel(generate_reverse(self.shape, self.config, *key,
-                                                         self.folds))
+            cfg = reverse_config(self.shape, self.config)
+            self._reverse[key] = Kernel(generate_reverse(self.shape, cfg, *key, self.folds))
         return self._reverse[key]
 
     @functools.cached_property

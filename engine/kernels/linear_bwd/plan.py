@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine.dtypes import elem_bytes
-from engine.kernels.linear_fwd.plan import LinearConfig, LinearShape
+from engine.kernels.linear_fwd.plan import LinearConfig, LinearShape, more_blocks_at_one_stage
 from engine.plan.config import SMEM_LIMIT_BYTES
 
 
@@ -27,6 +27,15 @@ def heads_first(shape: LinearShape) -> bool:
     atomics gained 12% of forward+backward at B 8 x T 2k and nothing at T 4k and 8k
     (results/NOTES.md 147, 149)."""
     return shape.shares_heads
+
+
+def reverse_config(shape: LinearShape, cfg: LinearConfig) -> LinearConfig:
+    """The config the reverse single pass runs: the backward config at one load pipeline
+    stage where that lets two of its blocks share an SM (its stages are otherwise the dQ/dK
+    kernel's too, which gains nothing from one). At one stage it took 483 against 616 us at
+    Mamba2-2.7B B 8 x T 2k and 332 against 436 at simple GLA B 8 x T 4k (H200, results/NOTES.md
+    209); at D 256 (YOCO-13B) two blocks do not fit either way."""
+    return more_blocks_at_one_stage("reverse", shape, cfg)
 
 
 def dqk_value_stages(shape: LinearShape, cfg: LinearConfig) -> int:

@@ -281,10 +281,16 @@ def config_for_shape(shape: LinearShape, sm_count: int = 132) -> LinearConfig:
 @functools.lru_cache(maxsize=256)  # asked on every call; `blocks` keys a patched constant
 def _forward_config(shape: LinearShape, sm_count: int, blocks: int) -> LinearConfig:
     cfg = _chunk_config(shape, sm_count)
+    return more_blocks_at_one_stage("single", shape, cfg) if cfg.single_pass else cfg
+
+
+def more_blocks_at_one_stage(kernel: str, shape: LinearShape, cfg: LinearConfig
+                             ) -> LinearConfig:
+    """`cfg` at one load pipeline stage where that lets more of `kernel`'s blocks share an SM
+    (blocks_per_sm), else `cfg`: a chunk-loop kernel's serial steps gain more from a second
+    block than from a second stage."""
     one = dataclasses.replace(cfg, num_stages=1)
-    if cfg.single_pass and blocks_per_sm("single", shape, one) > blocks_per_sm("single", shape, cfg):
-        return one
-    return cfg
+    return one if blocks_per_sm(kernel, shape, one) > blocks_per_sm(kernel, shape, cfg) else cfg
 
 
 def _chunk_config(shape: LinearShape, sm_count: int = 132, whole_key_tile: bool = False
