@@ -360,6 +360,39 @@ def test_chunk_loop_kernels_ask_for_two_blocks_per_sm_without_spills(tmp_path, m
         assert 128 * producer + 256 * consumer <= 384 * report.registers
 
 
+def test_output_kernel_in_64_row_blocks_compiles_without_spills(tmp_path, monkeypatch):
+    """linear_fwd.plan.OUTPUT_ROWS at 64 (off by default): at 128-position chunks only the
+    output kernel changes, into blocks of 64 query rows on one warpgroup (two share an SM; its
+    decays, value-weight fold and packed rows as before), lowered to wgmma without spills; at
+    64-position chunks nothing changes."""
+    from engine.kernels.linear_fwd import plan
+    from engine.kernels.linear_fwd.plan import Folds, LinearConfig
+    from engine.runtime import linear_backend
+    from engine.runtime.compile import lowered_cuda
+    from engine.runtime.ptxas import compile_cubin
+
+    monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
+    meta = [torch.empty(1, h, 300, d, dtype=torch.bfloat16, device="meta")
+            for h, d in ((1, 128), (1, 128), (4, 64))]
+    cu = torch.empty(4)
+
+    def sources(chunk: int) -> list[str]:
+        cfg = LinearConfig(chunk=chunk, block_K=128, threads=256)
+        return linear_backend.kernel_sources(
+            linear_backend.LinearKernelCache(), *meta, config=cfg, modes=("fwd", "bwd"),
+            cu_seqlens=cu, folds=Folds(v_weight=True))
+    before = {c: sources(c) for c in (64, 128)}
+    monkeypatch.setattr(plan, "OUTPUT_ROWS", 64)
+    assert sources(64) == before[64]
+    changed = [src for src in sources(128) if src not in before[128]]
+    assert len(changed) == 1 and " output " in changed[0].split("\n", 1)[0]
+    assert "rows=64" in changed[0].split("\n", 1)[0]
+    assert "T.Kernel(2, 6, 4, threads=128) as (ir, j, h)" in changed[0]  # 6 slots
+    cuda = lowered_cuda(changed[0])
+    assert "wgmma" in cuda
+    assert compile_cubin(cuda, tmp_path).spill_bytes == 0
+
+
 @pytest.mark.parametrize("name,config", [
     ("softmax_causal", KernelConfig(128, 176, 2, 256, schedule="pingpong")),
     ("document", KernelConfig(128, 128, 2, 256, schedule="overlap")),  # the mask once

@@ -9,6 +9,8 @@ single pass and the backward's reverse single pass (engine.kernels.linear_bwd.re
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -82,18 +84,41 @@ FOLD_CASES = [(BF16, (1, 1, 4), (128, 64), 2, 200, True, False, None),
               (BF16, (4, 4, 4), (256, 256), 2, 200, True, False, D256_PAIR)]
 FOLDS = Folds(q_scale=0.37, v_weight=True)
 
-# The plan's switches away from its defaults (engine.kernels.linear_fwd.plan), each over the
-# kernels it changes: the chunk-loop kernels at one block per SM (two by default where their
-# shared memory fits). (case, the forward keeps its states)
+# The plan's switches away from their defaults (engine.kernels.linear_fwd.plan), each over
+# the kernels it changes: the chunk-loop kernels at one block per SM (two by default where
+# their shared memory fits); the output kernel's 64-row blocks of a 128-position chunk.
+# Each switch's cases: (case, the forward keeps its states, the folds applied).
 PLAN = "engine.kernels.linear_fwd.plan"
-SWITCHES = {"one-block": ((PLAN, "CHUNK_LOOP_BLOCKS_PER_SM", 1),)}
 ONE_S1 = LinearConfig(block_K=64, num_stages=1, single_pass=True, threads=256)
-SWITCH_CASES = [((BF16, (4, 4, 4), (128, 128), 2, 300, True, False, C128), False),
-                ((FP16, (1, 1, 4), (128, 64), 1, PACKED[-1], True, True, C128), False),
-                ((BF16, (4, 4, 4), (256, 256), 2, 200, True, False, D256_PAIR), False),
-                ((BF16, (4, 4, 4), (256, 256), 2, 200, True, False, D256_PAIR), True),
-                ((BF16, (2, 1, 4), (128, 128), 2, 200, True, False, ONE_S1), False),
-                ((FP16, (1, 1, 4), (128, 64), 1, PACKED[-1], True, True, ONE_S1), True)]
+SWITCHES = {
+    "one-block": (((PLAN, "CHUNK_LOOP_BLOCKS_PER_SM", 1),),
+                  [((BF16, (4, 4, 4), (128, 128), 2, 300, True, False, C128), False, False),
+                   ((FP16, (1, 1, 4), (128, 64), 1, PACKED[-1], True, True, C128), False,
+                    False),
+                   ((BF16, (4, 4, 4), (256, 256), 2, 200, True, False, D256_PAIR), False,
+                    False),
+                   ((BF16, (4, 4, 4), (256, 256), 2, 200, True, False, D256_PAIR), True,
+                    False),
+                   ((BF16, (2, 1, 4), (128, 128), 2, 200, True, False, ONE_S1), False, False),
+                   ((FP16, (1, 1, 4), (128, 64), 1, PACKED[-1], True, True, ONE_S1), True,
+                    False)]),
+    "output-rows": (((PLAN, "OUTPUT_ROWS", 64),),
+                    [((BF16, (4, 4, 4), (128, 128), 2, 300, True, False, C128), False, False),
+                     ((FP16, (1, 1, 4), (128, 64), 1, PACKED[-1], True, True, C128), False,
+                      False),
+                     ((BF16, (2, 1, 4), (128, 64), 2, 300, True, False, C128), False, True),
+                     ((BF16, (1, 1, 4), (128, 128), 1, PACKED[-1], True, True, C128), True,
+                      True),
+                     ((BF16, (4, 4, 4), (64, 64), 2, 130, False, False,
+                       dataclasses.replace(C128, block_K=64)), False, False)]),
+}
+SWITCH_RUNS = [(name, run) for name, (_, runs) in SWITCHES.items() for run in runs]
+
+
+def switch_id(run: tuple) -> str:
+    name, (case, save, folded) = run
+    return f"{name}-{case_id(case)}" + ("-kept" if save else "") + ("-folded" if folded else "")
+
 
 def case_id(c: tuple) -> str:
     dt, (hq, hk, h), (d, dv), b, t, states, packed, cfg = c
@@ -160,11 +185,9 @@ def _precompiled(request):
     srcs += [s for c in SHARED_CASES if c in selected_params(request, "case") for s in
              (*_sources(c), *_sources(c, deterministic=True))]
     srcs += [s for c, folds in SAVED_CASES if c in chosen for s in _sources(c, folds, save=True)]
-    switched = selected_params(request, "case", "switch")
-    for switch, patches in SWITCHES.items():
-        with patched(patches):
-            srcs += [s for c, save in SWITCH_CASES if ((c, save), switch) in switched
-                     for s in _sources(c, save=save)]
+    for name, (case, save, folded) in selected_params(request, "run"):
+        with patched(SWITCHES[name][0]):
+            srcs += _sources(case, FOLDS if folded else NO_FOLDS, save=save)
     for err in precompile(list(dict.fromkeys(srcs))).values():
         print("precompile failed:", err[:300])
 
@@ -182,12 +205,14 @@ def test_folded_kernels_match_reference(case):
     _compare(case, q_scale=FOLDS.q_scale, weighted=True)
 
 
-@pytest.mark.parametrize("case", SWITCH_CASES,
-                         ids=lambda c: case_id(c[0]) + ("-kept" if c[1] else ""))
-@pytest.mark.parametrize("switch", SWITCHES)
-def test_plan_switches_match_reference(case, switch):
-    with patched(SWITCHES[switch]):
-        _compare(case[0], save=case[1])
+@pytest.mark.parametrize("run", SWITCH_RUNS, ids=switch_id)
+def test_plan_switches_match_reference(run):
+    name, (case, save, folded) = run
+    with patched(SWITCHES[name][0]):
+        if folded:
+            _compare(case, q_scale=FOLDS.q_scale, weighted=True, save=save)
+        else:
+            _compare(case, save=save)
 
 
 def _compare(case: tuple, q_scale: float = 1.0, weighted: bool = False,

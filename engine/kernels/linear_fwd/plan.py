@@ -162,6 +162,21 @@ def blocks_per_sm(kernel: str, shape: LinearShape, cfg: LinearConfig) -> int:
     return max(1, min(CHUNK_LOOP_BLOCKS_PER_SM, SMEM_LIMIT_BYTES // (smem + 1024)))
 
 
+# Query rows one output-kernel block takes of a 128-position chunk (0: the whole chunk). A
+# whole 128-position chunk's block holds 147 KB of shared memory at D 128 (one block an SM,
+# its loads and its multiplies in turn, no pipeline); at 64 rows, on one warpgroup, 104 KB, and
+# two blocks share an SM, one loading while the other multiplies. The output kernel took 257 us
+# at Mamba2-2.7B B 1 x T 8k against about 80 us to move its bytes (H200, results/NOTES.md
+# 210). Off until measured.
+OUTPUT_ROWS = 0
+
+
+def output_rows(cfg: LinearConfig) -> int:
+    """The query rows of one output-kernel block: OUTPUT_ROWS where it is 64 and the chunk
+    128 (a warpgroup's tensor-core rows; the chunk's keys stay whole), else the chunk."""
+    return OUTPUT_ROWS if OUTPUT_ROWS == 64 and cfg.chunk == 128 else cfg.chunk
+
+
 def consumer_registers(kernel: str, cfg: LinearConfig, blocks: int) -> int:
     """The registers a chunk-loop kernel's consumer threads take after TileLang's reallocation,
     at `blocks` blocks (blocks_per_sm): their share of the SM beside the producer warpgroups
