@@ -360,11 +360,13 @@ def test_chunk_loop_kernels_ask_for_two_blocks_per_sm_without_spills(tmp_path, m
         assert 128 * producer + 256 * consumer <= 384 * report.registers
 
 
-def test_output_kernel_in_64_row_blocks_compiles_without_spills(tmp_path, monkeypatch):
-    """linear_fwd.plan.OUTPUT_ROWS at 64 (off by default): at 128-position chunks only the
-    output kernel changes, into blocks of 64 query rows on one warpgroup (two share an SM; its
-    decays, value-weight fold and packed rows as before), lowered to wgmma without spills; at
-    64-position chunks nothing changes."""
+def test_per_chunk_kernels_in_64_row_blocks_compile_without_spills(tmp_path, monkeypatch):
+    """linear_fwd.plan.OUTPUT_ROWS and linear_bwd.plan.DV_ROWS at 64 (off by default): at
+    128-position chunks each changes its kernel alone, the output kernel's query rows or the
+    dV kernel's key rows in blocks of 64 on one warpgroup (two share an SM; the decays, the
+    value-weight fold and its gradient, packed rows as before), lowered to wgmma without
+    spills; at 64-position chunks nothing changes."""
+    from engine.kernels.linear_bwd import plan as bwd_plan
     from engine.kernels.linear_fwd import plan
     from engine.kernels.linear_fwd.plan import Folds, LinearConfig
     from engine.runtime import linear_backend
@@ -382,15 +384,22 @@ def test_output_kernel_in_64_row_blocks_compiles_without_spills(tmp_path, monkey
             linear_backend.LinearKernelCache(), *meta, config=cfg, modes=("fwd", "bwd"),
             cu_seqlens=cu, folds=Folds(v_weight=True))
     before = {c: sources(c) for c in (64, 128)}
-    monkeypatch.setattr(plan, "OUTPUT_ROWS", 64)
-    assert sources(64) == before[64]
-    changed = [src for src in sources(128) if src not in before[128]]
-    assert len(changed) == 1 and " output " in changed[0].split("\n", 1)[0]
-    assert "rows=64" in changed[0].split("\n", 1)[0]
-    assert "T.Kernel(2, 6, 4, threads=128) as (ir, j, h)" in changed[0]  # 6 slots
-    cuda = lowered_cuda(changed[0])
-    assert "wgmma" in cuda
-    assert compile_cubin(cuda, tmp_path).spill_bytes == 0
+    changed = []
+    for module, name, kernel in ((plan, "OUTPUT_ROWS", "output"), (bwd_plan, "DV_ROWS", "dv")):
+        monkeypatch.setattr(module, name, 64)
+        assert sources(64) == before[64]
+        new = [src for src in sources(128) if src not in before[128] + changed]
+        assert len(new) == 1, name
+        head = new[0].split("\n", 1)[0]
+        assert f": {kernel} " in head and head.endswith(" rows=64"), head
+        changed += new
+    # 2 row tiles x 6 chunk slots x 4 heads (the dV kernel's heads first: shared q and k)
+    assert "T.Kernel(2, 6, 4, threads=128) as (ir, j, h)" in changed[0]
+    assert "T.Kernel(4, 2, 6, threads=128) as (h, ir, j)" in changed[1]
+    for src in changed:
+        cuda = lowered_cuda(src)
+        assert "wgmma" in cuda
+        assert compile_cubin(cuda, tmp_path).spill_bytes == 0
 
 
 @pytest.mark.parametrize("name,config", [

@@ -175,3 +175,9 @@ def test_an_arm_whose_config_does_not_fit_the_case_sits_it_out(probe, monkeypatc
     assert compiled[0] and not any("K128" in s.split("\n", 1)[0] for s in compiled[0])
     with pytest.raises(Exception, match="block_K=128"):  # the reference arm may not sit out
         probe.probe_case(c, arms[::-1], "fwd+bwd", rounds=1, calls=1, device=CPU)
+    # a backward config at another chunk than the case's default forward's: refused the same
+    other = "engine@bwd=C64_K64_V64_s2_t128"
+    with pytest.raises(KeyboardInterrupt):
+        probe.probe_case(c, [arms[0], probe.parse_arm(other)], "fwd+bwd", rounds=1, calls=1,
+                         device=CPU)
+    assert f"c {other}: refused here: backward_config: chunk 64 " in capsys.readouterr().out

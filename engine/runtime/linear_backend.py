@@ -25,6 +25,7 @@ from engine.kernels.linear_fwd.plan import (
 )
 from engine.kernels.linear_step.launch import StepKernels, build_step, launch_step
 from engine.kernels.linear_step.plan import MAX_STEP_TOKENS, StepConfig, default_step_config
+from engine.plan.config import ConfigError
 
 
 class LinearKernelCache:
@@ -75,11 +76,13 @@ def linear_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def configs(shape: LinearShape, config: LinearConfig | None,
             backward_config: LinearConfig | None) -> tuple[LinearConfig, LinearConfig]:
-    """The forward's config and the backward's (which must share its chunk)."""
+    """The forward's config and the backward's (which must share its chunk: the kernels read
+    the forward's per-chunk decay sums and states; a ConfigError, as a config that does not
+    fit)."""
     fwd = config or config_for_shape(shape)
     bwd = backward_config or fwd
     if bwd.chunk != fwd.chunk:
-        raise ValueError(f"backward_config: chunk {bwd.chunk} must equal the forward's "
+        raise ConfigError(f"backward_config: chunk {bwd.chunk} must equal the forward's "
                          f"chunk {fwd.chunk}")
     return fwd, bwd
 

@@ -86,9 +86,10 @@ FOLDS = Folds(q_scale=0.37, v_weight=True)
 
 # The plan's switches away from their defaults (engine.kernels.linear_fwd.plan), each over
 # the kernels it changes: the chunk-loop kernels at one block per SM (two by default where
-# their shared memory fits); the output kernel's 64-row blocks of a 128-position chunk.
+# their shared memory fits); the output and dV kernels' 64-row blocks of a 128-position
+# chunk.
 # Each switch's cases: (case, the forward keeps its states, the folds applied).
-PLAN = "engine.kernels.linear_fwd.plan"
+PLAN, BWD_PLAN = "engine.kernels.linear_fwd.plan", "engine.kernels.linear_bwd.plan"
 ONE_S1 = LinearConfig(block_K=64, num_stages=1, single_pass=True, threads=256)
 SWITCHES = {
     "one-block": (((PLAN, "CHUNK_LOOP_BLOCKS_PER_SM", 1),),
@@ -102,7 +103,7 @@ SWITCHES = {
                    ((BF16, (2, 1, 4), (128, 128), 2, 200, True, False, ONE_S1), False, False),
                    ((FP16, (1, 1, 4), (128, 64), 1, PACKED[-1], True, True, ONE_S1), True,
                     False)]),
-    "output-rows": (((PLAN, "OUTPUT_ROWS", 64),),
+    "row-tiles": (((PLAN, "OUTPUT_ROWS", 64), (BWD_PLAN, "DV_ROWS", 64)),
                     [((BF16, (4, 4, 4), (128, 128), 2, 300, True, False, C128), False, False),
                      ((FP16, (1, 1, 4), (128, 64), 1, PACKED[-1], True, True, C128), False,
                       False),

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 from engine.dtypes import elem_bytes
-from engine.kernels.linear_fwd.plan import LinearConfig, LinearShape, more_blocks_at_one_stage
+from engine.kernels.linear_fwd.plan import (
+    LinearConfig,
+    LinearShape,
+    more_blocks_at_one_stage,
+    row_tile,
+)
 from engine.plan.config import SMEM_LIMIT_BYTES
 
 
@@ -36,6 +41,20 @@ def reverse_config(shape: LinearShape, cfg: LinearConfig) -> LinearConfig:
     Mamba2-2.7B B 8 x T 2k and 332 against 436 at simple GLA B 8 x T 4k (H200, results/NOTES.md
     209); at D 256 (YOCO-13B) two blocks do not fit either way."""
     return more_blocks_at_one_stage("reverse", shape, cfg)
+
+
+# Key rows one dV-kernel block takes of a 128-position chunk (0: the whole chunk), as
+# linear_fwd.plan.OUTPUT_ROWS does for the output kernel's query rows: a whole chunk's block
+# holds 147 KB at D 128, one an SM with its loads and multiplies in turn; 64 rows on one
+# warpgroup, 104 KB, two an SM. The dV kernel took 269 us at Mamba2-2.7B B 1 x T 8k (H200,
+# results/NOTES.md 210). Off until measured.
+DV_ROWS = 0
+
+
+def dv_rows(cfg: LinearConfig) -> int:
+    """The key rows of one dV-kernel block (row_tile of DV_ROWS; its queries stay the
+    chunk's)."""
+    return row_tile(DV_ROWS, cfg)
 
 
 def dqk_value_stages(shape: LinearShape, cfg: LinearConfig) -> int:

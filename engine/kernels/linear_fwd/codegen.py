@@ -282,12 +282,18 @@ def weighted(factor: str, pos: str, v_weight: bool) -> str:
     return f"({factor} * W_s[{pos}])" if v_weight else factor
 
 
+def chunk_row(first: str, row: str = "t") -> str:
+    """The chunk's row of a row tile's row `row`, the tile starting at the chunk's row `first`
+    (an offset expression such as " + ir * 64"; none: the tile is the chunk)."""
+    return f"({row}{first})" if first else row
+
+
 def emit_intra(w: SourceWriter, C: int, dt: str, folds: Folds = NO_FOLDS, rows: int = 0,
                first: str = "") -> None:
     """A_s = (Q_s K_s^T) * exp(G_t - G_s) (* W_s, * q_scale: the folds) for s <= t: the
     chunk's own decayed scores, for `rows` query rows (the chunk's without) from the chunk's
-    row `first` (an offset expression, " + ir * 64"; none: the first)."""
-    t = f"(t{first})" if first else "t"
+    row `first` (chunk_row)."""
+    t = chunk_row(first)
     w.line("T.clear(A)")
     w.line("T.gemm(Q_s, K_s, A, transpose_B=True)")
     factor = scaled(weighted(f"T.exp(G_s[{t}] - G_s[u])", "u", folds.v_weight), folds)
@@ -301,7 +307,7 @@ def emit_output_tile(w: SourceWriter, rows: int, BV: int, target: str,
     """One value tile of the output's `rows` query rows (from the chunk's row `first`, as in
     emit_intra), exp(G) * q_scale * (Q_s S_s) + A_s V_s (A_s already scaled), stored to
     `target` (row t of the tile, column v) for its valid rows."""
-    t = f"(t{first})" if first else "t"
+    t = chunk_row(first)
     w.line("T.clear(acc)")
     w.line("T.gemm(Q_s, S_s, acc)")
     with w.block(f"for t, v in T.Parallel({rows}, {BV}):"):

@@ -172,9 +172,15 @@ OUTPUT_ROWS = 0
 
 
 def output_rows(cfg: LinearConfig) -> int:
-    """The query rows of one output-kernel block: OUTPUT_ROWS where it is 64 and the chunk
-    128 (a warpgroup's tensor-core rows; the chunk's keys stay whole), else the chunk."""
-    return OUTPUT_ROWS if OUTPUT_ROWS == 64 and cfg.chunk == 128 else cfg.chunk
+    """The query rows of one output-kernel block (row_tile of OUTPUT_ROWS; its keys stay the
+    chunk's)."""
+    return row_tile(OUTPUT_ROWS, cfg)
+
+
+def row_tile(rows: int, cfg: LinearConfig) -> int:
+    """A per-chunk kernel's rows a block: `rows` where it is 64 (a warpgroup's tensor-core
+    rows) and the chunk 128, else the chunk."""
+    return rows if rows == 64 and cfg.chunk == 128 else cfg.chunk
 
 
 def consumer_registers(kernel: str, cfg: LinearConfig, blocks: int) -> int:
