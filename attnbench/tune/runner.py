@@ -39,7 +39,7 @@ from attnbench.tune.loop import (
     study_state,
 )
 from attnbench.tune.objective import Objective, TrialFailed
-from attnbench.tune.problem import study_name
+from attnbench.tune.problem import Problem, study_name
 from attnbench.tune.progress import ProgressDisplay, Snapshot
 from attnbench.tune.publish import write_best
 from attnbench.tune.result import TuneResult
@@ -212,24 +212,8 @@ def run_study(objective: Objective, space: SearchSpace, opts: TuneOptions) -> Tu
 def _run_study(objective: Objective, space: SearchSpace, opts: TuneOptions,
                stop: threading.Event, interrupted: threading.Event) -> TuneResult:
     problem = objective.problem
-    if space.template != problem.template:
-        raise ValueError(
-            f"search space {space.source} is for template {space.template!r}, "
-            f"but mode={problem.mode!r} needs {problem.template!r}"
-        )
-    valid = space.valid_configs(problem.head_dim, problem.head_dim_v, problem.elem_bytes,
-                                **problem.validity_args())
-    if not valid:
-        raise ValueError(
-            f"no config of {space.source} is valid for D={problem.head_dim}, "
-            f"Dv={problem.head_dim_v}, dtype={problem.dtype}"
-        )
-    if opts.search == "grid":
-        exhaustive = True
-    elif opts.search == "tpe":
-        exhaustive = False
-    else:
-        exhaustive = len(valid) <= max(space.exhaustive_max_valid, opts.trials)
+    valid = _valid_configs(problem, space)
+    exhaustive = _exhaustive(opts, space, len(valid))
     target = len(valid) if exhaustive else opts.trials
     gpu = objective.gpu_name(opts.devices[0])
     storage_url = opts.storage or default_storage_url()
@@ -253,38 +237,15 @@ def _run_study(objective: Objective, space: SearchSpace, opts: TuneOptions,
         exhaustive=exhaustive,
         deadline=deadline,
         run_id=run_id,
+        baseline=baseline,
     )
     compile_pool = CompilePool(jobs, opts.compile_timeout_s)
     benches: list[BenchWorker] = []
     threads: list[threading.Thread] = []
     errors: list[BaseException] = []
-    host_salt = zlib.crc32(socket.gethostname().encode()) % 10_000
     try:
-        for rank, device in enumerate(opts.devices):
-            bench = BenchWorker(device, opts.bench_timeout_s)
-            benches.append(bench)
-            # Each worker its own sampler and seed: identical samplers would propose the same
-            # configs. Rank 0 on a single host keeps `seed` itself (reproducible runs).
-            seed = opts.seed + 7919 * rank + (host_salt if len(opts.devices) > 1 else 0)
-            worker_study = optuna.load_study(
-                study_name=name, storage=storage, sampler=make_sampler(space, seed)
-            )
-            # The first worker measures the baseline before anything else it benchmarks.
-            w_settings = dataclasses.replace(settings, baseline=baseline if rank == 0 else None)
-            worker = StudyWorker(
-                worker_study, objective, space, w_settings, compile_pool, bench, stop
-            )
-
-            def _run(w: StudyWorker = worker) -> None:
-                try:
-                    w.run()
-                except BaseException as exc:  # surfaced by the main thread below
-                    errors.append(exc)
-                    stop.set()
-
-            th = threading.Thread(target=_run, name=f"tune-gpu{device}", daemon=True)
-            threads.append(th)
-            th.start()
+        _start_workers(objective, space, opts, storage, name, settings, compile_pool, stop,
+                       benches, threads, errors)
         _watch(threads, study, problem, target, opts)
         if errors:
             raise errors[0]
@@ -307,6 +268,68 @@ def _run_study(objective: Objective, space: SearchSpace, opts: TuneOptions,
         for b in benches:
             b.close()
     return result
+
+
+def _valid_configs(problem: Problem, space: SearchSpace) -> list:
+    """The space's configs valid for the problem; a space for another template, or one with
+    none valid here, refused by name."""
+    if space.template != problem.template:
+        raise ValueError(
+            f"search space {space.source} is for template {space.template!r}, "
+            f"but mode={problem.mode!r} needs {problem.template!r}"
+        )
+    valid = space.valid_configs(problem.head_dim, problem.head_dim_v, problem.elem_bytes,
+                                **problem.validity_args())
+    if not valid:
+        raise ValueError(
+            f"no config of {space.source} is valid for D={problem.head_dim}, "
+            f"Dv={problem.head_dim_v}, dtype={problem.dtype}"
+        )
+    return valid
+
+
+def _exhaustive(opts: TuneOptions, space: SearchSpace, n_valid: int) -> bool:
+    """Whether the study measures every valid config: asked for (grid), refused (tpe), or
+    (auto) where they are few."""
+    if opts.search == "grid":
+        return True
+    if opts.search == "tpe":
+        return False
+    return n_valid <= max(space.exhaustive_max_valid, opts.trials)
+
+
+def _start_workers(objective: Objective, space: SearchSpace, opts: TuneOptions, storage,
+                   name: str, settings: LoopSettings, compile_pool: CompilePool,
+                   stop: threading.Event, benches: list[BenchWorker],
+                   threads: list[threading.Thread], errors: list[BaseException]) -> None:
+    """A study worker thread per device, each with its bench process (appended to `benches`
+    and `threads` as they start, so that the caller closes whatever started); a worker's
+    error goes to `errors` and stops the others."""
+    host_salt = zlib.crc32(socket.gethostname().encode()) % 10_000
+    for rank, device in enumerate(opts.devices):
+        bench = BenchWorker(device, opts.bench_timeout_s)
+        benches.append(bench)
+        # Each worker its own sampler and seed: identical samplers would propose the same
+        # configs. Rank 0 on a single host keeps `seed` itself (reproducible runs).
+        seed = opts.seed + 7919 * rank + (host_salt if len(opts.devices) > 1 else 0)
+        worker_study = optuna.load_study(
+            study_name=name, storage=storage, sampler=make_sampler(space, seed)
+        )
+        # The first worker measures the baseline before anything else it benchmarks.
+        w_settings = settings if rank == 0 else dataclasses.replace(settings, baseline=None)
+        worker = StudyWorker(worker_study, objective, space, w_settings, compile_pool, bench,
+                             stop)
+
+        def _run(w: StudyWorker = worker) -> None:
+            try:
+                w.run()
+            except BaseException as exc:  # surfaced by the main thread below
+                errors.append(exc)
+                stop.set()
+
+        th = threading.Thread(target=_run, name=f"tune-gpu{device}", daemon=True)
+        threads.append(th)
+        th.start()
 
 
 def _open_study(objective: Objective, space: SearchSpace, opts: TuneOptions, gpu: str, storage,
