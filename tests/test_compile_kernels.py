@@ -363,7 +363,7 @@ def test_chunk_loop_kernels_ask_for_two_blocks_per_sm_without_spills(tmp_path, m
 def test_per_chunk_kernels_in_64_row_blocks_compile_without_spills(tmp_path, monkeypatch):
     """linear_fwd.plan.OUTPUT_ROWS and linear_bwd.plan.DV_ROWS at 64 (off by default): at
     128-position chunks each changes its kernel alone, the output kernel's query rows or the
-    dV kernel's key rows in blocks of 64 on one warpgroup (two share an SM; the decays, the
+    dV kernel's key rows in blocks of 64 on one warpgroup (three share an SM; the decays, the
     value-weight fold and its gradient, packed rows as before), lowered to wgmma without
     spills; at 64-position chunks nothing changes."""
     from engine.kernels.linear_bwd import plan as bwd_plan

@@ -44,10 +44,10 @@ def reverse_config(shape: LinearShape, cfg: LinearConfig) -> LinearConfig:
 
 
 # Key rows one dV-kernel block takes of a 128-position chunk (0: the whole chunk), as
-# linear_fwd.plan.OUTPUT_ROWS does for the output kernel's query rows: a whole chunk's block
-# holds 147 KB at D 128, one an SM with its loads and multiplies in turn; 64 rows on one
-# warpgroup, 104 KB, two an SM. The dV kernel took 269 us at Mamba2-2.7B B 1 x T 8k (H200,
-# results/NOTES.md 210). Off until measured.
+# linear_fwd.plan.OUTPUT_ROWS does for the output kernel's query rows (the same loads and
+# residency: two whole-chunk blocks an SM at Mamba2-2.7B's shape, three at 64 rows). The dV
+# kernel took 269 us at Mamba2-2.7B B 1 x T 8k (H200, results/NOTES.md 210). Off until
+# measured.
 DV_ROWS = 0
 
 

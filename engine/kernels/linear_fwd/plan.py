@@ -162,12 +162,14 @@ def blocks_per_sm(kernel: str, shape: LinearShape, cfg: LinearConfig) -> int:
     return max(1, min(CHUNK_LOOP_BLOCKS_PER_SM, SMEM_LIMIT_BYTES // (smem + 1024)))
 
 
-# Query rows one output-kernel block takes of a 128-position chunk (0: the whole chunk). A
-# whole 128-position chunk's block holds 147 KB of shared memory at D 128 (one block an SM,
-# its loads and its multiplies in turn, no pipeline); at 64 rows, on one warpgroup, 104 KB, and
-# two blocks share an SM, one loading while the other multiplies. The output kernel took 257 us
-# at Mamba2-2.7B B 1 x T 8k against about 80 us to move its bytes (H200, results/NOTES.md
-# 210). Off until measured.
+# Query rows one output-kernel block takes of a 128-position chunk (0: the whole chunk). The
+# kernel loads its tiles through registers (no TMA, no pipeline: each block loads, then
+# multiplies, then stores), so the blocks resident on an SM are what overlaps the phases. At
+# Mamba2-2.7B's shape (D 128, Dv 64) a whole chunk's block takes 97 KB of shared memory after
+# TileLang's buffer reuse and 106 registers on 256 threads: two an SM. At 64 rows, on one
+# warpgroup, 65 KB and 95-105 registers (ptxas, CPU): three. The output kernel took 257 us at
+# Mamba2-2.7B B 1 x T 8k, where its 252 MB take about 60 us at the H200's bandwidth
+# (results/NOTES.md 210). Off until measured.
 OUTPUT_ROWS = 0
 
 
