@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from engine.plan.config import KernelConfig
@@ -53,12 +55,31 @@ def spec_case_id(case: tuple) -> str:
 def precompile_selected(request, sources) -> None:
     """nvcc-compile, in parallel workers, the kernels (`sources(case)`) of the selected cases
     of the requesting module first (nvcc is the slow part); a failure fails its own tests."""
+    chosen = selected_params(request, "case")
+    precompile_reported(request, [src for case in SPEC_CASES if case in chosen
+                                  for src in sources(case)])
+
+
+def precompile_reported(request, sources: list[str]) -> None:
+    """Compile a module's kernels (`sources`, duplicates dropped) in parallel workers before
+    its tests, saying how many and, after, how long and which failed, past pytest's capture:
+    a device call cut while the module precompiles still shows where it was (the log holds
+    nothing else until the first test ends). A kernel that fails here fails its own tests
+    (compiling again there, with the error); the rest of the module still runs."""
     from engine.runtime.precompile import precompile
 
-    chosen = selected_params(request, "case")
-    srcs = [src for case in SPEC_CASES if case in chosen for src in sources(case)]
-    for err in precompile(list(dict.fromkeys(srcs))).values():
-        print("precompile failed:", err[:300])
+    srcs = list(dict.fromkeys(sources))
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    module = request.module.__name__.rsplit(".", 1)[-1]
+    with capture.global_and_fixture_disabled():
+        print(f"\n{module}: precompiling {len(srcs)} kernels", flush=True)
+    start = time.monotonic()
+    errors = precompile(srcs)
+    with capture.global_and_fixture_disabled():
+        print(f"{module}: precompiled {len(srcs)} kernels in {time.monotonic() - start:.0f} s, "
+              f"{len(errors)} failed", flush=True)
+        for err in errors.values():
+            print("precompile failed:", err[:300], flush=True)
 
 
 # Dilated masks fold into shorter rows (engine.plan.fold): a stride that leaves row tails, the

@@ -31,6 +31,7 @@ from .cases import (
     cross_product,
     fold_case_id,
     fold_module,
+    precompile_reported,
     random_seed,
     selected_params,
 )
@@ -92,8 +93,6 @@ def _build(case, backward_config=None):
 def _precompiled(request):
     """Compile every selected case's kernels in parallel workers first (nvcc is the slow
     part)."""
-    from engine.runtime.precompile import precompile
-
     srcs = []
     chosen = selected_params(request, "case")
     for case in (c for c in CASES if c in chosen):
@@ -110,11 +109,7 @@ def _precompiled(request):
         srcs += mod.backward_kernels(custom_grads=learn, deterministic=True).sources()
     srcs += [src for c in FOLD_CASES if c in selected_params(request, "fold_case")
              for src in fold_module(c).backward_kernels().sources()]
-    errors = precompile(list(dict.fromkeys(srcs)))
-    # A kernel that fails to compile fails its own tests (compiling again there, with the
-    # error); the rest of the module still runs.
-    for err in errors.values():
-        print("precompile failed:", err[:300])
+    precompile_reported(request, srcs)
 
 
 def _inputs(case, seed: int, backward_config=None) -> dict:

@@ -17,7 +17,7 @@ from engine.kernels.attention_decode.plan import DecodeConfig
 from engine.reference.decode import decode_forward, to_pages
 from engine.reference.executor import rel_err
 from engine.variants import VARIANTS
-from tests.gpu.cases import BF16, FP16
+from tests.gpu.cases import BF16, FP16, precompile_reported
 
 pytestmark = pytest.mark.gpu
 
@@ -73,7 +73,6 @@ def decode_inputs(case: tuple, mod, seed: int) -> tuple[list, dict]:
 @pytest.fixture(scope="module", autouse=True)
 def precompiled(request):
     from engine.runtime.device import sm_count
-    from engine.runtime.precompile import precompile
     from tests.gpu.cases import selected_params
 
     sms = sm_count(torch.device("cuda"))
@@ -82,8 +81,7 @@ def precompiled(request):
         page = case[-1]
         n_pages = 3 * CAP // page if page else 0
         srcs += _module(case).decode_kernels(page, n_pages, sms).sources()
-    for err in precompile(list(dict.fromkeys(srcs))).values():
-        print("precompile failed:", err[:300])
+    precompile_reported(request, srcs)
 
 
 def _check(mod, args, kw):

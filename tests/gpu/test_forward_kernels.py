@@ -25,6 +25,7 @@ from .cases import (
     cross_product,
     fold_case_id,
     fold_module,
+    precompile_reported,
     selected_params,
 )
 
@@ -126,8 +127,6 @@ DYNAMIC_PRECOMPILE = {("softmax_causal", 2, 1000), ("document", 2, 1000), ("alib
 def _precompiled(request):
     """Compile every selected case's kernel in parallel workers first (nvcc is the slow part)."""
     from engine.runtime import tilelang_backend
-    from engine.runtime.precompile import precompile
-
     srcs = []
     chosen = selected_params(request, "case")
     for name, dt, B, Hq, Hkv, Sq, Skv, D, Dv in (c for c in CASES if c in chosen):
@@ -154,11 +153,7 @@ def _precompiled(request):
              if c in selected_params(request, "three_case")]
     srcs += [_wide_default_module(c)[0].kernel_source for c in WIDE_DEFAULT_CASES
              if c in selected_params(request, "wide_case")]
-    errors = precompile(srcs)
-    # A kernel that fails to compile fails its own tests (compiling again there, with the
-    # error); the rest of the module still runs.
-    for err in errors.values():
-        print("precompile failed:", err[:300])
+    precompile_reported(request, srcs)
     tilelang_backend.POISON_OUTPUTS = True
     yield
     tilelang_backend.POISON_OUTPUTS = False

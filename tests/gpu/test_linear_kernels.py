@@ -20,7 +20,7 @@ from engine.kernels.linear_fwd.plan import NO_FOLDS, Folds, LinearConfig
 from engine.reference.executor import rel_err
 from engine.reference.linear import chunked, naive_recurrence
 from engine.runtime import linear_backend
-from tests.gpu.cases import BF16, FP16, selected_params
+from tests.gpu.cases import BF16, FP16, precompile_reported, selected_params
 
 pytestmark = pytest.mark.gpu
 
@@ -176,8 +176,6 @@ def _step_sources(case: tuple) -> list[str]:
 
 @pytest.fixture(scope="module", autouse=True)
 def _precompiled(request):
-    from engine.runtime.precompile import precompile
-
     chosen = selected_params(request, "case")
     srcs = [s for c in CASES if c in chosen for s in _sources(c)]
     srcs += [s for c in FOLD_CASES if c in chosen for s in _sources(c, FOLDS)]
@@ -189,8 +187,7 @@ def _precompiled(request):
     for name, (case, save, folded) in selected_params(request, "run"):
         with patched(SWITCHES[name][0]):
             srcs += _sources(case, FOLDS if folded else NO_FOLDS, save=save)
-    for err in precompile(list(dict.fromkeys(srcs))).values():
-        print("precompile failed:", err[:300])
+    precompile_reported(request, srcs)
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)

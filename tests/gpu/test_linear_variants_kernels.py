@@ -15,7 +15,7 @@ from engine.reference.executor import rel_err
 from engine.reference.linear import chunked
 from engine.runtime import linear_backend
 from engine.variants.linear import LINEAR_VARIANTS
-from tests.gpu.cases import BF16, FP16, selected_params
+from tests.gpu.cases import BF16, FP16, precompile_reported, selected_params
 
 pytestmark = pytest.mark.gpu
 
@@ -67,15 +67,12 @@ def _generation_sources(name: str) -> list[str]:
 def _precompiled(request):
     """Every selected test's kernels compiled in parallel first (one by one in the tests,
     the module took 278 s on the H200)."""
-    from engine.runtime.precompile import precompile
-
     srcs = [s for c in CASES if c in selected_params(request, "case") for s in _case_sources(c)]
     srcs += [s for n in sorted(LINEAR_VARIANTS) if n in selected_params(request, "name")
              for s in _generation_sources(n)]
     srcs += [s for c in LONG_CONFIGS if c in selected_params(request, "cfg")
              for s in _long_module(c).kernel_sources(("fwd", "bwd"))]
-    for err in precompile(list(dict.fromkeys(srcs))).values():
-        print("precompile failed:", err[:300])
+    precompile_reported(request, srcs)
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
