@@ -48,9 +48,16 @@ from engine.kernels.linear_fwd.codegen import (
     slot_buffers,
     state_param,
     state_pass_tiles,
+    tile_first,
     weighted,
 )
-from engine.kernels.linear_fwd.plan import NO_FOLDS, Folds, LinearConfig, LinearShape
+from engine.kernels.linear_fwd.plan import (
+    NO_FOLDS,
+    Folds,
+    LinearConfig,
+    LinearShape,
+    row_tile_threads,
+)
 
 
 def grad_params(s: LinearShape) -> list:
@@ -134,9 +141,9 @@ def generate_dv(s: LinearShape, cfg: LinearConfig, folds: Folds = NO_FOLDS) -> G
                     + folds.note() + (f" rows={R}" if R != C else ""), params)
     hq, hk = head_text(s.heads_q, s.heads), head_text(s.heads_k, s.heads)
     tiles = () if R == C else (("ir", C // R),)  # a chunk's row tiles adjacent
-    first = "" if R == C else f" + ir * {R}"  # the block's first key row in the chunk
-    with w.indented(), w.block(kernel_grid(s, cfg.threads if R == C else 2 * R,
-                                           *tiles, ("j", s.slots(C)))):
+    first = tile_first(R, C)
+    with w.indented(), w.block(kernel_grid(s, row_tile_threads(R, cfg), *tiles,
+                                           ("j", s.slots(C)))):
         emit_chunk(w)
         w.lines([f'Q_s = T.alloc_shared(({C}, {D}), "{dt}")',
                  f'K_s = T.alloc_shared(({R}, {D}), "{dt}")',

@@ -27,6 +27,7 @@ from engine.kernels.linear_fwd.plan import (
     blocks_per_sm,
     consumer_registers,
     output_rows,
+    row_tile_threads,
 )
 from engine.plan.config import WS_PRODUCER_REGS
 
@@ -231,10 +232,11 @@ def generate_output(s: LinearShape, cfg: LinearConfig, folds: Folds = NO_FOLDS
                     + folds.note() + (f" rows={R}" if R != C else ""), params)
     hq, hk = head_text(s.heads_q, s.heads), head_text(s.heads_k, s.heads)
     # a block per (chunk, head), or per (row tile, chunk, head): a chunk's row tiles adjacent
-    grid, ids, threads = ((f"{s.slots(C)}, {s.heads}", "j, h", cfg.threads) if R == C
-                          else (f"{C // R}, {s.slots(C)}, {s.heads}", "ir, j, h", 2 * R))
-    first = "" if R == C else f" + ir * {R}"  # the block's first row in the chunk
-    with w.indented(), w.block(f"with T.Kernel({grid}, threads={threads}) as ({ids}):"):
+    grid, ids = ((f"{s.slots(C)}, {s.heads}", "j, h") if R == C
+                 else (f"{C // R}, {s.slots(C)}, {s.heads}", "ir, j, h"))
+    first = tile_first(R, C)
+    with w.indented(), w.block(f"with T.Kernel({grid}, threads={row_tile_threads(R, cfg)}) "
+                               f"as ({ids}):"):
         emit_chunk(w)
         w.lines([f'Q_s = T.alloc_shared(({R}, {D}), "{dt}")',
                  f'K_s = T.alloc_shared(({C}, {D}), "{dt}")',
@@ -280,6 +282,12 @@ def scaled(factor: str, folds: Folds) -> str:
 def weighted(factor: str, pos: str, v_weight: bool) -> str:
     """`factor` times key position `pos`'s folded value weight W_s (itself without one)."""
     return f"({factor} * W_s[{pos}])" if v_weight else factor
+
+
+def tile_first(rows: int, chunk: int) -> str:
+    """The chunk's first row of a block's tile of `rows` rows (grid axis ir), as an offset
+    expression to append ("" where the tile is the chunk)."""
+    return "" if rows == chunk else f" + ir * {rows}"
 
 
 def chunk_row(first: str, row: str = "t") -> str:

@@ -185,6 +185,12 @@ def row_tile(rows: int, cfg: LinearConfig) -> int:
     return rows if rows == 64 and cfg.chunk == 128 else cfg.chunk
 
 
+def row_tile_threads(rows: int, cfg: LinearConfig) -> int:
+    """The threads of a per-chunk kernel's block of `rows` rows (row_tile): the config's for
+    the whole chunk, a warpgroup for each 64 rows of a tile."""
+    return cfg.threads if rows == cfg.chunk else 2 * rows
+
+
 def consumer_registers(kernel: str, cfg: LinearConfig, blocks: int) -> int:
     """The registers a chunk-loop kernel's consumer threads take after TileLang's reallocation,
     at `blocks` blocks (blocks_per_sm): their share of the SM beside the producer warpgroups
