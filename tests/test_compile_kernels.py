@@ -360,12 +360,14 @@ def test_chunk_loop_kernels_ask_for_two_blocks_per_sm_without_spills(tmp_path, m
         assert 128 * producer + 256 * consumer <= 384 * report.registers
 
 
-def test_per_chunk_kernels_in_64_row_blocks_compile_without_spills(tmp_path, monkeypatch):
-    """linear_fwd.plan.OUTPUT_ROWS and linear_bwd.plan.DV_ROWS at 64 (off by default): at
-    128-position chunks each changes its kernel alone, the output kernel's query rows or the
-    dV kernel's key rows in blocks of 64 on one warpgroup (three share an SM; the decays, the
-    value-weight fold and its gradient, packed rows as before), lowered to wgmma without
-    spills; at 64-position chunks nothing changes."""
+@pytest.mark.parametrize("chunk", [64, 128])
+def test_per_chunk_kernels_walking_head_groups_compile_without_spills(tmp_path, monkeypatch,
+                                                                     chunk):
+    """linear_fwd.plan.OUTPUT_HEAD_GROUP and linear_bwd.plan.DV_HEAD_GROUP above 1: where every
+    output head reads one q and one k head, each changes its kernel alone, a block per chunk
+    and group of heads (the largest divisor of the heads up to the group: 4 of 8 for 5; the
+    value-weight fold, its gradient and packed rows as before), lowered to wgmma without
+    spills; where output heads have their own q and k, nothing changes."""
     from engine.kernels.linear_bwd import plan as bwd_plan
     from engine.kernels.linear_fwd import plan
     from engine.kernels.linear_fwd.plan import Folds, LinearConfig
@@ -374,29 +376,31 @@ def test_per_chunk_kernels_in_64_row_blocks_compile_without_spills(tmp_path, mon
     from engine.runtime.ptxas import compile_cubin
 
     monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
-    meta = [torch.empty(1, h, 300, d, dtype=torch.bfloat16, device="meta")
-            for h, d in ((1, 128), (1, 128), (4, 64))]
     cu = torch.empty(4)
 
-    def sources(chunk: int) -> list[str]:
+    def sources(heads_qk: int) -> list[str]:
+        meta = [torch.empty(1, h, 300, d, dtype=torch.bfloat16, device="meta")
+                for h, d in ((heads_qk, 128), (heads_qk, 128), (8, 64))]
         cfg = LinearConfig(chunk=chunk, block_K=128, threads=256)
         return linear_backend.kernel_sources(
             linear_backend.LinearKernelCache(), *meta, config=cfg, modes=("fwd", "bwd"),
             cu_seqlens=cu, folds=Folds(v_weight=True))
-    before = {c: sources(c) for c in (64, 128)}
+    before = {h: sources(h) for h in (1, 8)}
     changed = []
-    for module, name, kernel in ((plan, "OUTPUT_ROWS", "output"), (bwd_plan, "DV_ROWS", "dv")):
-        monkeypatch.setattr(module, name, 64)
-        assert sources(64) == before[64]
-        new = [src for src in sources(128) if src not in before[128] + changed]
+    for module, name, kernel in ((plan, "OUTPUT_HEAD_GROUP", "output"),
+                                 (bwd_plan, "DV_HEAD_GROUP", "dv")):
+        monkeypatch.setattr(module, name, 5)
+        assert sources(8) == before[8]
+        new = [src for src in sources(1) if src not in before[1] + changed]
         assert len(new) == 1, name
         head = new[0].split("\n", 1)[0]
-        assert f": {kernel} " in head and head.endswith(" rows=64"), head
+        assert f": {kernel} " in head and head.endswith(" heads=4"), head
         changed += new
-    # 2 row tiles x 6 chunk slots x 4 heads (the dV kernel's heads first: shared q and k)
-    assert "T.Kernel(2, 6, 4, threads=128) as (ir, j, h)" in changed[0]
-    assert "T.Kernel(4, 2, 6, threads=128) as (h, ir, j)" in changed[1]
+    slots = 300 // chunk + 1 + 3  # every chunk of the batch row, a partial one per sequence
+    assert f"T.Kernel({slots}, 2, threads=256) as (j, hg)" in changed[0]
+    assert f"T.Kernel(2, {slots}, threads=256) as (hg, j)" in changed[1]  # heads first
     for src in changed:
+        assert "h: T.int32 = hg * 4 + hh" in src
         cuda = lowered_cuda(src)
         assert "wgmma" in cuda
         assert compile_cubin(cuda, tmp_path).spill_bytes == 0

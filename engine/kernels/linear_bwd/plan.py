@@ -7,7 +7,7 @@ from engine.kernels.linear_fwd.plan import (
     LinearConfig,
     LinearShape,
     more_blocks_at_one_stage,
-    row_tile,
+    shared_qk_head_group,
 )
 from engine.plan.config import SMEM_LIMIT_BYTES
 
@@ -41,20 +41,6 @@ def reverse_config(shape: LinearShape, cfg: LinearConfig) -> LinearConfig:
     Mamba2-2.7B B 8 x T 2k and 332 against 436 at simple GLA B 8 x T 4k (H200, results/NOTES.md
     209); at D 256 (YOCO-13B) two blocks do not fit either way."""
     return more_blocks_at_one_stage("reverse", shape, cfg)
-
-
-# Key rows one dV-kernel block takes of a 128-position chunk (0: the whole chunk), as
-# linear_fwd.plan.OUTPUT_ROWS does for the output kernel's query rows (the same loads and
-# residency: two whole-chunk blocks an SM at Mamba2-2.7B's shape, three at 64 rows). The dV
-# kernel took 269 us at Mamba2-2.7B B 1 x T 8k (H200, results/NOTES.md 210). Off until
-# measured.
-DV_ROWS = 0
-
-
-def dv_rows(cfg: LinearConfig) -> int:
-    """The key rows of one dV-kernel block (row_tile of DV_ROWS; its queries stay the
-    chunk's)."""
-    return row_tile(DV_ROWS, cfg)
 
 
 def dqk_value_stages(shape: LinearShape, cfg: LinearConfig) -> int:
@@ -92,7 +78,17 @@ def dqk_heads_per_block(shape: LinearShape, cfg: LinearConfig) -> int:
     tiles inside the heads' loop keeps TileLang from pipelining it) and 64-position chunks (at
     128 the stages pass the shared memory limit and the kernel spills). The largest divisor
     of the heads up to DQK_HEAD_GROUP; else 1, a block per head."""
-    if not (shape.heads_q == shape.heads_k == 1 and cfg.block_V == shape.head_dim_v
-            and cfg.chunk == 64):
+    if not (cfg.block_V == shape.head_dim_v and cfg.chunk == 64):
         return 1
-    return max(g for g in range(1, DQK_HEAD_GROUP + 1) if shape.heads % g == 0)
+    return shared_qk_head_group(shape, DQK_HEAD_GROUP)
+
+
+# Output heads one dV-kernel block walks where they share q and k, as
+# linear_fwd.plan.OUTPUT_HEAD_GROUP for the output kernel (the dV kernel's K Q^T is the
+# output's scores transposed).
+DV_HEAD_GROUP = 1
+
+
+def dv_head_group(shape: LinearShape) -> int:
+    """The output heads one dV-kernel block walks (shared_qk_head_group of DV_HEAD_GROUP)."""
+    return shared_qk_head_group(shape, DV_HEAD_GROUP)

@@ -162,33 +162,39 @@ def blocks_per_sm(kernel: str, shape: LinearShape, cfg: LinearConfig) -> int:
     return max(1, min(CHUNK_LOOP_BLOCKS_PER_SM, SMEM_LIMIT_BYTES // (smem + 1024)))
 
 
-# Query rows one output-kernel block takes of a 128-position chunk (0: the whole chunk). The
-# kernel loads its tiles through registers (no TMA, no pipeline: each block loads, then
-# multiplies, then stores), so the blocks resident on an SM are what overlaps the phases. At
-# Mamba2-2.7B's shape (D 128, Dv 64) a whole chunk's block takes 97 KB of shared memory after
-# TileLang's buffer reuse and 106 registers on 256 threads: two an SM. At 64 rows, on one
-# warpgroup, 65 KB and 95-105 registers (ptxas, CPU): three. The output kernel took 257 us at
-# Mamba2-2.7B B 1 x T 8k, where its 252 MB take about 60 us at the H200's bandwidth
-# (results/NOTES.md 210). Off until measured.
-OUTPUT_ROWS = 0
+# Output heads one block of the output kernel (and of the backward's dV kernel: DV_HEAD_GROUP)
+# walks where every output head reads one q and one k head (Mamba2's one B and C for 80
+# heads): the block loads the chunk's q and k and multiplies their scores once, then each head
+# loads its decays, state and values. A block per head repeats the load and the product (half
+# the kernel's tensor-core work at Mamba2-2.7B's shape) 80 times over. 1: a block per head.
+OUTPUT_HEAD_GROUP = 1
 
 
-def output_rows(cfg: LinearConfig) -> int:
-    """The query rows of one output-kernel block (row_tile of OUTPUT_ROWS; its keys stay the
-    chunk's)."""
-    return row_tile(OUTPUT_ROWS, cfg)
+def shared_qk_head_group(shape: LinearShape, cap: int) -> int:
+    """The largest divisor of the heads up to `cap` where every output head reads one q and
+    one k head; else 1 (a block per head)."""
+    if not shape.heads_q == shape.heads_k == 1:
+        return 1
+    return max(g for g in range(1, cap + 1) if shape.heads % g == 0)
 
 
-def row_tile(rows: int, cfg: LinearConfig) -> int:
-    """A per-chunk kernel's rows a block: `rows` where it is 64 (a warpgroup's tensor-core
-    rows) and the chunk 128, else the chunk."""
-    return rows if rows == 64 and cfg.chunk == 128 else cfg.chunk
+# Whether a block that walks several heads multiplies their shared scores (Q K^T, or K Q^T
+# for dV) once, keeping them in registers through its heads' loop (at Mamba2-2.7B's shape
+# 199 registers on 256 threads against 106: one block an SM), or once per head from the q
+# and k it loaded once (the registers of a block per head).
+HEAD_GROUP_SCORES_ONCE = False
 
 
-def row_tile_threads(rows: int, cfg: LinearConfig) -> int:
-    """The threads of a per-chunk kernel's block of `rows` rows (row_tile): the config's for
-    the whole chunk, a warpgroup for each 64 rows of a tile."""
-    return cfg.threads if rows == cfg.chunk else 2 * rows
+def scores_once(group: int) -> bool:
+    """Whether a block walking `group` heads multiplies their scores once
+    (HEAD_GROUP_SCORES_ONCE)."""
+    return group > 1 and HEAD_GROUP_SCORES_ONCE
+
+
+def output_head_group(shape: LinearShape) -> int:
+    """The output heads one output-kernel block walks (shared_qk_head_group of
+    OUTPUT_HEAD_GROUP)."""
+    return shared_qk_head_group(shape, OUTPUT_HEAD_GROUP)
 
 
 def consumer_registers(kernel: str, cfg: LinearConfig, blocks: int) -> int:
