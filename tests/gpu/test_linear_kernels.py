@@ -87,7 +87,8 @@ FOLDS = Folds(q_scale=0.37, v_weight=True)
 # The plan's switches away from their defaults (engine.kernels.linear_fwd.plan), each over
 # the kernels it changes: the chunk-loop kernels at one block per SM (two by default where
 # their shared memory fits); the output and dV kernels walking groups of heads that share q
-# and k, with the scores multiplied per head or once.
+# and k, with the scores multiplied per head or once; the output and dV kernels' one value
+# tile loaded beside q and k.
 # Each switch's cases: (case, the forward keeps its states, the folds applied).
 PLAN, BWD_PLAN = "engine.kernels.linear_fwd.plan", "engine.kernels.linear_bwd.plan"
 ONE_S1 = LinearConfig(block_K=64, num_stages=1, single_pass=True, threads=256)
@@ -115,6 +116,9 @@ SWITCHES = {
     "head-groups-scores-once": (((PLAN, "OUTPUT_HEAD_GROUP", 4),
                                  (BWD_PLAN, "DV_HEAD_GROUP", 4),
                                  (PLAN, "HEAD_GROUP_SCORES_ONCE", True)), HEAD_GROUP_RUNS),
+    "early-value-loads": (((PLAN, "EARLY_VALUE_LOADS", True),),
+                          [((BF16, (4, 4, 4), (128, 64), 2, 300, True, False, C128), False,
+                            True), *HEAD_GROUP_RUNS]),
 }
 SWITCH_RUNS = [(name, run) for name, (_, runs) in SWITCHES.items() for run in runs]
 

@@ -57,6 +57,7 @@ from engine.kernels.linear_fwd.plan import (
     Folds,
     LinearConfig,
     LinearShape,
+    early_value_loads,
     scores_once,
 )
 
@@ -170,6 +171,13 @@ def _emit_dv_head(w: SourceWriter, s: LinearShape, cfg: LinearConfig, folds: Fol
                   scored: bool = False) -> None:
     """One output head's dV (and dW), Q_s and K_s loaded (and At = K_s Q_s^T, `scored`)."""
     C, BV, dt = cfg.chunk, cfg.block_V, s.dtype
+    early = early_value_loads(s, cfg)
+
+    def loads(cols: str) -> list[str]:
+        return [f"T.copy(dHs[j, h, :, {cols}], dS_s)",
+                f"T.copy(dO[b, h, row0:row0 + {C}, {cols}], dO_s)"]
+    if early:
+        w.lines(loads(f"0:{BV}"))
     emit_decay_load(w, "j", folds)
     if folds.v_weight:
         w.line("T.clear(dw)")
@@ -178,8 +186,8 @@ def _emit_dv_head(w: SourceWriter, s: LinearShape, cfg: LinearConfig, folds: Fol
     emit_key_scores(w, C, dt, folds)
     with w.block(f"for iv in T.serial({s.head_dim_v // BV}):"):
         vcols = f"iv * {BV}:(iv + 1) * {BV}"
-        w.line(f"T.copy(dHs[j, h, :, {vcols}], dS_s)")
-        w.line(f"T.copy(dO[b, h, row0:row0 + {C}, {vcols}], dO_s)")
+        if not early:
+            w.lines(loads(vcols))
         emit_dv_products(w, C, BV, "dS_s")
         if folds.v_weight:
             emit_weight_gradient(w, C, BV, vcols)

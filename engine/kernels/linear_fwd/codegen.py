@@ -29,6 +29,7 @@ from engine.kernels.linear_fwd.plan import (
     LinearShape,
     blocks_per_sm,
     consumer_registers,
+    early_value_loads,
     output_head_group,
     scores_once,
 )
@@ -252,14 +253,21 @@ def generate_output(s: LinearShape, cfg: LinearConfig, folds: Folds = NO_FOLDS
         once = scores_once(group)
         if once:
             emit_scores(w, "A", "Q_s", "K_s")
+        early = early_value_loads(s, cfg)
+
+        def loads(cols: str) -> list[str]:
+            return [f"T.copy(Hs[j, h, :, {cols}], S_s)",
+                    f"T.copy(V[b, h, row0:row0 + {C}, {cols}], V_s)"]
         with head_loop(w, group):
+            if early:
+                w.lines(loads(f"0:{BV}"))
             emit_decay_load(w, "j", folds)
             if not once:
                 emit_scores(w, "A", "Q_s", "K_s")
             emit_intra(w, C, dt, folds)
             with w.block(f"for iv in T.serial({s.head_dim_v // BV}):"):
-                w.line(f"T.copy(Hs[j, h, :, iv * {BV}:(iv + 1) * {BV}], S_s)")
-                w.line(f"T.copy(V[b, h, row0:row0 + {C}, iv * {BV}:(iv + 1) * {BV}], V_s)")
+                if not early:
+                    w.lines(loads(f"iv * {BV}:(iv + 1) * {BV}"))
                 emit_output_tile(w, C, BV, f"O[b, h, row0 + t, iv * {BV} + v]", folds)
     return GeneratedKernel(w.text(), tuple(params))
 

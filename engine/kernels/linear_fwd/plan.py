@@ -162,6 +162,18 @@ def blocks_per_sm(kernel: str, shape: LinearShape, cfg: LinearConfig) -> int:
     return max(1, min(CHUNK_LOOP_BLOCKS_PER_SM, SMEM_LIMIT_BYTES // (smem + 1024)))
 
 
+# Whether the output and dV kernels, where Dv is one value tile, load that tile (the state
+# and v, resp. dS and dO) at the top of a head's work, beside its q and k, rather than after
+# the scores' product: their loads go through registers (no TMA), so each load is a round
+# trip the block waits on, and these two are independent of the scores.
+EARLY_VALUE_LOADS = False
+
+
+def early_value_loads(shape: LinearShape, cfg: LinearConfig) -> bool:
+    """Whether the output and dV kernels load their one value tile early (EARLY_VALUE_LOADS)."""
+    return EARLY_VALUE_LOADS and shape.head_dim_v == cfg.block_V
+
+
 # Output heads one block of the output kernel (and of the backward's dV kernel: DV_HEAD_GROUP)
 # walks where every output head reads one q and one k head (Mamba2's one B and C for 80
 # heads): the block loads the chunk's q and k and multiplies their scores once, then each head
