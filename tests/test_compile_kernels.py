@@ -360,52 +360,6 @@ def test_chunk_loop_kernels_ask_for_two_blocks_per_sm_without_spills(tmp_path, m
         assert 128 * producer + 256 * consumer <= 384 * report.registers
 
 
-@pytest.mark.parametrize("chunk", [64, 128])
-def test_per_chunk_kernels_walking_head_groups_compile_without_spills(tmp_path, monkeypatch,
-                                                                     chunk):
-    """linear_fwd.plan.OUTPUT_HEAD_GROUP and linear_bwd.plan.DV_HEAD_GROUP above 1: where every
-    output head reads one q and one k head, each changes its kernel alone, a block per chunk
-    and group of heads (the largest divisor of the heads up to the group: 4 of 8 for 5; the
-    value-weight fold, its gradient and packed rows as before), lowered to wgmma without
-    spills; where output heads have their own q and k, nothing changes."""
-    from engine.kernels.linear_bwd import plan as bwd_plan
-    from engine.kernels.linear_fwd import plan
-    from engine.kernels.linear_fwd.plan import Folds, LinearConfig
-    from engine.runtime import linear_backend
-    from engine.runtime.compile import lowered_cuda
-    from engine.runtime.ptxas import compile_cubin
-
-    monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
-    cu = torch.empty(4)
-
-    def sources(heads_qk: int) -> list[str]:
-        meta = [torch.empty(1, h, 300, d, dtype=torch.bfloat16, device="meta")
-                for h, d in ((heads_qk, 128), (heads_qk, 128), (8, 64))]
-        cfg = LinearConfig(chunk=chunk, block_K=128, threads=256)
-        return linear_backend.kernel_sources(
-            linear_backend.LinearKernelCache(), *meta, config=cfg, modes=("fwd", "bwd"),
-            cu_seqlens=cu, folds=Folds(v_weight=True))
-    before = {h: sources(h) for h in (1, 8)}
-    changed = []
-    for module, name, kernel in ((plan, "OUTPUT_HEAD_GROUP", "output"),
-                                 (bwd_plan, "DV_HEAD_GROUP", "dv")):
-        monkeypatch.setattr(module, name, 5)
-        assert sources(8) == before[8]
-        new = [src for src in sources(1) if src not in before[1] + changed]
-        assert len(new) == 1, name
-        head = new[0].split("\n", 1)[0]
-        assert f": {kernel} " in head and head.endswith(" heads=4"), head
-        changed += new
-    slots = 300 // chunk + 1 + 3  # every chunk of the batch row, a partial one per sequence
-    assert f"T.Kernel({slots}, 2, threads=256) as (j, hg)" in changed[0]
-    assert f"T.Kernel(2, {slots}, threads=256) as (hg, j)" in changed[1]  # heads first
-    for src in changed:
-        assert "h: T.int32 = hg * 4 + hh" in src
-        cuda = lowered_cuda(src)
-        assert "wgmma" in cuda
-        assert compile_cubin(cuda, tmp_path).spill_bytes == 0
-
-
 @pytest.mark.parametrize("name,config", [
     ("softmax_causal", KernelConfig(128, 176, 2, 256, schedule="pingpong")),
     ("document", KernelConfig(128, 128, 2, 256, schedule="overlap")),  # the mask once

@@ -9,8 +9,6 @@ single pass and the backward's reverse single pass (engine.kernels.linear_bwd.re
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -86,19 +84,10 @@ FOLDS = Folds(q_scale=0.37, v_weight=True)
 
 # The plan's switches away from their defaults (engine.kernels.linear_fwd.plan), each over
 # the kernels it changes: the chunk-loop kernels at one block per SM (two by default where
-# their shared memory fits); the output and dV kernels walking groups of heads that share q
-# and k, with the scores multiplied per head or once; the output and dV kernels' one value
-# tile loaded beside q and k.
+# their shared memory fits).
 # Each switch's cases: (case, the forward keeps its states, the folds applied).
-PLAN, BWD_PLAN = "engine.kernels.linear_fwd.plan", "engine.kernels.linear_bwd.plan"
+PLAN = "engine.kernels.linear_fwd.plan"
 ONE_S1 = LinearConfig(block_K=64, num_stages=1, single_pass=True, threads=256)
-# output heads sharing one q and one k head (Mamba2's B and C), two head groups of 4 where
-# they have 8: both chunks, folds, packing, a partial last chunk
-HEAD_GROUP_RUNS = [((BF16, (1, 1, 8), (128, 64), 2, 300, True, False, C128), False, True),
-                   ((FP16, (1, 1, 4), (128, 64), 1, PACKED[-1], True, True, C128), False,
-                    False),
-                   ((BF16, (1, 1, 8), (128, 128), 2, 130, False, False,
-                     dataclasses.replace(C128, chunk=64)), False, True)]
 SWITCHES = {
     "one-block": (((PLAN, "CHUNK_LOOP_BLOCKS_PER_SM", 1),),
                   [((BF16, (4, 4, 4), (128, 128), 2, 300, True, False, C128), False, False),
@@ -111,14 +100,6 @@ SWITCHES = {
                    ((BF16, (2, 1, 4), (128, 128), 2, 200, True, False, ONE_S1), False, False),
                    ((FP16, (1, 1, 4), (128, 64), 1, PACKED[-1], True, True, ONE_S1), True,
                     False)]),
-    "head-groups": (((PLAN, "OUTPUT_HEAD_GROUP", 4), (BWD_PLAN, "DV_HEAD_GROUP", 4)),
-                    HEAD_GROUP_RUNS),
-    "head-groups-scores-once": (((PLAN, "OUTPUT_HEAD_GROUP", 4),
-                                 (BWD_PLAN, "DV_HEAD_GROUP", 4),
-                                 (PLAN, "HEAD_GROUP_SCORES_ONCE", True)), HEAD_GROUP_RUNS),
-    "early-value-loads": (((PLAN, "EARLY_VALUE_LOADS", True),),
-                          [((BF16, (4, 4, 4), (128, 64), 2, 300, True, False, C128), False,
-                            True), *HEAD_GROUP_RUNS]),
 }
 SWITCH_RUNS = [(name, run) for name, (_, runs) in SWITCHES.items() for run in runs]
 

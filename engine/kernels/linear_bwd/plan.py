@@ -3,12 +3,7 @@
 from __future__ import annotations
 
 from engine.dtypes import elem_bytes
-from engine.kernels.linear_fwd.plan import (
-    LinearConfig,
-    LinearShape,
-    more_blocks_at_one_stage,
-    shared_qk_head_group,
-)
+from engine.kernels.linear_fwd.plan import LinearConfig, LinearShape, more_blocks_at_one_stage
 from engine.plan.config import SMEM_LIMIT_BYTES
 
 
@@ -78,17 +73,7 @@ def dqk_heads_per_block(shape: LinearShape, cfg: LinearConfig) -> int:
     tiles inside the heads' loop keeps TileLang from pipelining it) and 64-position chunks (at
     128 the stages pass the shared memory limit and the kernel spills). The largest divisor
     of the heads up to DQK_HEAD_GROUP; else 1, a block per head."""
-    if not (cfg.block_V == shape.head_dim_v and cfg.chunk == 64):
+    if not (shape.heads_q == shape.heads_k == 1 and cfg.block_V == shape.head_dim_v
+            and cfg.chunk == 64):
         return 1
-    return shared_qk_head_group(shape, DQK_HEAD_GROUP)
-
-
-# Output heads one dV-kernel block walks where they share q and k, as
-# linear_fwd.plan.OUTPUT_HEAD_GROUP for the output kernel (the dV kernel's K Q^T is the
-# output's scores transposed).
-DV_HEAD_GROUP = 1
-
-
-def dv_head_group(shape: LinearShape) -> int:
-    """The output heads one dV-kernel block walks (shared_qk_head_group of DV_HEAD_GROUP)."""
-    return shared_qk_head_group(shape, DV_HEAD_GROUP)
+    return max(g for g in range(1, DQK_HEAD_GROUP + 1) if shape.heads % g == 0)

@@ -29,7 +29,6 @@ from engine.kernels.linear_fwd.codegen import (
     emit_blocks_per_sm,
     emit_decay_load,
     emit_rows,
-    emit_scores,
     emit_sequence,
     forward_table_params,
     head_text,
@@ -128,7 +127,6 @@ def _emit_chunk_loads(w: SourceWriter, s: LinearShape, C: int, cols: str, folds:
 def _emit_dv_tile(w: SourceWriter, C: int, BV: int, dt: str, folds: Folds) -> None:
     """The chunk's dV tile (the dV kernel's arithmetic on one value tile) and, with value
     weights, this tile's share of dW."""
-    emit_scores(w, "At", "K_s", "Q_s")
     emit_key_scores(w, C, dt, folds)
     emit_dv_products(w, C, BV, "S_s")
     if folds.v_weight:

@@ -162,53 +162,6 @@ def blocks_per_sm(kernel: str, shape: LinearShape, cfg: LinearConfig) -> int:
     return max(1, min(CHUNK_LOOP_BLOCKS_PER_SM, SMEM_LIMIT_BYTES // (smem + 1024)))
 
 
-# Whether the output and dV kernels, where Dv is one value tile, load that tile (the state
-# and v, resp. dS and dO) at the top of a head's work, beside its q and k, rather than after
-# the scores' product: their loads go through registers (no TMA), so each load is a round
-# trip the block waits on, and these two are independent of the scores.
-EARLY_VALUE_LOADS = False
-
-
-def early_value_loads(shape: LinearShape, cfg: LinearConfig) -> bool:
-    """Whether the output and dV kernels load their one value tile early (EARLY_VALUE_LOADS)."""
-    return EARLY_VALUE_LOADS and shape.head_dim_v == cfg.block_V
-
-
-# Output heads one block of the output kernel (and of the backward's dV kernel: DV_HEAD_GROUP)
-# walks where every output head reads one q and one k head (Mamba2's one B and C for 80
-# heads): the block loads the chunk's q and k and multiplies their scores once, then each head
-# loads its decays, state and values. A block per head repeats the load and the product (half
-# the kernel's tensor-core work at Mamba2-2.7B's shape) 80 times over. 1: a block per head.
-OUTPUT_HEAD_GROUP = 1
-
-
-def shared_qk_head_group(shape: LinearShape, cap: int) -> int:
-    """The largest divisor of the heads up to `cap` where every output head reads one q and
-    one k head; else 1 (a block per head)."""
-    if not shape.heads_q == shape.heads_k == 1:
-        return 1
-    return max(g for g in range(1, cap + 1) if shape.heads % g == 0)
-
-
-# Whether a block that walks several heads multiplies their shared scores (Q K^T, or K Q^T
-# for dV) once, keeping them in registers through its heads' loop (at Mamba2-2.7B's shape
-# 199 registers on 256 threads against 106: one block an SM), or once per head from the q
-# and k it loaded once (the registers of a block per head).
-HEAD_GROUP_SCORES_ONCE = False
-
-
-def scores_once(group: int) -> bool:
-    """Whether a block walking `group` heads multiplies their scores once
-    (HEAD_GROUP_SCORES_ONCE)."""
-    return group > 1 and HEAD_GROUP_SCORES_ONCE
-
-
-def output_head_group(shape: LinearShape) -> int:
-    """The output heads one output-kernel block walks (shared_qk_head_group of
-    OUTPUT_HEAD_GROUP)."""
-    return shared_qk_head_group(shape, OUTPUT_HEAD_GROUP)
-
-
 def consumer_registers(kernel: str, cfg: LinearConfig, blocks: int) -> int:
     """The registers a chunk-loop kernel's consumer threads take after TileLang's reallocation,
     at `blocks` blocks (blocks_per_sm): their share of the SM beside the producer warpgroups
