@@ -514,19 +514,29 @@ def test_custom_input_errors():
         mod(*a.values(), s, w, w)
 
 
-@pytest.mark.parametrize("batch, heads, head_dim, head_dim_v, block_K", [
-    (2, 16, 128, 128, 64),   # 64 state-pass blocks at 128 key rows: 128 at 64 fit one wave
-    (1, 80, 128, 64, 128),   # 80 blocks; 64 key rows would make 160, a second wave
-    (1, 16, 256, 256, 128),  # 64 single-pass blocks; 128 state-pass blocks, 256 at 64 rows
+@pytest.mark.parametrize("batch, heads, head_dim, head_dim_v, block_K, one_a_sm", [
+    (2, 16, 128, 128, 64, 64),    # 64 state-pass blocks at 128 key rows: 128 at 64, one wave
+    (1, 80, 128, 64, 64, 128),    # 80 blocks; 160 at 64 rows, two an SM (one: a second wave)
+    (1, 16, 256, 256, 128, 128),  # 64 single-pass blocks; 128-position chunks do not fit D
+                                  # 256: the default config, its whole key tile
+    (1, 48, 128, 128, 64, 128),   # 96 blocks; 192 at 64 rows (two an SM), not 32: the floor
+    (2, 80, 128, 64, 128, 128),   # the single pass's 160 blocks fill the SMs: no state pass
 ])
 def test_two_kernel_default_keeps_the_state_pass_in_one_wave(batch, heads, head_dim, head_dim_v,
-                                                             block_K):
+                                                             block_K, one_a_sm, monkeypatch):
+    """The state pass's key tile halves while its blocks fit one wave, counting the blocks an
+    SM holds (two at 64 key rows on 128-position chunks; NOTES 213), or one where
+    CHUNK_LOOP_BLOCKS_PER_SM says so."""
+    from engine.kernels.linear_fwd import plan
     from engine.kernels.linear_fwd.plan import LinearShape, config_for_shape
 
     shape = LinearShape(batch=batch, heads_q=heads, heads_k=heads, heads=heads, seqlen=16384,
                         head_dim=head_dim, head_dim_v=head_dim_v, dtype="bfloat16")
-    cfg = config_for_shape(shape, 132)
-    assert not cfg.single_pass and cfg.block_K == block_K
+    for blocks, want in ((2, block_K), (1, one_a_sm)):
+        monkeypatch.setattr(plan, "CHUNK_LOOP_BLOCKS_PER_SM", blocks)
+        cfg = config_for_shape(shape, 132)
+        assert cfg.single_pass == (batch * heads * head_dim_v // 64 >= 132)
+        assert cfg.block_K == want, blocks
 
 
 @pytest.mark.parametrize("batch, heads, head_dim, head_dim_v, stages", [

@@ -261,12 +261,18 @@ def runs_single_pass(shape: LinearShape, cfg: LinearConfig) -> bool:
 
 def one_wave_block_k(shape: LinearShape, cfg: LinearConfig, sm_count: int) -> int:
     """The state pass's key tile: cfg's, halved (down to 64) while its blocks (sequences x
-    heads x state tiles, each walking a whole sequence) still fit one wave. At B 2 x T 16k,
-    16 heads, D 128 (64 blocks at 128 rows) the pass ran 212 us at 64 rows against 270; at
-    80 heads, where 64 rows make 160 blocks, 206 against 131 (H100, results/NOTES.md 130)."""
+    heads x state tiles, each walking a whole sequence) still fit one wave, counting the
+    blocks an SM holds at the halved tile (blocks_per_sm). At B 2 x T 16k, 16 heads, D 128
+    (64 blocks at 128 rows) the pass ran 212 us at 64 rows against 270; at 80 heads, where 64
+    rows make 160 blocks, 206 against 131 at one block an SM (H100, results/NOTES.md 130), and
+    124 against 141 at two (Mamba2-2.7B B 1 x T 8k, H200, NOTES 213)."""
     bk = cfg.block_K
     blocks = shape.num_seqs * shape.heads * (shape.head_dim_v // cfg.block_V)
-    while bk > 64 and blocks * (shape.head_dim // (bk // 2)) <= sm_count:
+    while bk > 64:
+        half = dataclasses.replace(cfg, block_K=bk // 2)
+        per_sm = blocks_per_sm("states", shape, half)
+        if blocks * (shape.head_dim // half.block_K) > sm_count * per_sm:
+            break
         bk //= 2
     return bk
 
@@ -304,8 +310,9 @@ def _chunk_config(shape: LinearShape, sm_count: int = 132, whole_key_tile: bool 
     where they fit; else default_linear_config's."""
     elem = elem_bytes(shape.dtype)
     cfg = default_linear_config(shape.head_dim, shape.head_dim_v, elem)
-    block_k = cfg.block_K if whole_key_tile else one_wave_block_k(shape, cfg, sm_count)
-    tries = [dataclasses.replace(cfg, chunk=128, threads=256, block_K=block_k)]
+    two = dataclasses.replace(cfg, chunk=128, threads=256)
+    block_k = cfg.block_K if whole_key_tile else one_wave_block_k(shape, two, sm_count)
+    tries = [dataclasses.replace(two, block_K=block_k)]
     if shape.num_seqs * shape.heads * (shape.head_dim_v // cfg.block_V) >= sm_count:
         tries.insert(0, dataclasses.replace(cfg, single_pass=True, threads=256))
     for c in tries:
