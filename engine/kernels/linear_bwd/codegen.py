@@ -32,6 +32,7 @@ from engine.kernels.linear_fwd.codegen import (
     cast,
     emit_chunk,
     emit_decay_load,
+    emit_masked_scores,
     emit_rows,
     emit_sequence,
     forward_table_params,
@@ -166,10 +167,8 @@ def emit_key_scores(w: SourceWriter, C: int, dt: str, folds: Folds) -> None:
     chunk's decayed scores, transposed (keys by rows), for dV."""
     w.line("T.clear(At)")
     w.line("T.gemm(K_s, Q_s, At, transpose_B=True)")
-    with w.block(f"for u, t in T.Parallel({C}, {C}):"):
-        w.line("At_s[u, t] = T.if_then_else(T.And(t >= u, t < nrows), "
-               + cast(dt, "At[u, t] * " + scaled("T.exp(G_s[t] - G_s[u])", folds))
-               + f", {cast(dt, 0)})")
+    emit_masked_scores(w, "At", "At_s", ("u", "t"), C, dt, "T.And(t >= u, t < nrows)",
+                       scaled("T.exp(G_s[t] - G_s[u])", folds))
 
 
 def emit_dv_products(w: SourceWriter, C: int, BV: int, state: str) -> None:
@@ -343,11 +342,8 @@ def _emit_dqk_chunk_products(w: SourceWriter, C: int, BK: int, dt: str, folds: F
         w.line("dk[t, d] = T.if_then_else(t < nrows, dk[t, d] * "
                + weighted(f"T.exp(G_s[{C - 1}] - G_s[t])", "t", v_weight)
                + ", T.float32(0))")
-    with w.block(f"for t, u in T.Parallel({C}, {C}):"):
-        w.line("dA_s[t, u] = T.if_then_else(T.And(u <= t, t < nrows), "
-               + cast(dt, "dA[t, u] * " + scaled(weighted("T.exp(G_s[t] - G_s[u])", "u",
-                                                          v_weight), folds))
-               + f", {cast(dt, 0)})")
+    emit_masked_scores(w, "dA", "dA_s", ("t", "u"), C, dt, "T.And(u <= t, t < nrows)",
+                       scaled(weighted("T.exp(G_s[t] - G_s[u])", "u", v_weight), folds))
     if decay_grad:
         # the key terms of pairs leaving the chunk, before dk takes the chunk's own (and
         # after dA is spent: beside it, prod spilled)

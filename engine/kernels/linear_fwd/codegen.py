@@ -26,6 +26,7 @@ from engine.kernels.linear_fwd.plan import (
     LinearShape,
     blocks_per_sm,
     consumer_registers,
+    scores_in_fragment,
 )
 from engine.plan.config import WS_PRODUCER_REGS
 
@@ -282,9 +283,25 @@ def emit_intra(w: SourceWriter, C: int, dt: str, folds: Folds = NO_FOLDS) -> Non
     w.line("T.clear(A)")
     w.line("T.gemm(Q_s, K_s, A, transpose_B=True)")
     factor = scaled(weighted("T.exp(G_s[t] - G_s[u])", "u", folds.v_weight), folds)
-    with w.block(f"for t, u in T.Parallel({C}, {C}):"):
-        w.line("A_s[t, u] = T.if_then_else(u <= t, " + cast(dt, f"A[t, u] * {factor}")
-               + f", {cast(dt, 0)})")
+    emit_masked_scores(w, "A", "A_s", ("t", "u"), C, dt, "u <= t", factor)
+
+
+def emit_masked_scores(w: SourceWriter, acc: str, target: str, axes: tuple[str, str], C: int,
+                       dt: str, keep: str, factor: str) -> None:
+    """target = acc * factor where `keep`, else 0, over the [C, C] scores (`axes` their
+    indices), cast to `dt`: element by element into shared memory, or (SCORES_IN_FRAGMENT)
+    in acc's registers first and then copied whole."""
+    i, j = axes
+    in_fragment = scores_in_fragment()
+    with w.block(f"for {i}, {j} in T.Parallel({C}, {C}):"):
+        if in_fragment:
+            w.line(f"{acc}[{i}, {j}] = T.if_then_else({keep}, {acc}[{i}, {j}] * {factor}, "
+                   "T.float32(0))")
+        else:
+            w.line(f"{target}[{i}, {j}] = T.if_then_else({keep}, "
+                   + cast(dt, f"{acc}[{i}, {j}] * {factor}") + f", {cast(dt, 0)})")
+    if in_fragment:
+        w.line(f"T.copy({acc}, {target})")
 
 
 def emit_output_tile(w: SourceWriter, C: int, BV: int, target: str, folds: Folds = NO_FOLDS

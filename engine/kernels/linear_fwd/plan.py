@@ -141,6 +141,20 @@ def reverse_pass_smem_bytes(cfg: LinearConfig, head_dim: int, elem: int) -> int:
     return ((2 * C * D + 2 * C * V) * cfg.num_stages + 2 * C * V + D * V + C * C) * elem + 8 * C
 
 
+# Whether the kernels mask and decay a chunk's scores (A, the dV kernel's At, the dQ/dK
+# kernel's dA) in their float32 registers and then copy them whole to shared memory
+# (stmatrix), rather than storing each element's bf16 value as they compute it: those
+# 2-byte stores interleave with the decay sums' shared loads, which the compiler then
+# reissues for every element (the output kernel's L1 at 64% at Mamba2-2.7B B 1 x T 8k, its
+# DRAM at 20%: results/NOTES.md 214).
+SCORES_IN_FRAGMENT = False
+
+
+def scores_in_fragment() -> bool:
+    """SCORES_IN_FRAGMENT, read when a source is generated (a probe arm patches it)."""
+    return SCORES_IN_FRAGMENT
+
+
 # Thread blocks per SM that the serial chunk-loop kernels ask ptxas to make room for
 # (__launch_bounds__'s second argument, T.annotate_min_blocks_per_sm): the state pass, the
 # forward's single pass and the backward's reverse single pass, each where that many blocks'
