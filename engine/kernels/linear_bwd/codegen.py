@@ -146,7 +146,7 @@ def generate_dv(s: LinearShape, cfg: LinearConfig, folds: Folds = NO_FOLDS) -> G
         emit_decay_load(w, "j", folds)
         if v_weight:
             w.line("T.clear(dw)")
-        emit_key_scores(w, C, dt, folds)
+        emit_key_scores(w, "dv", C, dt, folds)
         with w.block(f"for iv in T.serial({s.head_dim_v // BV}):"):
             vcols = f"iv * {BV}:(iv + 1) * {BV}"
             w.line(f"T.copy(dHs[j, h, :, {vcols}], dS_s)")
@@ -162,12 +162,12 @@ def generate_dv(s: LinearShape, cfg: LinearConfig, folds: Folds = NO_FOLDS) -> G
     return GeneratedKernel(w.text(), tuple(params))
 
 
-def emit_key_scores(w: SourceWriter, C: int, dt: str, folds: Folds) -> None:
+def emit_key_scores(w: SourceWriter, kernel: str, C: int, dt: str, folds: Folds) -> None:
     """At_s = (K_s Q_s^T) * exp(G_t - G_u) (* q_scale) for t >= u within the chunk's rows: the
     chunk's decayed scores, transposed (keys by rows), for dV."""
     w.line("T.clear(At)")
     w.line("T.gemm(K_s, Q_s, At, transpose_B=True)")
-    emit_masked_scores(w, "At", "At_s", ("u", "t"), C, dt, "T.And(t >= u, t < nrows)",
+    emit_masked_scores(w, kernel, "At", "At_s", ("u", "t"), C, dt, "T.And(t >= u, t < nrows)",
                        scaled("T.exp(G_s[t] - G_s[u])", folds))
 
 
@@ -342,7 +342,7 @@ def _emit_dqk_chunk_products(w: SourceWriter, C: int, BK: int, dt: str, folds: F
         w.line("dk[t, d] = T.if_then_else(t < nrows, dk[t, d] * "
                + weighted(f"T.exp(G_s[{C - 1}] - G_s[t])", "t", v_weight)
                + ", T.float32(0))")
-    emit_masked_scores(w, "dA", "dA_s", ("t", "u"), C, dt, "T.And(u <= t, t < nrows)",
+    emit_masked_scores(w, "dqk", "dA", "dA_s", ("t", "u"), C, dt, "T.And(u <= t, t < nrows)",
                        scaled(weighted("T.exp(G_s[t] - G_s[u])", "u", v_weight), folds))
     if decay_grad:
         # the key terms of pairs leaving the chunk, before dk takes the chunk's own (and

@@ -127,7 +127,7 @@ def _emit_chunk_loads(w: SourceWriter, s: LinearShape, C: int, cols: str, folds:
 def _emit_dv_tile(w: SourceWriter, C: int, BV: int, dt: str, folds: Folds) -> None:
     """The chunk's dV tile (the dV kernel's arithmetic on one value tile) and, with value
     weights, this tile's share of dW."""
-    emit_key_scores(w, C, dt, folds)
+    emit_key_scores(w, "reverse", C, dt, folds)
     emit_dv_products(w, C, BV, "S_s")
     if folds.v_weight:
         w.line("T.clear(dw)")

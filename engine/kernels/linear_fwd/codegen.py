@@ -244,7 +244,7 @@ def generate_output(s: LinearShape, cfg: LinearConfig, folds: Folds = NO_FOLDS
         w.line(f"T.copy(Q[b, {hq}, row0:row0 + {C}, :], Q_s)")
         w.line(f"T.copy(K[b, {hk}, row0:row0 + {C}, :], K_s)")
         emit_decay_load(w, "j", folds)
-        emit_intra(w, C, dt, folds)
+        emit_intra(w, "output", C, dt, folds)
         with w.block(f"for iv in T.serial({s.head_dim_v // BV}):"):
             w.line(f"T.copy(Hs[j, h, :, iv * {BV}:(iv + 1) * {BV}], S_s)")
             w.line(f"T.copy(V[b, h, row0:row0 + {C}, iv * {BV}:(iv + 1) * {BV}], V_s)")
@@ -277,22 +277,22 @@ def weighted(factor: str, pos: str, v_weight: bool) -> str:
     return f"({factor} * W_s[{pos}])" if v_weight else factor
 
 
-def emit_intra(w: SourceWriter, C: int, dt: str, folds: Folds = NO_FOLDS) -> None:
+def emit_intra(w: SourceWriter, kernel: str, C: int, dt: str, folds: Folds = NO_FOLDS) -> None:
     """A_s = (Q_s K_s^T) * exp(G_t - G_s) (* W_s, * q_scale: the folds) for s <= t: the
     chunk's own decayed scores."""
     w.line("T.clear(A)")
     w.line("T.gemm(Q_s, K_s, A, transpose_B=True)")
     factor = scaled(weighted("T.exp(G_s[t] - G_s[u])", "u", folds.v_weight), folds)
-    emit_masked_scores(w, "A", "A_s", ("t", "u"), C, dt, "u <= t", factor)
+    emit_masked_scores(w, kernel, "A", "A_s", ("t", "u"), C, dt, "u <= t", factor)
 
 
-def emit_masked_scores(w: SourceWriter, acc: str, target: str, axes: tuple[str, str], C: int,
-                       dt: str, keep: str, factor: str) -> None:
-    """target = acc * factor where `keep`, else 0, over the [C, C] scores (`axes` their
-    indices), cast to `dt`: element by element into shared memory, or (SCORES_IN_FRAGMENT)
-    in acc's registers first and then copied whole."""
+def emit_masked_scores(w: SourceWriter, kernel: str, acc: str, target: str,
+                       axes: tuple[str, str], C: int, dt: str, keep: str, factor: str) -> None:
+    """target = acc * factor where `keep`, else 0, over `kernel`'s [C, C] scores (`axes`
+    their indices), cast to `dt`: in acc's registers first and then copied whole where
+    plan.scores_in_fragment says so, else element by element into shared memory."""
     i, j = axes
-    in_fragment = scores_in_fragment()
+    in_fragment = scores_in_fragment(kernel)
     with w.block(f"for {i}, {j} in T.Parallel({C}, {C}):"):
         if in_fragment:
             w.line(f"{acc}[{i}, {j}] = T.if_then_else({keep}, {acc}[{i}, {j}] * {factor}, "
@@ -364,7 +364,7 @@ def generate_fused(s: LinearShape, cfg: LinearConfig, initial: bool, final: bool
                 w.line(f"T.copy(S_s, Hs[slot0 + c, h, :, {cols}])")
             w.lines(["row0: T.int32 = bos + c * " + str(C),
                      f"nrows: T.int32 = T.min(seqlen - c * {C}, {C})"])
-            emit_intra(w, C, dt, folds)
+            emit_intra(w, "single", C, dt, folds)
             emit_output_tile(w, C, BV, f"O[b, h, row0 + t, iv * {BV} + v]", folds)
             emit_state_update(w, C, D, BV, dt, "state", folds)
         if final:

@@ -141,18 +141,24 @@ def reverse_pass_smem_bytes(cfg: LinearConfig, head_dim: int, elem: int) -> int:
     return ((2 * C * D + 2 * C * V) * cfg.num_stages + 2 * C * V + D * V + C * C) * elem + 8 * C
 
 
-# Whether the kernels mask and decay a chunk's scores (A, the dV kernel's At, the dQ/dK
-# kernel's dA) in their float32 registers and then copy them whole to shared memory
-# (stmatrix), rather than storing each element's bf16 value as they compute it: those
-# 2-byte stores interleave with the decay sums' shared loads, which the compiler then
-# reissues for every element (the output kernel's L1 at 64% at Mamba2-2.7B B 1 x T 8k, its
-# DRAM at 20%: results/NOTES.md 214).
-SCORES_IN_FRAGMENT = False
+# Whether the kernels mask and decay a chunk's scores (A, At, dA) in their float32 registers
+# and then copy them whole to shared memory (stmatrix), rather than storing each element's
+# bf16 value as they compute it: those 2-byte stores interleave with the decay sums' shared
+# loads, which the compiler then reissues for every element (the output kernel's L1 at 64%
+# at Mamba2-2.7B B 1 x T 8k, its DRAM at 20%: results/NOTES.md 214). In registers, H200
+# probe (NOTES 216), us: the output kernel 197 against 255 and the dQ/dK kernel 573
+# against 677 at Mamba2-2.7B B 1 x T 8k; the single pass 352 against 426, the reverse single
+# pass 477 against 508, dQ/dK 1054 against 1156 at B 8 x T 2k; at simple GLA B 8 x T 4k
+# 272 against 306, 284 against 331, 524 against 570. The dV kernel keeps the per-element
+# stores: its At in registers took 141 against 102 registers, one block an SM, and 373
+# against 267 us.
+SCORES_IN_FRAGMENT = True
 
 
-def scores_in_fragment() -> bool:
-    """SCORES_IN_FRAGMENT, read when a source is generated (a probe arm patches it)."""
-    return SCORES_IN_FRAGMENT
+def scores_in_fragment(kernel: str) -> bool:
+    """Whether `kernel` ("output", "single", "dv", "reverse" or "dqk") masks its scores in
+    registers (SCORES_IN_FRAGMENT; never the dV kernel)."""
+    return SCORES_IN_FRAGMENT and kernel != "dv"
 
 
 # Thread blocks per SM that the serial chunk-loop kernels ask ptxas to make room for
