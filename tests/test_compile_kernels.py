@@ -360,6 +360,34 @@ def test_chunk_loop_kernels_ask_for_two_blocks_per_sm_without_spills(tmp_path, m
         assert 128 * producer + 256 * consumer <= 384 * report.registers
 
 
+def test_dv_kernel_scores_in_registers_keep_two_blocks_per_sm(tmp_path, monkeypatch):
+    """linear_fwd.plan.DV_SCORES_IN_FRAGMENT (off by default): the dV kernel alone changes,
+    its At masked in registers and copied whole, its blocks held to two an SM; lowered
+    without spills in at most 128 registers on 256 threads (at 141 uncapped, one an SM)."""
+    from engine.kernels.linear_fwd import plan
+    from engine.kernels.linear_fwd.plan import Folds, LinearConfig
+    from engine.runtime import linear_backend
+    from engine.runtime.compile import lowered_cuda
+    from engine.runtime.ptxas import compile_cubin
+
+    monkeypatch.setenv("ATTNBENCH_KERNEL_DIR", str(tmp_path))
+    meta = [torch.empty(1, h, 300, d, dtype=torch.bfloat16, device="meta")
+            for h, d in ((1, 128), (1, 128), (4, 64))]
+
+    def sources() -> list[str]:
+        return linear_backend.kernel_sources(
+            linear_backend.LinearKernelCache(), *meta,
+            config=LinearConfig(chunk=128, block_K=128, threads=256), modes=("fwd", "bwd"),
+            folds=Folds(v_weight=True))
+    before = sources()
+    monkeypatch.setattr(plan, "DV_SCORES_IN_FRAGMENT", True)
+    new = [src for src in sources() if src not in before]
+    assert len(new) == 1 and ": dv " in new[0].split("\n", 1)[0]
+    assert "T.annotate_min_blocks_per_sm(2)" in new[0] and "T.copy(At, At_s)" in new[0]
+    report = compile_cubin(lowered_cuda(new[0]), tmp_path)
+    assert report.spill_bytes == 0 and report.registers <= 128
+
+
 @pytest.mark.parametrize("name,config", [
     ("softmax_causal", KernelConfig(128, 176, 2, 256, schedule="pingpong")),
     ("document", KernelConfig(128, 128, 2, 256, schedule="overlap")),  # the mask once

@@ -85,7 +85,7 @@ FOLDS = Folds(q_scale=0.37, v_weight=True)
 # The plan's switches away from their defaults (engine.kernels.linear_fwd.plan), each over
 # the kernels it changes: the chunk-loop kernels at one block per SM (two by default where
 # their shared memory fits); the chunk's scores stored element by element, not masked in
-# registers and copied whole (SCORES_IN_FRAGMENT).
+# registers and copied whole (SCORES_IN_FRAGMENT); the dV kernel's scores in registers too.
 # Each switch's cases: (case, the forward keeps its states, the folds applied).
 PLAN = "engine.kernels.linear_fwd.plan"
 ONE_S1 = LinearConfig(block_K=64, num_stages=1, single_pass=True, threads=256)
@@ -106,6 +106,11 @@ SWITCHES = {
                              True),
                             ((BF16, (2, 1, 4), (128, 128), 2, 200, True, False, ONE), True,
                              True)]),
+    "dv-scores-in-fragment": (((PLAN, "DV_SCORES_IN_FRAGMENT", True),),
+                              [((BF16, (4, 4, 4), (128, 64), 2, 300, True, False, C128), False,
+                                True),
+                               ((FP16, (1, 1, 4), (128, 128), 1, PACKED[-1], True, True, C128),
+                                False, False)]),
 }
 SWITCH_RUNS = [(name, run) for name, (_, runs) in SWITCHES.items() for run in runs]
 

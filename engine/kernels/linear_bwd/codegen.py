@@ -45,7 +45,13 @@ from engine.kernels.linear_fwd.codegen import (
     state_pass_tiles,
     weighted,
 )
-from engine.kernels.linear_fwd.plan import NO_FOLDS, Folds, LinearConfig, LinearShape
+from engine.kernels.linear_fwd.plan import (
+    NO_FOLDS,
+    Folds,
+    LinearConfig,
+    LinearShape,
+    scores_in_fragment,
+)
 
 
 def grad_params(s: LinearShape) -> list:
@@ -126,6 +132,8 @@ def generate_dv(s: LinearShape, cfg: LinearConfig, folds: Folds = NO_FOLDS) -> G
                     + folds.note(), params)
     hq, hk = head_text(s.heads_q, s.heads), head_text(s.heads_k, s.heads)
     with w.indented(), w.block(kernel_grid(s, cfg.threads, ("j", s.slots(C)))):
+        if scores_in_fragment("dv"):
+            w.line("T.annotate_min_blocks_per_sm(2)")  # At live through the value loop
         emit_chunk(w)
         w.lines([f'Q_s = T.alloc_shared(({C}, {D}), "{dt}")',
                  f'K_s = T.alloc_shared(({C}, {D}), "{dt}")',

@@ -153,12 +153,16 @@ def reverse_pass_smem_bytes(cfg: LinearConfig, head_dim: int, elem: int) -> int:
 # stores: its At in registers took 141 against 102 registers, one block an SM, and 373
 # against 267 us.
 SCORES_IN_FRAGMENT = True
+# The dV kernel's At in registers with its blocks held to two an SM (a 128-register cap on
+# 256 threads: ptxas, CPU, no spills at Mamba2-2.7B's and simple GLA's shapes). Off until
+# measured (NOTES 218).
+DV_SCORES_IN_FRAGMENT = False
 
 
 def scores_in_fragment(kernel: str) -> bool:
     """Whether `kernel` ("output", "single", "dv", "reverse" or "dqk") masks its scores in
-    registers (SCORES_IN_FRAGMENT; never the dV kernel)."""
-    return SCORES_IN_FRAGMENT and kernel != "dv"
+    registers (SCORES_IN_FRAGMENT; the dV kernel only with DV_SCORES_IN_FRAGMENT)."""
+    return SCORES_IN_FRAGMENT and (kernel != "dv" or DV_SCORES_IN_FRAGMENT)
 
 
 # Thread blocks per SM that the serial chunk-loop kernels ask ptxas to make room for
