@@ -27,7 +27,12 @@ from typing import NamedTuple
 
 from engine.codegen.params import GeneratedKernel, KernelParam, param
 from engine.codegen.source import SourceWriter, write_header
-from engine.kernels.linear_bwd.plan import dqk_heads_per_block, dqk_value_stages, heads_first
+from engine.kernels.linear_bwd.plan import (
+    dqk_heads_per_block,
+    dqk_value_stages,
+    dv_min_blocks_per_sm,
+    heads_first,
+)
 from engine.kernels.linear_fwd.codegen import (
     cast,
     emit_chunk,
@@ -45,13 +50,7 @@ from engine.kernels.linear_fwd.codegen import (
     state_pass_tiles,
     weighted,
 )
-from engine.kernels.linear_fwd.plan import (
-    NO_FOLDS,
-    Folds,
-    LinearConfig,
-    LinearShape,
-    scores_in_fragment,
-)
+from engine.kernels.linear_fwd.plan import NO_FOLDS, Folds, LinearConfig, LinearShape
 
 
 def grad_params(s: LinearShape) -> list:
@@ -132,8 +131,8 @@ def generate_dv(s: LinearShape, cfg: LinearConfig, folds: Folds = NO_FOLDS) -> G
                     + folds.note(), params)
     hq, hk = head_text(s.heads_q, s.heads), head_text(s.heads_k, s.heads)
     with w.indented(), w.block(kernel_grid(s, cfg.threads, ("j", s.slots(C)))):
-        if scores_in_fragment("dv"):
-            w.line("T.annotate_min_blocks_per_sm(2)")  # At live through the value loop
+        if dv_min_blocks_per_sm() > 1:
+            w.line(f"T.annotate_min_blocks_per_sm({dv_min_blocks_per_sm()})")
         emit_chunk(w)
         w.lines([f'Q_s = T.alloc_shared(({C}, {D}), "{dt}")',
                  f'K_s = T.alloc_shared(({C}, {D}), "{dt}")',

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 from engine.dtypes import elem_bytes
-from engine.kernels.linear_fwd.plan import LinearConfig, LinearShape, more_blocks_at_one_stage
+from engine.kernels.linear_fwd.plan import (
+    LinearConfig,
+    LinearShape,
+    more_blocks_at_one_stage,
+    scores_in_fragment,
+)
 from engine.plan.config import SMEM_LIMIT_BYTES
 
 
@@ -36,6 +41,13 @@ def reverse_config(shape: LinearShape, cfg: LinearConfig) -> LinearConfig:
     Mamba2-2.7B B 8 x T 2k and 332 against 436 at simple GLA B 8 x T 4k (H200, results/NOTES.md
     209); at D 256 (YOCO-13B) two blocks do not fit either way."""
     return more_blocks_at_one_stage("reverse", shape, cfg)
+
+
+def dv_min_blocks_per_sm() -> int:
+    """The blocks per SM the dV kernel asks ptxas to make room for: two where its At stays
+    in registers through the value loop (scores_in_fragment; 141 registers uncapped at
+    Mamba2-2.7B's shape, one block an SM), else 1, nothing asked."""
+    return 2 if scores_in_fragment("dv") else 1
 
 
 def dqk_value_stages(shape: LinearShape, cfg: LinearConfig) -> int:
